@@ -1,0 +1,65 @@
+"""Attention masks: causal, padding and document (for packed sequences).
+
+Every mask here is *additive*: a float tensor of 0 where a query may attend to a key and -inf where
+it may not, added to the attention scores before the softmax. Each function encodes one rule, and
+rules combine by addition, as in the classic DataParallel/DDP Llama recipe:
+
+    mask = create_causal_mask(T, device) + create_padding_mask(input_ids, pad_id, device)
+    logits = model(input_ids, attn_mask=mask)
+
+Shapes: scores are (B, heads, T_query, T_key), so masks are (1 or B, 1, T, T) and broadcast over
+the batch and head dimensions.
+
+The one trap: a query row whose keys are *all* -inf makes softmax compute 0/0 = NaN, and one NaN
+poisons the whole batch through the backward pass. It happens with left padding (the first pad
+query may see only padding keys). Here a query is always allowed to attend to itself, in every
+rule, so no row of any sum of these masks can be fully blocked. Real tokens never attend to padding
+anyway; what a padding query computes is thrown away by the loss.
+
+When no mask is needed at all (unpadded causal training), pass none: the model then calls SDPA with
+`is_causal=True`, which is what lets flash attention run on GPU.
+"""
+
+import torch
+
+
+def create_causal_mask(seq_len: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """(1, 1, T, T): query i may attend to keys 0..i."""
+    blocked = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
+    return _additive(blocked, dtype)[None, None]  # (T, T) -> (1, 1, T, T)
+
+
+def create_padding_mask(input_ids: torch.Tensor, pad_id: int, device=None, dtype=torch.float32):
+    """(B, 1, T, T): no query attends to a padding key, except a padding query to itself."""
+    input_ids = input_ids.to(device) if device is not None else input_ids
+    T = input_ids.size(1)
+    is_pad_key = (input_ids == pad_id)[:, None, :]  # (B, 1, T): the key side
+    is_self = torch.eye(T, dtype=torch.bool, device=input_ids.device)[None]  # (1, T, T)
+    blocked = is_pad_key & ~is_self  # (B, T, T)
+    return _additive(blocked, dtype)[:, None]  # (B, 1, T, T)
+
+
+def create_document_mask(document_ids: torch.Tensor, device=None, dtype=torch.float32):
+    """(B, 1, T, T): a query attends only to keys of its own document.
+
+    document_ids (B, T) numbers the documents inside each packed row; see `document_ids`. Combine
+    with the causal mask. A token is always in its own document, so the diagonal stays open.
+    """
+    document_ids = document_ids.to(device) if device is not None else document_ids
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T_q, T_k)
+    return _additive(~same_document, dtype)[:, None]  # (B, 1, T, T)
+
+
+def document_ids(input_ids: torch.Tensor, bot_id: int) -> torch.Tensor:
+    """(B, T) document number of each token in packed rows, where every document starts with BOT.
+
+    A row that starts in the middle of a document gives that partial document number 0.
+    """
+    return torch.cumsum(input_ids == bot_id, dim=1)
+
+
+def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """True (blocked) -> -inf, False (allowed) -> 0."""
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(
+        blocked, float("-inf")
+    )

@@ -1,0 +1,396 @@
+"""A Llama decoder written by hand, small enough to read in one sitting.
+
+The architecture is Llama 2/3's: token embeddings -> N x [RMSNorm -> grouped-query attention with
+rotary position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
+Parameter names follow Meta's reference code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`,
+`ffn_norm`); `LlamaConfig`'s fields follow Hugging Face's `config.json`, and RoPE uses the
+`rotate_half` convention of Hugging Face checkpoints, so weights map 1:1 without any permutation.
+
+There is no training or distributed code here: every parallel strategy in this suite wraps or
+shards this one module from the outside.
+
+    config = LlamaConfig.from_preset("tiny", vocab_size=4096)
+    model = LlamaForPretraining(config)
+    logits = model(input_ids)                              # (B, T, vocab_size)
+    loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
+"""
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Targets equal to this value are ignored by the loss (padding). -100 is F.cross_entropy's default.
+IGNORE_INDEX = -100
+
+
+# -------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008  # width of the SwiGLU MLP
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32  # < num_attention_heads means grouped-query attention
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False  # share the embedding matrix with lm_head
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "LlamaConfig":
+        """A named size; `overrides` replace fields (typically vocab_size, from the tokenizer)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        """Exactly the dataclass fields, so `LlamaConfig(**config.to_dict())` round-trips."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Named sizes. `tiny` trains visibly in minutes on a laptop CPU; the rest are the usual GPT-2/Llama
+# sizes (`small` ~ GPT-2 124M, `medium` ~ 350M, `1b` ~ Llama 3.2 1B's shape) and the public Llama 2
+# shapes, which later scripts use for memory planning. vocab_size is normally replaced by the
+# tokenizer's; 32000 is Llama 2's.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+    ),
+    "small": dict(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+    ),
+    "medium": dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
+    ),
+    "1b": dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+        rope_theta=500000.0, tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+    ),
+    "13b": dict(
+        vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
+    ),
+    "70b": dict(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
+    ),
+}  # fmt: skip
+
+
+def count_parameters(config: LlamaConfig) -> int:
+    """Parameter count from the shapes alone, without building the model (70b would not fit)."""
+    d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
+    attention = d * d + 2 * d * kv_dim + d * d  # wq, wk + wv (grouped), wo
+    mlp = 3 * d * config.intermediate_size  # w1, w2, w3
+    norms = 2 * d  # attention_norm, ffn_norm
+    embeddings = config.vocab_size * d
+    lm_head = 0 if config.tie_word_embeddings else config.vocab_size * d
+    return embeddings + config.num_hidden_layers * (attention + mlp + norms) + d + lm_head
+
+
+# -------------------------------------------------------------------------------------------------
+# Rotary position embeddings (RoPE)
+
+
+def rope_cos_sin(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (max_position_embeddings, head_dim), in float32.
+
+    Channel i and channel i + head_dim/2 form one rotating pair (Hugging Face's `rotate_half`
+    layout; Meta's original code pairs neighbouring channels instead, which needs a permutation).
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    positions = torch.arange(config.max_position_embeddings, device=device).float()
+    angles = torch.outer(positions, inv_freq)  # (T, dim/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, dim): both halves of a pair turn together
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, head_dim) by position; cos/sin are (T, head_dim) for x's positions.
+
+    A query at position m and a key at position n rotated this way have a dot product that depends
+    only on m - n: attention sees relative positions.
+    """
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# The decoder
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for one layer during generation.
+
+    Preallocated to the longest sequence, so a decoding step writes one slot instead of
+    concatenating (and copying) the whole history.
+    """
+
+    def __init__(self, batch_size, num_kv_heads, max_length, head_dim, device, dtype):
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # how many positions are filled
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, kv_heads, T, head_dim); return everything cached so far."""
+        start, end = self.length, self.length + k.size(2)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d = config.hidden_size
+        self.wq = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask=None, cache: KVCache | None = None):
+        B, T, _ = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.wq(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.wv(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, nkv, S, hd) with S = all positions so far
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(q.dtype)  # SDPA wants an additive mask in the query's dtype
+        # With no explicit mask, `is_causal=True` lets SDPA pick its fastest kernel (flash
+        # attention on GPU) and never materialise a (T, T) mask. A single decoding step (T == 1)
+        # attends to the whole cache, so it needs no mask at all. Grouped-query attention:
+        # `enable_gqa` lets each group of nh/nkv query heads share one key/value head without
+        # copying k and v.
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None and T > 1,
+            enable_gqa=nkv != nh,
+        )  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, attn_mask=None, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LlamaForPretraining(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        # Not parameters and not saved (persistent=False): they are a pure function of the config.
+        cos, sin = rope_cos_sin(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        # GPT-2's recipe: N(0, 0.02) everywhere, and the two projections that write into the
+        # residual stream (wo, w2) scaled by 1/sqrt(2 * layers), so the stream's variance stays
+        # about constant however deep the model is. RMSNorm weights start at one.
+        std = 0.02
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        for layer in self.layers:
+            for projection in (layer.attention.wo, layer.feed_forward.w2):
+                nn.init.normal_(projection.weight, std=std / math.sqrt(2 * len(self.layers)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        kv_caches: list[KVCache] | None = None,
+    ):
+        """Run the decoder on input_ids (B, T).
+
+        attn_mask: None for plain causal attention (the fast path), or a mask from masks.py that
+            broadcasts to (B, heads, T, T): additive floats (0 = attend, -inf = blocked) or bools
+            (True = attend). It must include causality itself.
+        targets: (B, T) next-token ids; positions equal to IGNORE_INDEX (padding) do not count.
+
+        Returns the logits (B, T, vocab_size) when targets is None. With targets, returns
+        (loss_sum, num_tokens): the cross-entropy summed over the counted targets, and how many
+        there were. The caller divides by the number of targets in the *whole* global batch, which
+        makes the gradient independent of how the batch is split over micro-batches and ranks. The
+        logits are not returned then, so nn.DataParallel gathers two scalars per replica instead
+        of a (B, T, vocab) tensor.
+        """
+        B, T = input_ids.shape
+        start = kv_caches[0].length if kv_caches is not None else 0
+        if start + T > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        if kv_caches is not None and start > 0 and T > 1:
+            raise ValueError("with a KV cache, feed the prompt once, then one token per step")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd)
+
+        x = self.tok_embeddings(input_ids)  # (B, T, d)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_mask, kv_caches[i] if kv_caches is not None else None)
+        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
+        if targets is None:
+            return logits
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )  # logits (B*T, vocab) against targets (B*T,)
+        num_tokens = (targets != IGNORE_INDEX).sum()
+        return loss_sum, num_tokens
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Continue input_ids (B, T) by up to max_new_tokens; returns (B, T + generated).
+
+        With the KV cache, the prompt is run once (prefill) and each later step feeds only the
+        newest token. temperature 0 is greedy (deterministic). Stops early once every sequence has
+        produced eos_id; a sequence that has finished keeps receiving eos_id.
+        """
+        B, T = input_ids.shape
+        total = T + max_new_tokens
+        if total > self.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
+        caches = None
+        if use_cache:
+            dtype = self.tok_embeddings.weight.dtype
+            caches = [
+                KVCache(
+                    B,
+                    self.config.num_key_value_heads,
+                    total,
+                    self.config.head_dim,
+                    input_ids.device,
+                    dtype,
+                )
+                for _ in self.layers
+            ]
+        tokens = input_ids
+        finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        next_input = input_ids
+        for _ in range(max_new_tokens):
+            logits = self(next_input if use_cache else tokens, kv_caches=caches)[:, -1, :]  # (B, V)
+            next_token = sample(logits.float(), temperature, top_k, top_p, generator)  # (B,)
+            if eos_id is not None:
+                next_token = torch.where(finished, eos_id, next_token)
+                finished |= next_token == eos_id
+            tokens = torch.cat((tokens, next_token[:, None]), dim=1)
+            next_input = next_token[:, None]  # (B, 1)
+            if eos_id is not None and bool(finished.all()):
+                break
+        return tokens
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    """Pick one token id per row of logits (B, V): greedy at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if top_p is not None:
+        # Keep the smallest set of most likely tokens whose probability adds up to top_p.
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # mass before this token > p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

@@ -1,0 +1,395 @@
+"""Specification of data.py: corpus sources, tokenizer, tokenize cache, (x, y) layouts."""
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+import data
+from data import BOT, EOT, IGNORE_INDEX, PAD
+
+VOCAB = 300  # small: trains in well under a second
+
+SAMPLE_TEXTS = [
+    f"def function_{i}(x, y):\n    return x * {i} + y  # comment number {i}\n" for i in range(40)
+] + ["The quick brown fox jumps over the lazy dog.\n" * 3, "print('hello, world')\n"]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    return write(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def texts_dataset(texts: list[str]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"text": texts})
+
+
+def ids_dataset(docs: list[list[int]]) -> datasets.Dataset:
+    """A stand-in for tokenize()'s output, with exactly the ids a test needs."""
+    return datasets.Dataset.from_dict({"input_ids": docs})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    cache = tmp_path_factory.mktemp("cache")
+    return data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, cache_dir=str(cache))
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+
+def test_trained_tokenizer_has_special_ids_0_1_2(tokenizer):
+    assert [tokenizer.token_to_id(t) for t in (PAD, BOT, EOT)] == [0, 1, 2]
+    assert data.SPECIAL_TOKENS == [PAD, BOT, EOT]
+
+
+def test_special_ids_survive_save_and_load_by_path(tokenizer, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    loaded = data.get_tokenizer(texts_dataset(["unused"]), path=str(path))
+    assert [loaded.token_to_id(t) for t in (PAD, BOT, EOT)] == [0, 1, 2]
+    assert loaded.encode("x = 1\n").ids == tokenizer.encode("x = 1\n").ids
+
+
+def test_literal_special_token_text_is_encoded_as_text(tokenizer, tmp_path):
+    text = "if s == '[BOT]' or s == '[EOT]' or s == '[PAD]': pass"
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    loaded = data.get_tokenizer(texts_dataset(["unused"]), path=str(tmp_path / "tokenizer.json"))
+    for tok in (tokenizer, loaded):
+        ids = tok.encode(text).ids
+        assert not {0, 1, 2} & set(ids)
+        assert tok.decode(ids) == text  # byte-level round trip is exact
+
+
+def test_get_tokenizer_reuses_cached_tokenizer_for_same_texts(tmp_path, monkeypatch):
+    calls = []
+    train = data._train_tokenizer
+    monkeypatch.setattr(data, "_train_tokenizer", lambda *a: calls.append(1) or train(*a))
+    first = data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, cache_dir=str(tmp_path))
+    [cached_file] = (tmp_path / "tokenizers").glob("*/tokenizer.json")
+    mtime = cached_file.stat().st_mtime_ns
+
+    second = data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, cache_dir=str(tmp_path))
+    assert len(calls) == 1
+    assert cached_file.stat().st_mtime_ns == mtime
+    assert second.to_str() == first.to_str()
+    assert second.encode_special_tokens  # set on cache hits too
+
+
+def test_get_tokenizer_retrains_for_different_texts_or_vocab_size(tmp_path):
+    data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, cache_dir=str(tmp_path))
+    data.get_tokenizer(texts_dataset(SAMPLE_TEXTS[:-1]), VOCAB, cache_dir=str(tmp_path))
+    data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB + 10, cache_dir=str(tmp_path))
+    assert len(list((tmp_path / "tokenizers").glob("*/tokenizer.json"))) == 3
+    assert not list((tmp_path / "tokenizers").glob("*/*.tmp"))  # temp files were renamed
+
+
+def test_get_tokenizer_rejects_unreadable_file(tmp_path):
+    broken = write(tmp_path / "tokenizer.json", '{"model": {"type": "BPE", "vocab": ')
+    with pytest.raises(ValueError, match="could not read .*tokenizer.json.*--tokenizer"):
+        data.get_tokenizer(texts_dataset(["x"]), path=str(broken))
+
+
+def test_get_tokenizer_rejects_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        data.get_tokenizer(texts_dataset(["x"]), path=str(tmp_path / "nope.json"))
+
+
+def test_get_tokenizer_rejects_tokenizer_without_special_tokens(tmp_path):
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel()
+    plain.train_from_iterator(SAMPLE_TEXTS, trainers.BpeTrainer(vocab_size=VOCAB))
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(ValueError, match=r"maps \[PAD\] to id None.*\[PAD\]=0, \[BOT\]=1"):
+        data.get_tokenizer(texts_dataset(["x"]), path=str(tmp_path / "plain.json"))
+
+
+# -----------------------------------------------------------------------------
+# Corpus sources
+
+
+def test_load_corpus_txt_gives_one_document_per_file_in_sorted_order(tmp_path):
+    write(tmp_path / "b.txt", "second file\n\nwith a blank line\n")
+    write(tmp_path / "a.txt", "first file\nline two\n")
+    ds = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    assert ds.column_names == ["text"]
+    assert ds["text"] == ["first file\nline two\n", "second file\n\nwith a blank line\n"]
+
+
+def test_load_corpus_jsonl_uses_custom_text_column_and_drops_others(tmp_path):
+    rows = [{"id": 1, "body": "alpha"}, {"id": 2, "body": "beta"}]
+    path = write_jsonl(tmp_path / "docs.jsonl", rows)
+    ds = data.load_corpus(str(path), text_column="body", cache_dir=str(tmp_path / ".cache"))
+    assert ds.column_names == ["text"]
+    assert ds["text"] == ["alpha", "beta"]
+
+
+def test_load_corpus_parquet(tmp_path):
+    path = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"text": ["one", "two"], "n": [1, 2]}).to_parquet(str(path))
+    ds = data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+    assert ds.column_names == ["text"]
+    assert ds["text"] == ["one", "two"]
+
+
+def test_load_corpus_directory_recurses_sorts_and_skips_hidden_paths(tmp_path):
+    corpus = tmp_path / "corpus"
+    write(corpus / "z.txt", "z")
+    write(corpus / "sub" / "a.txt", "sub/a")
+    write(corpus / "m.txt", "m")
+    write(corpus / "notes.md", "not a supported file")
+    write(corpus / ".hidden" / "x.txt", "hidden")
+    ds = data.load_corpus(str(corpus), cache_dir=str(tmp_path / ".cache"))
+    assert ds["text"] == ["m", "sub/a", "z"]
+
+
+def test_load_corpus_glob_matches_only_its_files(tmp_path):
+    write_jsonl(tmp_path / "train_1.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "train_2.jsonl", [{"text": "b"}, {"text": "c"}])
+    write_jsonl(tmp_path / "test_1.jsonl", [{"text": "held out"}])
+    ds = data.load_corpus(str(tmp_path / "train_*.jsonl"), cache_dir=str(tmp_path / ".cache"))
+    assert ds["text"] == ["a", "b", "c"]
+
+
+def test_load_corpus_missing_text_column_lists_existing_columns(tmp_path):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"content": "x", "meta": "y"}])
+    with pytest.raises(ValueError, match=r"no column 'text'.*\['content', 'meta'\]"):
+        data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+
+
+def test_load_corpus_no_matching_files_is_an_error(tmp_path):
+    write(tmp_path / "readme.md", "unsupported")
+    with pytest.raises(ValueError, match="no .txt/.jsonl/.json/.parquet files found"):
+        data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    with pytest.raises(ValueError, match="no .txt/.jsonl/.json/.parquet files found"):
+        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+
+
+def test_load_corpus_missing_path_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch):
+    def no_hub(*args, **kwargs):
+        raise AssertionError("must not reach datasets.load_dataset")
+
+    monkeypatch.setattr(data.datasets, "load_dataset", no_hub)
+    with pytest.raises(ValueError, match="no .txt"):
+        data.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
+
+
+def test_load_corpus_mixed_file_types_is_an_error(tmp_path):
+    write(tmp_path / "a.txt", "a")
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "b"}])
+    with pytest.raises(ValueError, match=r"mixes file types \['.jsonl', '.txt'\]"):
+        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+
+
+def test_load_corpus_drops_empty_documents(tmp_path):
+    rows = [{"text": "keep"}, {"text": ""}, {"text": " \n\t"}, {"text": None}, {"text": "too"}]
+    path = write_jsonl(tmp_path / "docs.jsonl", rows)
+    assert data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))["text"] == [
+        "keep",
+        "too",
+    ]
+
+
+def test_load_corpus_with_only_empty_documents_is_an_error(tmp_path):
+    write(tmp_path / "a.txt", "")
+    write(tmp_path / "b.txt", "  \n\n")
+    with pytest.raises(ValueError, match="no non-empty documents"):
+        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+
+
+def test_load_corpus_stdlib_has_every_module_including_os(tmp_path):
+    ds = data.load_corpus("stdlib", cache_dir=str(tmp_path / ".cache"))
+    assert len(ds) > 1000
+    assert Path(os.__file__).read_text() in set(ds["text"])
+
+
+# -----------------------------------------------------------------------------
+# Split
+
+
+def test_split_corpus_is_deterministic_disjoint_and_complete():
+    ds = texts_dataset([f"doc {i}" for i in range(200)])
+    train, val = data.split_corpus(ds, val_fraction=0.05, seed=3)
+    train_again, val_again = data.split_corpus(ds, val_fraction=0.05, seed=3)
+    assert val["text"] == val_again["text"] and train["text"] == train_again["text"]
+    assert len(val) == 10
+    assert not set(train["text"]) & set(val["text"])
+    assert sorted([*train["text"], *val["text"]]) == sorted(ds["text"])
+
+
+def test_split_corpus_keeps_one_validation_document_and_needs_two():
+    train, val = data.split_corpus(texts_dataset(["a", "b"]), val_fraction=0.01)
+    assert (len(train), len(val)) == (1, 1)
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        data.split_corpus(texts_dataset(["only one"]))
+
+
+# -----------------------------------------------------------------------------
+# Tokenize
+
+
+def test_tokenize_wraps_each_document_in_bot_and_eot(tokenizer):
+    texts = ["x = 1\n", "def f():\n    return [BOT]\n"]
+    ids = data.tokenize(texts_dataset(texts), tokenizer)
+    assert ids.column_names == ["input_ids"]
+    for text, row in zip(texts, ids["input_ids"], strict=True):
+        assert row == [1, *tokenizer.encode(text).ids, 2]
+        assert row.count(1) == 1 and row.count(2) == 1
+
+
+def test_tokenize_in_worker_processes_still_encodes_special_text_as_text(tokenizer):
+    texts = [f"token {i} is [BOT] not a boundary" for i in range(4)]
+    ids = data.tokenize(texts_dataset(texts), tokenizer, num_proc=2)
+    assert all(row.count(1) == 1 for row in ids["input_ids"])
+
+
+def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
+    write(tmp_path / "a.txt", "import os\nprint(os.getcwd())\n")
+    write(tmp_path / "b.txt", "x = [i * i for i in range(10)]\n")
+    corpus = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    first = data.tokenize(corpus, tokenizer)
+    [cache_file] = {f["filename"] for f in first.cache_files}
+    stat = os.stat(cache_file)
+
+    # A fresh tokenizer object from the same JSON, as in a new process.
+    second = data.tokenize(corpus, Tokenizer.from_str(tokenizer.to_str()))
+    assert {f["filename"] for f in second.cache_files} == {cache_file}
+    assert (os.stat(cache_file).st_ino, os.stat(cache_file).st_mtime_ns) == (
+        stat.st_ino,
+        stat.st_mtime_ns,
+    )  # not rewritten
+    assert second["input_ids"] == first["input_ids"]
+
+
+def test_tokenize_with_a_different_tokenizer_does_not_reuse_the_cache(tokenizer, tmp_path):
+    write(tmp_path / "a.txt", "import os\nprint(os.getcwd())\n")
+    corpus = data.load_corpus(str(tmp_path / "a.txt"), cache_dir=str(tmp_path / ".cache"))
+    other = data.get_tokenizer(texts_dataset(["print(os.getcwd())\n" * 20]), VOCAB, str(tmp_path))
+    first, second = data.tokenize(corpus, tokenizer), data.tokenize(corpus, other)
+    assert first.cache_files != second.cache_files
+    assert second["input_ids"][0] == [1, *other.encode(corpus["text"][0]).ids, 2]
+
+
+# -----------------------------------------------------------------------------
+# PretrainingDataset
+
+
+def test_pad_mode_layout():
+    doc = [1, 10, 11, 12, 2]  # [BOT] three tokens [EOT]
+    x, y = data.PretrainingDataset(ids_dataset([doc]), seq_length=8, mode="pad", pad_id=0)[0]
+    assert x.tolist() == [1, 10, 11, 12, 2, 0, 0, 0]
+    ignore = IGNORE_INDEX
+    assert y.tolist() == [10, 11, 12, 2, ignore, ignore, ignore, ignore]
+    assert x.dtype == y.dtype == torch.int64
+
+
+def test_pad_mode_clips_long_documents_and_has_one_example_per_document():
+    docs = [[1, *range(10, 30), 2], [1, 5, 2]]
+    ds = data.PretrainingDataset(ids_dataset(docs), seq_length=6, mode="pad")
+    assert len(ds) == 2
+    x, y = ds[0]
+    assert x.tolist() == [1, 10, 11, 12, 13, 14]
+    assert y.tolist() == [10, 11, 12, 13, 14, 15]  # no padding, nothing ignored
+
+
+def test_pack_mode_covers_every_token_exactly_once(tokenizer, tmp_path):
+    for i in range(12):
+        write(tmp_path / f"doc{i:02}.txt", SAMPLE_TEXTS[i] * (i % 3 + 1))
+    corpus = data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+    ids = data.tokenize(corpus, tokenizer)
+    stream = [t for row in ids["input_ids"] for t in row]  # 12 docs: all in one map batch
+    seq_length = 16
+    ds = data.PretrainingDataset(ids, seq_length)
+
+    assert len(ds) == (len(stream) - 1) // seq_length
+    pairs = [ds[i] for i in range(len(ds))]
+    rebuilt = torch.cat([x for x, _ in pairs] + [pairs[-1][1][-1:]]).tolist()
+    assert rebuilt == stream[: len(rebuilt)]
+    assert len(stream) - len(rebuilt) < seq_length  # only the tail that fills no window is lost
+
+
+def test_pack_mode_windows_overlap_by_one_token_with_no_tail_lost():
+    docs = [[1, 10, 11, 2], [1, 20, 21, 22, 23, 2], [1, 30, 2]]  # 13 tokens = 3 * 4 + 1
+    ds = data.PretrainingDataset(ids_dataset(docs), seq_length=4)
+    assert [ds[i][0].tolist() for i in range(len(ds))] == [
+        [1, 10, 11, 2],
+        [1, 20, 21, 22],
+        [23, 2, 1, 30],
+    ]
+    assert ds[2][1].tolist() == [2, 1, 30, 2]  # the stream's last token is a target
+
+
+def test_pack_mode_gives_int64_x_and_shifted_y_of_seq_length():
+    ds = data.PretrainingDataset(ids_dataset([list(range(1, 50))]), seq_length=7)
+    for i in range(len(ds)):
+        x, y = ds[i]
+        assert x.shape == y.shape == (7,)
+        assert x.dtype == y.dtype == torch.int64
+        assert torch.equal(x[1:], y[:-1])
+
+
+def test_pack_mode_with_too_few_tokens_says_how_many_are_needed():
+    with pytest.raises(ValueError, match="has 5 tokens.*at least 9"):
+        data.PretrainingDataset(ids_dataset([[1, 3, 2], [1, 2]]), seq_length=8)
+
+
+def test_unknown_mode_is_an_error():
+    with pytest.raises(ValueError, match="unknown mode 'stack'"):
+        data.PretrainingDataset(ids_dataset([[1, 2]]), seq_length=4, mode="stack")
+
+
+def test_benchmark_loader_reports_a_positive_speed():
+    ds = data.PretrainingDataset(ids_dataset([list(range(100))]), seq_length=8)
+    assert data.benchmark_loader(ds, batch_size=4, num_batches=5) > 0
+
+
+# -----------------------------------------------------------------------------
+# main_process_first
+
+
+def test_main_process_first_without_distributed_just_runs_the_body():
+    ran = []
+    with data.main_process_first():
+        ran.append(True)
+    assert ran == [True]
+
+
+def _record_order(rank: int, store: str, log: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    with data.main_process_first():
+        with open(log, "a") as f:
+            f.write(f"{rank} start\n")
+        time.sleep(
+            0.3 if rank == 0 else 0
+        )  # rank 1 would overtake a slow rank 0 without the barrier
+        with open(log, "a") as f:
+            f.write(f"{rank} end\n")
+    dist.destroy_process_group()
+
+
+def test_main_process_first_runs_local_rank_0_before_the_others(tmp_path):
+    # fork: the children inherit the imported modules, so nothing is re-imported.
+    context = multiprocessing.get_context("fork")
+    log = tmp_path / "log.txt"
+    args = (str(tmp_path / "store"), str(log))
+    procs = [context.Process(target=_record_order, args=(rank, *args)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert log.read_text().split("\n")[:-1] == ["0 start", "0 end", "1 start", "1 end"]
