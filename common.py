@@ -1,0 +1,567 @@
+"""Plumbing shared by every train_*.py script; nothing in here is distributed.
+
+Each training script keeps its own visible loop (setup -> data -> model -> wrap -> loop ->
+teardown) and calls these helpers for the parts that do not change between parallel strategies:
+the command line, data, optimizer and LR schedule, mixed precision, evaluation, metrics,
+checkpoints and the final outputs. That is what keeps `diff train_dp.py train_ddp.py` down to the
+distributed changes alone.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+import data
+from model import LlamaConfig, LlamaForPretraining, count_parameters
+
+# -------------------------------------------------------------------------------------------------
+# Command line (the contract in DESIGN.md: other tools and tests drive the scripts by these names)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        default="stdlib",
+        help="corpus: 'stdlib' (the .py files of this Python's standard library), a "
+        "file, glob or directory of .txt/.jsonl/.json/.parquet, or a hub dataset",
+    )
+    g.add_argument("--text-column", default="text", help="column holding the text (json/parquet)")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="an existing tokenizer.json; default: train a byte-level BPE and cache it",
+    )
+    g.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained tokenizer")
+    g.add_argument(
+        "--data-mode",
+        choices=["pack", "pad"],
+        default="pack",
+        help="pack: documents concatenated into full windows; pad: one document per "
+        "row, clipped or right-padded (the classic recipe)",
+    )
+    g.add_argument(
+        "--document-mask",
+        action="store_true",
+        help="pack mode: tokens attend only within their own document (slower on CPU)",
+    )
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        help="fraction of documents held out for validation",
+    )
+    g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
+    g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+
+    g = p.add_argument_group("model and batch")
+    g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
+    g.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="global batch: sequences per optimizer step, over all devices",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per device per forward pass; gradient accumulation makes up "
+        "the rest of --batch-size (default: no accumulation)",
+    )
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max-steps", type=int, default=200, help="optimizer steps to train for")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="the cosine schedule decays to lr * this"
+    )
+    g.add_argument("--warmup-steps", type=int, default=20, help="linear warmup from lr/warmup")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
+    g.add_argument("--seed", type=int, default=1337, help="seed of weights and data order")
+    g.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="auto: bf16 autocast on GPUs that support it, else fp32",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="torch.compile each decoder layer",
+    )
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=10, help="steps between logged losses")
+    g.add_argument("--eval-interval", type=int, default=50, help="steps between evaluations")
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=10,
+        help="evaluate on the first N global batches of the validation split",
+    )
+    g.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="how many checkpoints to keep")
+    g.add_argument("--out-dir", default="out", help="metrics, checkpoints and the final model")
+    g.add_argument(
+        "--resume",
+        default="auto",
+        help="auto: continue from the latest checkpoint in --out-dir if there is "
+        "one; never: start fresh; or the path of a checkpoint file",
+    )
+    g.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=64,
+        help="tokens to generate from the trained model at the end (0: none)",
+    )
+    g.add_argument("--sample-prompt", default="def ", help="prompt of the final sample")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: int) -> int:
+    """Validate the flags against each other; return the gradient accumulation steps.
+
+    `devices` is how many devices share one global batch (GPUs under DataParallel, ranks under
+    DDP). Exits through parser.error (a usage message and exit code 2) on any inconsistency.
+    """
+    for name in (
+        "seq_length",
+        "batch_size",
+        "max_steps",
+        "log_interval",
+        "eval_interval",
+        "eval_batches",
+        "save_interval",
+        "keep_checkpoints",
+        "vocab_size",
+    ):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr <= 0 or args.warmup_steps < 0 or args.num_workers < 0 or args.sample_tokens < 0:
+        parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+    micro = args.micro_batch_size or args.batch_size // devices
+    per_step = micro * devices
+    if micro <= 0 or args.batch_size % per_step:
+        parser.error(
+            f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
+            f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step sees "
+            f"exactly the global batch"
+        )
+    args.micro_batch_size = micro
+    return args.batch_size // per_step
+
+
+def run(main: Callable[[], None]) -> None:
+    """Call a script's main(); bad input ends in one line on stderr and exit code 2.
+
+    The checks in this suite raise ValueError with an actionable message (no data at that path, a
+    checkpoint of another model, ...); a traceback would only bury it. Under torchrun every rank
+    meets the same bad input, so only global rank 0 prints it.
+    """
+    try:
+        main()
+    except ValueError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# -------------------------------------------------------------------------------------------------
+# Data
+
+
+def build_datasets(args) -> tuple[data.PretrainingDataset, data.PretrainingDataset, object]:
+    """Corpus -> tokenizer -> tokenized, cached datasets: (train, val, tokenizer).
+
+    Under torchrun, `main_process_first` lets one process per node do the work while the others
+    wait, then read what it cached: nobody tokenizes twice.
+    """
+    with data.main_process_first():
+        corpus = data.load_corpus(args.data, args.text_column, args.cache_dir)
+        train_docs, val_docs = data.split_corpus(corpus, args.val_fraction, seed=0)
+        tokenizer = data.get_tokenizer(train_docs, args.vocab_size, args.cache_dir, args.tokenizer)
+        pad_id = tokenizer.token_to_id(data.PAD)
+        train, val = (
+            data.PretrainingDataset(
+                data.tokenize(docs, tokenizer), args.seq_length, args.data_mode, pad_id
+            )
+            for docs in (train_docs, val_docs)
+        )
+    return train, val, tokenizer
+
+
+def step_batches(
+    dataset,
+    order_for_epoch: Callable[[int], list[int]],
+    micro_batch_size: int,
+    accumulation: int,
+    steps_per_epoch: int,
+    start_step: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Yield, for each optimizer step from `start_step` on, its `accumulation` micro-batches.
+
+    `order_for_epoch(epoch)` gives the sample indices this process reads in that epoch: that is
+    where single-process and distributed training differ. The position in the data is a pure
+    function of the step (epoch = step // steps_per_epoch), so resuming at step s reads exactly
+    what an uninterrupted run would have read, without storing anything but s.
+    """
+    epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    per_step = micro_batch_size * accumulation
+    while True:
+        order = order_for_epoch(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
+        loader = DataLoader(
+            dataset,
+            batch_size=micro_batch_size,
+            sampler=order,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            drop_last=True,
+        )
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            yield [next(batches) for _ in range(accumulation)]
+        epoch, step_in_epoch = epoch + 1, 0
+
+
+# -------------------------------------------------------------------------------------------------
+# Model, optimizer, schedule, precision
+
+
+def build_model(args, vocab_size: int) -> tuple[LlamaForPretraining, LlamaConfig]:
+    config = LlamaConfig.from_preset(args.model, vocab_size=vocab_size)
+    if args.seq_length > config.max_position_embeddings:
+        raise ValueError(
+            f"--seq-length {args.seq_length} exceeds the {args.model} model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    torch.manual_seed(args.seed)  # the same initial weights in every process
+    return LlamaForPretraining(config), config
+
+
+def compile_layers(model: LlamaForPretraining) -> None:
+    """Compile each decoder layer in place: a short compile (one layer's graph, reused), and the
+    parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected."""
+    for layer in model.layers:
+        layer.compile()
+
+
+def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # One fused kernel for the whole update on GPU; the multi-tensor (foreach) path elsewhere.
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def build_scheduler(optimizer, args) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup to --lr, then cosine decay to lr * --min-lr-ratio at --max-steps."""
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer,
+        T_max=max(1, args.max_steps - args.warmup_steps),
+        eta_min=args.lr * args.min_lr_ratio,
+    )
+    if args.warmup_steps == 0:
+        return cosine
+    warmup = torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps
+    )
+    return torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [warmup, cosine], milestones=[args.warmup_steps]
+    )
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return "bf16" if cuda_bf16 else "fp32"
+    return precision
+
+
+def autocast(device: torch.device, precision: str):
+    """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def build_attn_mask(x: torch.Tensor, args, tokenizer) -> torch.Tensor | None:
+    """None (plain causal attention, the fast path) unless --document-mask asks for one.
+
+    Pad mode needs no padding mask: padding is on the right, so under causal attention a real
+    token never sees a pad, and what pad positions compute is ignored by the loss
+    (tests/test_model.py proves real-token logits unchanged by right padding).
+    """
+    if not args.document_mask:
+        return None
+    from masks import create_causal_mask, create_document_mask, document_ids
+
+    doc_ids = document_ids(x, tokenizer.token_to_id(data.BOT))  # (B, T)
+    return create_causal_mask(x.size(1), x.device) + create_document_mask(doc_ids)
+
+
+# -------------------------------------------------------------------------------------------------
+# Evaluation and generation
+
+
+@torch.no_grad()
+def evaluate(
+    model, loader, device, precision, args, tokenizer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, number of targets) over `loader`, as tensors on `device`.
+
+    Sums rather than a mean, so that a distributed caller can add them up over ranks and divide
+    once: the validation loss is then exactly that of a single process on the same data.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    num_tokens = torch.zeros((), device=device, dtype=torch.long)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, precision):
+            batch_loss, batch_tokens = model(x, y, build_attn_mask(x, args, tokenizer))
+        loss_sum += batch_loss.float().sum()  # .sum(): DataParallel returns one per replica
+        num_tokens += batch_tokens.sum()
+    model.train(was_training)
+    return loss_sum, num_tokens
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, device) -> str:
+    """`prompt` and a short continuation of it, decoded; the same every time (seeded)."""
+    model.eval()
+    ids = [tokenizer.token_to_id(data.BOT)] + tokenizer.encode(prompt).ids
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompt_ids = torch.tensor([ids], device=device)  # (1, T)
+    max_new_tokens = min(max_new_tokens, model.config.max_position_embeddings - len(ids))
+    out = model.generate(
+        prompt_ids,
+        max_new_tokens,
+        temperature=0.8,
+        top_k=50,
+        eos_id=tokenizer.token_to_id(data.EOT),
+        generator=generator,
+    )
+    return tokenizer.decode(out[0, 1:].tolist())  # decode drops the special tokens
+
+
+# -------------------------------------------------------------------------------------------------
+# Metrics
+
+
+class Metrics:
+    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0)."""
+
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.enabled = enabled
+        if enabled and resume_step > 0 and os.path.exists(self.path):
+            # A run killed after its last checkpoint logged steps that the resumed run will log
+            # again; drop them so the file keeps one line per step.
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(kept))
+
+    def log(self, **record) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class Throughput:
+    """Tokens per second of training alone: evaluation and saving restart the clock."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def rate(self) -> float:
+        """Tokens per second since the last rate() or restart(); starts a new interval."""
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.restart()
+        return rate
+
+
+# -------------------------------------------------------------------------------------------------
+# Checkpoints and outputs. Every file is written atomically: to a temporary name in the same
+# directory, flushed to disk, then renamed over the target (os.replace is atomic on POSIX), so a
+# kill at any moment leaves either the old file or the new one, never half of one.
+
+CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt$")
+
+
+def atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(out_dir: str) -> list[str]:
+    """Checkpoint paths in --out-dir, oldest first."""
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = [
+        (int(m.group(1)), name)
+        for name in os.listdir(ckpt_dir)
+        if (m := CHECKPOINT_RE.search(name))
+    ]
+    return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
+
+
+def save_checkpoint(out_dir: str, step: int, state: dict, keep: int) -> str:
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_save(state, path)
+    for old in list_checkpoints(out_dir)[:-keep]:
+        os.remove(old)
+    return path
+
+
+def load_checkpoint(path: str) -> dict:
+    # weights_only=True: unpickling may only rebuild tensors and plain containers, never run code,
+    # so a checkpoint from someone else cannot execute anything on this machine.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def find_resume_checkpoint(args) -> tuple[str, dict] | None:
+    """The checkpoint --resume asks for, loaded; None to start fresh."""
+    if args.resume == "never":
+        if list_checkpoints(args.out_dir):
+            raise ValueError(
+                f"--resume never, but {args.out_dir} already has checkpoints; pass --resume auto "
+                f"to continue that run, or choose another --out-dir (nothing was overwritten)"
+            )
+        return None
+    if args.resume != "auto":
+        if not os.path.isfile(args.resume):
+            raise ValueError(f"--resume: no checkpoint file at {args.resume}")
+        return args.resume, load_checkpoint(args.resume)
+    # Newest first; an unreadable newest file (a crash mid-write on a filesystem without atomic
+    # rename, a disk error) must not cost the whole run: fall back to the one before.
+    for path in reversed(list_checkpoints(args.out_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
+            print(f"warning: checkpoint {path} is unreadable ({e}); trying an older one")
+    return None
+
+
+def rng_state() -> dict:
+    """Every random generator training uses: torch's CPU generator and each CUDA device's.
+
+    (The data order needs none: it is derived from --seed and the epoch. Python's and NumPy's
+    generators are never used.)"""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_state(model, optimizer, scheduler, scaler, step: int, config, args) -> dict:
+    """Everything a resumed run needs to continue exactly as if it had never stopped."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": rng_state(),
+        "step": step,  # optimizer steps completed; also fixes the position in the data
+        "config": config.to_dict(),
+        "args": vars(args),
+    }
+
+
+def restore_checkpoint(ckpt: dict, model, optimizer, scheduler, scaler, config) -> int:
+    """Load a checkpoint's state into fresh objects; returns the step to continue from."""
+    if ckpt["config"] != config.to_dict():
+        raise ValueError(
+            f"the checkpoint was trained with model config {ckpt['config']}, but this run "
+            f"builds {config.to_dict()}; use the same --model and tokenizer, or a new --out-dir"
+        )
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    scaler.load_state_dict(ckpt["scaler"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["step"]
+
+
+def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
+    """model.pt (a plain state_dict), config.json and tokenizer.json: all generate.py needs."""
+    atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
+    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+
+
+# -------------------------------------------------------------------------------------------------
+# Start-up report
+
+
+def describe_run(args, config, accumulation: int, devices: int, device, precision) -> str:
+    tokens_per_step = args.batch_size * args.seq_length
+    return "\n".join(
+        [
+            f"model: {args.model}, {count_parameters(config) / 1e6:.2f}M parameters, "
+            f"vocab {config.vocab_size}",
+            f"device: {device} x {devices}, precision {precision}, compile {args.compile}",
+            f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
+            f"tokens per step = micro-batch {args.micro_batch_size} x {devices} devices x "
+            f"{accumulation} accumulation steps",
+            f"schedule: {args.max_steps} steps = {args.max_steps * tokens_per_step / 1e6:.1f}M "
+            f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
+            f"{args.lr * args.min_lr_ratio:g})",
+        ]
+    )
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: exp of an early, huge loss is just noise

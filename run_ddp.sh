@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Launch train_ddp.py with torchrun, restarting failed workers; extra arguments go to the script.
+#
+#   ./run_ddp.sh                                   # one node: every GPU, or 2 CPU processes
+#   ./run_ddp.sh --model small --max-steps 5000    # flags pass through to train_ddp.py
+#
+# Several nodes (c10d rendezvous): run the same command on every node, with NODE_RANK 0 on the
+# node whose address is MASTER_ADDR (it hosts the rendezvous store):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_ddp.sh     # on 10.0.0.1
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./run_ddp.sh     # on the other node
+#
+# Environment (defaults in brackets): NPROC_PER_NODE [GPUs on this node, or 2 without GPUs],
+# NNODES [1], NODE_RANK [0], MASTER_ADDR [127.0.0.1], MASTER_PORT [29500], MAX_RESTARTS [3],
+# RDZV_ID [llama] (the same on every node of one job), SCRIPT [train_ddp.py].
+#
+# After a failure torchrun restarts every worker (up to MAX_RESTARTS times); the script then
+# resumes from the latest checkpoint in --out-dir by itself (--resume auto is the default).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+  NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+# Say explicitly which node hosts the rendezvous store, instead of letting torchrun guess it by
+# comparing host names with MASTER_ADDR (which fails behind NAT or with several interfaces).
+if [[ "$NODE_RANK" == 0 ]]; then is_host=true; else is_host=false; fi
+
+set -x
+exec torchrun \
+  --nnodes="$NNODES" \
+  --nproc-per-node="$NPROC_PER_NODE" \
+  --rdzv-backend=c10d \
+  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
+  --rdzv-id="${RDZV_ID:-llama}" \
+  --rdzv-conf="is_host=$is_host" \
+  --max-restarts="${MAX_RESTARTS:-3}" \
+  "${SCRIPT:-train_ddp.py}" "$@"

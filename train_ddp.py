@@ -1,0 +1,243 @@
+"""Pretrain a Llama with torchrun + DistributedDataParallel: one process per GPU.
+
+    torchrun --standalone --nproc_per_node=4 train_ddp.py          # 4 GPUs on one machine
+    torchrun --standalone --nproc_per_node=2 train_ddp.py          # no GPU: 2 CPU processes, gloo
+    python train_ddp.py                                            # a single process (world size 1)
+    ./run_ddp.sh                                                   # the same, with restarts; and
+                                                                   # several nodes (see README)
+
+What this adds to train_dp.py (`diff train_dp.py train_ddp.py` shows exactly this):
+  1. setup_distributed(): torchrun starts N copies of this script and tells each its RANK,
+     LOCAL_RANK and WORLD_SIZE; each joins the process group and takes the GPU of its local rank.
+  2. A DistributedSampler gives each rank its own 1/N of every global batch; set_epoch reshuffles.
+  3. DDP wraps the model and all-reduces (averages) gradients during backward; no_sync() skips
+     that on all but the last micro-step of gradient accumulation.
+  4. Losses and evaluation sums are all-reduced, so logs show the global batch, not one rank's.
+  5. Only global rank 0 writes files; every collective is called by every rank.
+"""
+
+import math
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+
+import common
+from model import IGNORE_INDEX
+
+
+def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]:
+    """Join the process group torchrun set up; returns (rank, local_rank, world_size, device).
+
+    The device comes from the *local* rank (the process's index on its own machine), so the same
+    code runs on one node or many. Run without torchrun, this is a group of one process.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                f"launch at most that many processes per node (--nproc_per_node)"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # NCCL moves CUDA tensors between GPUs directly; gloo works on CPU tensors.
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    if "RANK" in os.environ:
+        # torchrun's env:// rendezvous: MASTER_ADDR/PORT are set by torchrun, never hard-coded.
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        # Plain `python train_ddp.py`: a group of one, kept in memory, so the code below is the
+        # same at every world size.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return rank, local_rank, world_size, device
+
+
+def main():
+    parser = common.build_parser("Pretrain a Llama with torchrun + DistributedDataParallel.")
+    parser.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="process group backend (default: nccl on GPU, gloo on CPU)",
+    )
+    args = parser.parse_args()
+    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
+    accumulation = common.check_args(parser, args, devices=world_size)
+    precision = common.resolve_precision(args.precision, device)
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+
+    # ---- data ----------------------------------------------------------------------------------
+    train_ds, val_ds, tokenizer = common.build_datasets(args)
+    steps_per_epoch = len(train_ds) // args.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
+            f"({args.batch_size}); use more data or a smaller batch"
+        )
+    # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
+    # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
+    # train_dp.py draws, whatever the number of ranks.
+    sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
+
+    def order_for_epoch(epoch: int) -> list[int]:
+        # set_epoch reseeds the shuffle with seed + epoch: without it every epoch would repeat the
+        # first one's order. All ranks pass the same epoch, so their shards stay disjoint.
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
+    # Every world_size-th validation sample, nothing dropped or repeated (a DistributedSampler
+    # would pad or drop to even out the shards): the summed loss is that of the whole set.
+    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(val_shard, batch_size=args.micro_batch_size)
+
+    # ---- model, optimizer, resume --------------------------------------------------------------
+    model, config = common.build_model(args, tokenizer.get_vocab_size())
+    model.to(device)
+    optimizer = common.build_optimizer(model, args, device.type)
+    scheduler = common.build_scheduler(optimizer, args)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    start_step = 0
+    if resume := common.find_resume_checkpoint(args):
+        path, ckpt = resume
+        start_step = common.restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config)
+        if is_main:
+            print(f"resumed from {path} at step {start_step}")
+    if args.compile:
+        common.compile_layers(model)
+    # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
+    # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
+    # are constants, so re-broadcasting them before every forward would be wasted traffic.
+    ddp_model = DDP(
+        model,
+        device_ids=[local_rank] if device.type == "cuda" else None,
+        forward_sync_buffers=False,
+    )
+    if is_main:
+        print(common.describe_run(args, config, accumulation, world_size, device, precision))
+
+    # ---- training loop -------------------------------------------------------------------------
+    batches = common.step_batches(
+        train_ds,
+        order_for_epoch,
+        args.micro_batch_size,
+        accumulation,
+        steps_per_epoch,
+        start_step,
+        args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    metrics = common.Metrics(args.out_dir, is_main, start_step)
+    throughput = common.Throughput()
+    tokens_per_step = args.batch_size * args.seq_length
+    bar = tqdm(
+        range(start_step, args.max_steps),
+        initial=start_step,
+        total=args.max_steps,
+        disable=not is_main,
+        desc="train",
+    )
+    for step in bar:
+        lr = optimizer.param_groups[0]["lr"]
+        micro_batches = next(batches)
+        # Normalise by the number of targets in the whole global batch (all micro-batches, all
+        # ranks), not per micro-batch: then every target token weighs the same however the batch
+        # is split, and padded batches give the same gradient as one big batch would.
+        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(device)
+        dist.all_reduce(global_tokens)
+        step_loss = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # Gradient accumulation: all-reduce only after the last micro-step. no_sync() must
+            # wrap the forward as well as the backward: DDP prepares its reduction in forward.
+            sync = i == accumulation - 1
+            with nullcontext() if sync else ddp_model.no_sync():
+                with common.autocast(device, precision):
+                    loss_sum, _ = ddp_model(x, y, common.build_attn_mask(x, args, tokenizer))
+                # DDP averages gradients over ranks (sums, then divides by world_size); the
+                # factor world_size undoes that division, leaving sum of all losses / all tokens.
+                loss = loss_sum * world_size / global_tokens
+                scaler.scale(loss).backward()
+            step_loss += loss_sum.detach()
+        if args.grad_clip > 0:
+            scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        throughput.add(tokens_per_step)
+        done = step + 1
+
+        if done % args.log_interval == 0 or done == args.max_steps:
+            # Reading a value from the GPU waits for it; doing so only every log_interval steps
+            # keeps the GPU queue full in between. Every rank joins the all-reduce.
+            dist.all_reduce(step_loss)
+            loss = (step_loss / global_tokens).item()
+            if not math.isfinite(loss):
+                raise SystemExit(
+                    f"error: the loss is {loss} at step {done}; stopping before anything is "
+                    f"saved (the checkpoints in {args.out_dir} are untouched). Try a lower --lr."
+                )
+            rate = throughput.rate()
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
+            metrics.log(
+                step=done,
+                loss=loss,
+                lr=lr,
+                tokens_per_sec=rate,
+                grad_norm=grad_norm.item() if args.grad_clip > 0 else None,
+            )
+        if done % args.eval_interval == 0 or done == args.max_steps:
+            # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
+            # then the sums are added up: the result is the loss over the whole validation set.
+            val_sum, val_tokens = common.evaluate(
+                model, val_loader, device, precision, args, tokenizer
+            )
+            dist.all_reduce(val_sum)
+            dist.all_reduce(val_tokens)
+            val_loss = (val_sum / val_tokens).item()
+            metrics.log(step=done, val_loss=val_loss, val_ppl=common.perplexity(val_loss))
+            if is_main:
+                tqdm.write(
+                    f"step {done}: val loss {val_loss:.4f}, "
+                    f"perplexity {common.perplexity(val_loss):.1f}"
+                )
+            throughput.restart()  # keep evaluation time out of the tokens/s figure
+        if done % args.save_interval == 0 or done == args.max_steps:
+            if is_main:  # no collective in here: the other ranks are not in this branch
+                state = common.checkpoint_state(
+                    model, optimizer, scheduler, scaler, done, config, args
+                )
+                common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
+            throughput.restart()
+
+    # ---- outputs -------------------------------------------------------------------------------
+    if is_main:
+        # model, not ddp_model: the plain weights, with no `module.` prefix on every name.
+        common.save_final(args.out_dir, model, config, tokenizer)
+        print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+        if args.sample_tokens:
+            text = common.sample_text(
+                model, tokenizer, args.sample_prompt, args.sample_tokens, device
+            )
+            print(f"sample:\n{text}")
+    dist.barrier()  # the run is over when rank 0's files are written, for every rank
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main)

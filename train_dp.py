@@ -1,0 +1,179 @@
+"""Pretrain a Llama in one process, with nn.DataParallel over every visible GPU.
+
+    python train_dp.py                                  # all visible GPUs, or the CPU
+    CUDA_VISIBLE_DEVICES=0,1 python train_dp.py         # choose the GPUs
+
+The starting point of the suite. DataParallel is the simplest way to use several GPUs: one
+process splits each batch across the GPUs, runs a copy of the model on each (in threads), and
+gathers the results on GPU 0. The price is that GPU 0 does extra work for all of them, the
+weights are copied to every GPU on every step, and Python's GIL serialises the threads; that is
+why train_ddp.py (one process per GPU) is the recipe for real runs. Compare the two with
+`diff train_dp.py train_ddp.py`.
+"""
+
+import math
+import os
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Subset
+from tqdm import tqdm
+
+import common
+from model import IGNORE_INDEX
+
+
+class Replica(nn.Module):
+    """What DataParallel copies onto each GPU: the model's forward, under autocast, with the loss.
+
+    DataParallel runs each replica in a thread of its own, and autocast's state is per thread, so
+    autocast is entered here, inside the replica. The loss is computed here too: each replica
+    returns its loss sum and token count (two numbers) instead of its logits, because gathering
+    every replica's (batch, T, vocab) logits onto GPU 0 is the classic recipe's memory hot spot.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, precision: str):
+        super().__init__()
+        self.model, self.device, self.precision = model, device, precision
+
+    def forward(self, x, y, attn_mask=None):
+        with common.autocast(self.device, self.precision):
+            loss_sum, num_tokens = self.model(x, y, attn_mask)
+        return loss_sum[None], num_tokens[None]  # (1,) each: DataParallel concatenates them
+
+
+def main():
+    parser = common.build_parser("Pretrain a Llama in one process with nn.DataParallel.")
+    args = parser.parse_args()
+    num_gpus = torch.cuda.device_count()
+    device = torch.device("cuda", 0) if num_gpus else torch.device("cpu")
+    devices = max(num_gpus, 1)  # how many devices share each batch
+    accumulation = common.check_args(parser, args, devices=devices)
+    precision = common.resolve_precision(args.precision, device)
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    # ---- data ----------------------------------------------------------------------------------
+    train_ds, val_ds, tokenizer = common.build_datasets(args)
+    steps_per_epoch = len(train_ds) // args.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
+            f"({args.batch_size}); use more data or a smaller batch"
+        )
+
+    def order_for_epoch(epoch: int) -> list[int]:
+        # A new shuffle each epoch, seeded by seed + epoch: a resumed run draws the same order,
+        # and so does train_ddp.py's DistributedSampler, over all of its ranks together.
+        generator = torch.Generator().manual_seed(args.seed + epoch)
+        return torch.randperm(len(train_ds), generator=generator).tolist()
+
+    val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
+    # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
+    val_loader = DataLoader(val_set, batch_size=args.micro_batch_size * devices)
+
+    # ---- model, optimizer, resume --------------------------------------------------------------
+    model, config = common.build_model(args, tokenizer.get_vocab_size())
+    model.to(device)
+    optimizer = common.build_optimizer(model, args, device.type)
+    scheduler = common.build_scheduler(optimizer, args)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    start_step = 0
+    if resume := common.find_resume_checkpoint(args):
+        path, ckpt = resume
+        start_step = common.restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config)
+        print(f"resumed from {path} at step {start_step}")
+    if args.compile:
+        common.compile_layers(model)
+    # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
+    # DataParallel sums each replica's gradients into the original model's, on GPU 0.
+    dp_model = nn.DataParallel(Replica(model, device, precision))
+    print(common.describe_run(args, config, accumulation, devices, device, precision))
+
+    # ---- training loop -------------------------------------------------------------------------
+    batches = common.step_batches(
+        train_ds,
+        order_for_epoch,
+        args.micro_batch_size * devices,
+        accumulation,
+        steps_per_epoch,
+        start_step,
+        args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    metrics = common.Metrics(args.out_dir, True, start_step)
+    throughput = common.Throughput()
+    tokens_per_step = args.batch_size * args.seq_length
+    bar = tqdm(
+        range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="train"
+    )
+    for step in bar:
+        lr = optimizer.param_groups[0]["lr"]
+        micro_batches = next(batches)
+        # Normalise by the number of targets in the whole batch (all micro-batches), not per
+        # micro-batch: then every target token weighs the same however the batch is split, and
+        # padded batches give the same gradient as one big batch would.
+        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(device)
+        step_loss = torch.zeros((), device=device)
+        for x, y in micro_batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # One loss sum per replica: a vector of length `devices`, gathered on GPU 0.
+            loss_sum, _ = dp_model(x, y, common.build_attn_mask(x, args, tokenizer))
+            loss_sum = loss_sum.sum()
+            loss = loss_sum / global_tokens
+            scaler.scale(loss).backward()
+            step_loss += loss_sum.detach()
+        if args.grad_clip > 0:
+            scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        throughput.add(tokens_per_step)
+        done = step + 1
+
+        if done % args.log_interval == 0 or done == args.max_steps:
+            # Reading a value from the GPU waits for it; doing so only every log_interval steps
+            # keeps the GPU queue full in between.
+            loss = (step_loss / global_tokens).item()
+            if not math.isfinite(loss):
+                raise SystemExit(
+                    f"error: the loss is {loss} at step {done}; stopping before anything is "
+                    f"saved (the checkpoints in {args.out_dir} are untouched). Try a lower --lr."
+                )
+            rate = throughput.rate()
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
+            metrics.log(
+                step=done,
+                loss=loss,
+                lr=lr,
+                tokens_per_sec=rate,
+                grad_norm=grad_norm.item() if args.grad_clip > 0 else None,
+            )
+        if done % args.eval_interval == 0 or done == args.max_steps:
+            val_sum, val_tokens = common.evaluate(
+                dp_model, val_loader, device, precision, args, tokenizer
+            )
+            val_loss = (val_sum / val_tokens).item()
+            metrics.log(step=done, val_loss=val_loss, val_ppl=common.perplexity(val_loss))
+            tqdm.write(
+                f"step {done}: val loss {val_loss:.4f}, "
+                f"perplexity {common.perplexity(val_loss):.1f}"
+            )
+            throughput.restart()  # keep evaluation time out of the tokens/s figure
+        if done % args.save_interval == 0 or done == args.max_steps:
+            state = common.checkpoint_state(model, optimizer, scheduler, scaler, done, config, args)
+            common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
+            throughput.restart()
+
+    # ---- outputs -------------------------------------------------------------------------------
+    # model, not dp_model: the plain weights, with no `module.model.` prefix on every name.
+    common.save_final(args.out_dir, model, config, tokenizer)
+    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+    if args.sample_tokens:
+        text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, device)
+        print(f"sample:\n{text}")
+
+
+if __name__ == "__main__":
+    common.run(main)
