@@ -577,6 +577,30 @@ def test_short_run_writes_outputs_and_loss_falls(corpus, cache_dir, tmp_path, sc
     assert evals[1]["val_loss"] < evals[0]["val_loss"]
 
 
+def test_run_ddp_sh_defaults_to_two_cpu_processes_that_train_like_one(
+    trained, corpus, cache_dir, tmp_path
+):
+    # The launcher as a user runs it on a machine without GPUs: no NPROC_PER_NODE, so it must
+    # pick 2 processes, meet through c10d on 127.0.0.1 and train exactly like one process.
+    out = tmp_path / "out"
+    env = launch_env(
+        CUDA_VISIBLE_DEVICES="",  # no GPU, even where the test machine has one
+        MASTER_PORT=str(free_port()),
+        MAX_RESTARTS="0",  # a failure must fail the test, not be retried
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_ddp.sh"), *cli(corpus, cache_dir, out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, describe(proc, "run_ddp.sh failed")
+    assert "--nproc-per-node=2" in proc.stderr  # the command, as `set -x` echoes it
+    assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
+    assert_same_losses(out, trained(DP))
+
+
 @pytest.mark.parametrize("script", [DP, DDP])
 def test_batch_size_not_divisible_by_micro_batch_exits_with_usage_error(
     corpus, cache_dir, tmp_path, script
