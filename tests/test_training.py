@@ -25,259 +25,40 @@ identical operations, so there the comparison is torch.equal.
 import json
 import math
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from harness import (
+    DDP,
+    DP,
+    LAUNCH_TIMEOUT,
+    LOSS_RTOL,
+    NUM_DOCS,
+    REPO,
+    assert_same_losses,
+    assert_state_dicts_close,
+    assert_state_dicts_equal,
+    build_args,
+    cli,
+    copy_checkpoint,
+    describe,
+    flatten,
+    free_port,
+    launch_env,
+    load_checkpoint,
+    load_weights,
+    read_metrics,
+    run_ddp_sh_env,
+    run_script,
+    snapshot,
+)
 from torch.utils.data import DistributedSampler
 
 import common
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
-
-REPO = Path(__file__).resolve().parents[1]
-
-DP, DDP = "train_dp.py", "train_ddp.py"
-
-# The weights of two runs that split the same global batch differently (see the module docstring).
-ATOL, RTOL = 2e-5, 1e-4
-# Logged losses are means over ~250 targets of the same batch: they agree far more closely
-# (measured: 9e-7 relative). The logged pre-clip gradient norm is checked too (measured: 6e-6),
-# because the weights cannot show a gradient that is off by a constant factor: clipping (the
-# norms here are ~5 > --grad-clip 1) and AdamW both cancel a uniform scale.
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
-
-LAUNCH_TIMEOUT = 300  # seconds; a hung collective fails the test instead of the whole CI job
-
-# The settings every run shares unless a test overrides one. 8 steps, a checkpoint every 4 (all
-# kept), an evaluation every 4 on one global batch of validation data. val_fraction 0.125 of the
-# 32 documents leaves 4 for validation (an even count: see test_ddp_validation_loss_counts_...)
-# and 28 for training: in pad mode (one document per row) that is 3 steps per epoch, so 8 steps
-# cross two epoch boundaries and a resume from step 4 lands mid-epoch.
-BASE = {
-    "model": "tiny",
-    "seq_length": 32,
-    "batch_size": 8,
-    "vocab_size": 320,
-    "max_steps": 8,
-    "lr": 1e-3,
-    "warmup_steps": 2,
-    "seed": 1234,
-    "val_fraction": 0.125,
-    "log_interval": 1,
-    "eval_interval": 4,
-    "eval_batches": 1,
-    "save_interval": 4,
-    "keep_checkpoints": 5,
-    "num_workers": 0,
-    "sample_tokens": 0,
-    "data_mode": "pack",
-}
-NUM_DOCS = 32
-
-
-# -------------------------------------------------------------------------------------------------
-# Helpers: write a corpus, run a script, read its outputs, compare weights
-
-
-def write_corpus(root: Path, num_docs: int = NUM_DOCS) -> Path:
-    """Deterministic pseudo-English and pseudo-Python documents of very different lengths.
-
-    About a quarter are one or two short lines (fewer than 32 tokens), so pad mode really pads
-    and the number of targets differs between rows, micro-batches and ranks.
-    """
-    rng = random.Random(0)
-    words = (
-        "the a model data train loss step rank batch token layer weight grad sum mean over "
-        "under with from into of and or not if then else return value index shard epoch"
-    ).split()
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(num_docs):
-        lines = []
-        for _ in range(rng.randint(1, 2) if i % 4 == 1 else rng.randint(15, 60)):
-            if rng.random() < 0.5:
-                sentence = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
-                lines.append(sentence.capitalize() + ".")
-            else:
-                name, k = f"{rng.choice(words)}_{rng.randint(0, 99)}", rng.randint(0, 9)
-                lines.append(f"def {name}(x, y):\n    return x * {k} + y")
-        (root / f"doc_{i:02d}.txt").write_text("\n".join(lines) + "\n")
-    return root
-
-
-def cli(data_dir: Path, cache_dir: Path, out_dir, **overrides) -> list[str]:
-    """The command-line arguments for BASE updated with `overrides` (None drops a flag)."""
-    settings = {**BASE, **overrides}
-    argv = ["--data", str(data_dir), "--cache-dir", str(cache_dir), "--out-dir", str(out_dir)]
-    for name, value in settings.items():
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
-
-
-def launch_env(**extra) -> dict:
-    # One thread per process: 2 ranks on 2 cores do not oversubscribe them, and every run
-    # (1 or 2 processes) computes with the same threading, hence the same kernels.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT"):  # fmt: skip
-        env.pop(name, None)  # never inherit a launcher's rendezvous
-    env.update(extra)
-    return env
-
-
-def run_script(
-    script: str, argv: list[str], world: int = 1, expect_rc: int | None = 0
-) -> subprocess.CompletedProcess:
-    """Run `script` as a user would: `python script` for world 1, torchrun for more ranks.
-
-    Asserts the exit code (unless expect_rc is None) and shows the run's output if it differs.
-    """
-    if world == 1:
-        cmd = [sys.executable, str(REPO / script), *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
-    if expect_rc is not None:
-        assert proc.returncode == expect_rc, describe(proc, f"expected exit code {expect_rc}")
-    return proc
-
-
-def describe(proc: subprocess.CompletedProcess, what: str) -> str:
-    cmd = " ".join(str(part) for part in proc.args)
-    return (
-        f"{what}, got {proc.returncode} from: {cmd}\n"
-        f"--- stdout (tail) ---\n{proc.stdout[-4000:]}\n"
-        f"--- stderr (tail) ---\n{proc.stderr[-6000:]}"
-    )
-
-
-def load_weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out_dir / "model.pt", map_location="cpu", weights_only=True)
-
-
-def load_checkpoint(out_dir: Path, step: int) -> dict:
-    path = out_dir / "checkpoints" / f"step_{step:07d}.pt"
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def read_metrics(out_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) of metrics.jsonl, in file order."""
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
-
-
-def assert_state_dicts_close(actual: dict, expected: dict, atol=ATOL, rtol=RTOL) -> None:
-    assert actual.keys() == expected.keys()
-    worst = max((actual[k] - expected[k]).abs().max().item() for k in expected)
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name], expected[name], atol=atol, rtol=rtol,
-            msg=lambda m, name=name: f"{name}: {m} (largest difference of any tensor: {worst:.2e})",
-        )  # fmt: skip
-
-
-def assert_state_dicts_equal(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    differ = [name for name in expected if not torch.equal(actual[name], expected[name])]
-    assert not differ, f"not bit-identical: {differ}"
-
-
-def flatten(obj, prefix: str = "") -> dict:
-    """Nested dicts/lists (an optimizer or scheduler state) as {path: leaf}."""
-    if isinstance(obj, dict):
-        items = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        return {prefix: obj}
-    return {k: v for key, value in items for k, v in flatten(value, f"{prefix}/{key}").items()}
-
-
-def assert_same_losses(actual_dir: Path, expected_dir: Path) -> None:
-    """The same logged steps, with equal train/val losses and gradient norms (within rtol)."""
-    (train_a, eval_a), (train_e, eval_e) = read_metrics(actual_dir), read_metrics(expected_dir)
-    assert [r["step"] for r in train_a] == [r["step"] for r in train_e]
-    assert [r["step"] for r in eval_a] == [r["step"] for r in eval_e]
-    for key, a, e, rtol in [
-        ("loss", train_a, train_e, LOSS_RTOL),
-        ("grad_norm", train_a, train_e, GRAD_NORM_RTOL),
-        ("val_loss", eval_a, eval_e, LOSS_RTOL),
-    ]:
-        got, want = [r[key] for r in a], [r[key] for r in e]
-        assert got == pytest.approx(want, rel=rtol), f"{key}: {got} != {want}"
-
-
-def build_args(data_dir: Path, cache_dir: Path, devices: int = 1, **overrides):
-    """The scripts' own argument namespace for these settings, checked as they check it."""
-    parser = common.build_parser("test")
-    args = parser.parse_args(cli(data_dir, cache_dir, "unused", **overrides))
-    common.check_args(parser, args, devices)
-    return args
-
-
-def copy_checkpoint(src_dir: Path, step: int, dst_dir: Path) -> Path:
-    """Copy one checkpoint into dst_dir/checkpoints/, as if a run there had stopped after it."""
-    name = f"step_{step:07d}.pt"
-    (dst_dir / "checkpoints").mkdir(parents=True)
-    return Path(shutil.copy(src_dir / "checkpoints" / name, dst_dir / "checkpoints" / name))
-
-
-def snapshot(root: Path) -> dict[str, bytes]:
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    return {str(p.relative_to(root)): p.read_bytes() for p in files}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -------------------------------------------------------------------------------------------------
-# Session fixtures: one corpus, one cache, and the reference runs several tests compare against
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory, corpus) -> Path:
-    """The tokenizer and tokenized-data cache, filled once here for both data modes."""
-    cache = tmp_path_factory.mktemp("cache")
-    for mode in ("pack", "pad"):
-        common.build_datasets(build_args(corpus, cache, data_mode=mode))
-    return cache
-
-
-@pytest.fixture(scope="session")
-def trained(tmp_path_factory, corpus, cache_dir):
-    """trained(script, world=1, **overrides) -> the out-dir of that run, made once per session.
-
-    Callers must not write into the returned directory: copy what they need to change.
-    """
-    runs: dict[tuple, Path] = {}
-
-    def get(script: str, world: int = 1, **overrides) -> Path:
-        key = (script, world, tuple(sorted(overrides.items())))
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{world}")
-            run_script(script, cli(corpus, cache_dir, out, **overrides), world)
-            runs[key] = out
-        return runs[key]
-
-    return get
-
 
 # -------------------------------------------------------------------------------------------------
 # DDP == one process
@@ -583,14 +364,7 @@ def test_run_ddp_sh_defaults_to_two_cpu_processes_that_train_like_one(
     # The launcher as a user runs it on a machine without GPUs: no NPROC_PER_NODE, so it must
     # pick 2 processes, meet through c10d on 127.0.0.1 and train exactly like one process.
     out = tmp_path / "out"
-    env = launch_env(
-        CUDA_VISIBLE_DEVICES="",  # no GPU, even where the test machine has one
-        MASTER_PORT=str(free_port()),
-        MAX_RESTARTS="0",  # a failure must fail the test, not be retried
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
-    for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK"):
-        env.pop(name, None)
+    env = run_ddp_sh_env(MAX_RESTARTS="0")  # a failure must fail the test, not be retried
     proc = subprocess.run(
         ["bash", str(REPO / "run_ddp.sh"), *cli(corpus, cache_dir, out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
