@@ -9,6 +9,7 @@ distributed changes alone.
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -27,8 +28,19 @@ from model import LlamaConfig, LlamaForPretraining, count_parameters
 # Command line (the contract in DESIGN.md: other tools and tests drive the scripts by these names)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises ValueError instead of printing and exiting at once.
+
+    `run` then prints it once (on global rank 0) and exits with 2, like argparse would: under
+    torchrun that is one message instead of one usage message per process.
+    """
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (see --help)")
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     g = p.add_argument_group("data")
@@ -91,6 +103,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     g.add_argument("--warmup-steps", type=int, default=20, help="linear warmup from lr/warmup")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    g.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip the update of a step whose loss or gradient is NaN/inf, instead of stopping",
+    )
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
     g.add_argument("--seed", type=int, default=1337, help="seed of weights and data order")
     g.add_argument(
@@ -138,7 +155,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
     """Validate the flags against each other; return the gradient accumulation steps.
 
     `devices` is how many devices share one global batch (GPUs under DataParallel, ranks under
-    DDP). Exits through parser.error (a usage message and exit code 2) on any inconsistency.
+    DDP). Raises ValueError (through parser.error) on any inconsistency.
     """
     for name in (
         "seq_length",
@@ -148,7 +165,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
         "eval_interval",
         "eval_batches",
         "save_interval",
-        "keep_checkpoints",
         "vocab_size",
     ):
         if getattr(args, name) <= 0:
@@ -157,31 +173,54 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
         parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+    if args.micro_batch_size is not None and args.micro_batch_size <= 0:
+        parser.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
     micro = args.micro_batch_size or args.batch_size // devices
     per_step = micro * devices
-    if micro <= 0 or args.batch_size % per_step:
+    if micro == 0 or args.batch_size % per_step:
         parser.error(
             f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
             f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step sees "
             f"exactly the global batch"
         )
+    if args.keep_checkpoints < 2:
+        parser.error(
+            "--keep-checkpoints must be at least 2: if the newest checkpoint is damaged, resuming "
+            "falls back to the one before"
+        )
+    # The model preset and the sequence length are known now: refuse them before minutes of data
+    # preparation, not after.
+    try:
+        config = LlamaConfig.from_preset(args.model)
+    except ValueError as e:
+        parser.error(f"--model: {e}")
+    if args.seq_length > config.max_position_embeddings:
+        parser.error(
+            f"--seq-length {args.seq_length} exceeds the {args.model} model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
     args.micro_batch_size = micro
     return args.batch_size // per_step
 
 
-def run(main: Callable[[], None]) -> None:
-    """Call a script's main(); bad input ends in one line on stderr and exit code 2.
+class TrainingError(Exception):
+    """The run cannot go on (a non-finite loss, ...); nothing bad was saved."""
 
-    The checks in this suite raise ValueError with an actionable message (no data at that path, a
-    checkpoint of another model, ...); a traceback would only bury it. Under torchrun every rank
-    meets the same bad input, so only global rank 0 prints it.
+
+def run(main: Callable[[], None]) -> None:
+    """Call a script's main(); a known failure ends in one line on stderr, not a traceback.
+
+    The checks in this suite raise ValueError for bad input (no data at that path, a checkpoint
+    of another model, ...), exit code 2, and TrainingError when training itself fails, exit code
+    1; a traceback would only bury the message. Under torchrun every rank meets the same
+    failure, so only global rank 0 prints it.
     """
     try:
         main()
-    except ValueError as e:
+    except (ValueError, TrainingError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ValueError) else 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -388,9 +427,49 @@ class Metrics:
             atomic_write_text(self.path, "".join(kept))
 
     def log(self, **record) -> None:
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}  # fmt: skip
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+class NonFiniteGuard:
+    """Notices the first step whose loss (or gradient norm) is NaN or infinite.
+
+    By default the run stops at the next check, which the loop makes before it logs, evaluates
+    or saves anything: the error names the step, and the last checkpoint stays the last good
+    state. Between checks this costs no wait for the GPU: the step is recorded on the device.
+    With --skip-nonfinite, such a step's update is skipped instead (its data counts as used);
+    deciding that needs the value at every step, so each step then waits for the GPU once.
+    """
+
+    def __init__(self, device: torch.device, skip: bool):
+        self.skip = skip
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
+
+    def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Record step's loss and gradient norm (None: not checked); False: skip its update."""
+        finite = torch.isfinite(loss)
+        if grad_norm is not None:
+            finite &= torch.isfinite(grad_norm)
+        if self.skip:
+            if bool(finite):
+                return True
+            print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
+                  file=sys.stderr)  # fmt: skip
+            return False
+        first = (self.first_bad_step == 0) & ~finite
+        self.first_bad_step = torch.where(first, step, self.first_bad_step)
+        return True
+
+    def check(self, out_dir: str) -> None:
+        if step := int(self.first_bad_step):
+            raise TrainingError(
+                f"the loss or the gradient became NaN/infinite at step {step}; stopped before "
+                f"saving anything from that state (the checkpoints in {out_dir} are the last good "
+                f"ones). Try a lower --lr, --grad-clip, or --skip-nonfinite to skip such steps."
+            )
 
 
 class Throughput:
@@ -418,6 +497,7 @@ class Throughput:
 # kill at any moment leaves either the old file or the new one, never half of one.
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt$")
+TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
 
 
 def atomic_save(obj, path: str) -> None:
@@ -461,13 +541,35 @@ def save_checkpoint(out_dir: str, step: int, state: dict, keep: int) -> str:
 
 
 def load_checkpoint(path: str) -> dict:
-    # weights_only=True: unpickling may only rebuild tensors and plain containers, never run code,
-    # so a checkpoint from someone else cannot execute anything on this machine.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a checkpoint file; ValueError (with the reason) if it cannot be read."""
+    try:
+        # weights_only=True: unpickling may only rebuild tensors and plain containers, never run
+        # code, so a checkpoint from someone else cannot execute anything on this machine.
+        # mmap=True: tensors are paged in from the file as they are used, not read up front.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
 
 
-def find_resume_checkpoint(args) -> tuple[str, dict] | None:
-    """The checkpoint --resume asks for, loaded; None to start fresh."""
+def prepare_out_dir(args) -> str | None:
+    """Create --out-dir and choose the checkpoint to resume from (None: start fresh).
+
+    Called by the one process that writes files. It also removes temporary files left by a
+    process killed while writing (they never replaced a real file, so nothing is lost).
+    """
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        probe = os.path.join(args.out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--out-dir {args.out_dir} cannot be created or written: {e}") from e
+    for folder in (args.out_dir, os.path.join(args.out_dir, "checkpoints")):
+        if os.path.isdir(folder):
+            for name in os.listdir(folder):
+                if TEMP_RE.search(name):
+                    os.remove(os.path.join(folder, name))
+
     if args.resume == "never":
         if list_checkpoints(args.out_dir):
             raise ValueError(
@@ -478,14 +580,16 @@ def find_resume_checkpoint(args) -> tuple[str, dict] | None:
     if args.resume != "auto":
         if not os.path.isfile(args.resume):
             raise ValueError(f"--resume: no checkpoint file at {args.resume}")
-        return args.resume, load_checkpoint(args.resume)
+        load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
+        return args.resume
     # Newest first; an unreadable newest file (a crash mid-write on a filesystem without atomic
     # rename, a disk error) must not cost the whole run: fall back to the one before.
     for path in reversed(list_checkpoints(args.out_dir)):
         try:
-            return path, load_checkpoint(path)
-        except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
-            print(f"warning: checkpoint {path} is unreadable ({e}); trying an older one")
+            load_checkpoint(path)
+            return path
+        except ValueError as e:
+            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
     return None
 
 
@@ -506,7 +610,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def checkpoint_state(model, optimizer, scheduler, scaler, step: int, config, args) -> dict:
+# The flags that fix the data order and the learning-rate schedule: a resumed run must use the
+# same, or it would not continue the run it resumes. Everything else (micro-batch size,
+# precision, intervals, workers, ...) may change between restarts.
+RESUME_MUST_MATCH = (
+    "data", "text_column", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
+    "max_steps", "lr", "min_lr_ratio", "warmup_steps",
+)  # fmt: skip
+
+
+def tokenizer_digest(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def checkpoint_state(model, optimizer, scheduler, scaler, step, config, args, tokenizer) -> dict:
     """Everything a resumed run needs to continue exactly as if it had never stopped."""
     return {
         "model": model.state_dict(),
@@ -516,16 +633,36 @@ def checkpoint_state(model, optimizer, scheduler, scaler, step: int, config, arg
         "rng": rng_state(),
         "step": step,  # optimizer steps completed; also fixes the position in the data
         "config": config.to_dict(),
+        "tokenizer_sha256": tokenizer_digest(tokenizer),
         "args": vars(args),
     }
 
 
-def restore_checkpoint(ckpt: dict, model, optimizer, scheduler, scaler, config) -> int:
-    """Load a checkpoint's state into fresh objects; returns the step to continue from."""
+def restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer) -> int:
+    """Load a checkpoint's state into fresh objects; returns the step to continue from.
+
+    Refuses (ValueError, before changing anything) a checkpoint of another run: a different
+    model, tokenizer, data order or schedule.
+    """
+    changed = [
+        f"--{name.replace('_', '-')} {ckpt['args'][name]!r} (now {getattr(args, name)!r})"
+        for name in RESUME_MUST_MATCH
+        if ckpt["args"].get(name) != getattr(args, name)
+    ]
+    if changed:
+        raise ValueError(
+            f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
+            f"start a new run in another --out-dir"
+        )
     if ckpt["config"] != config.to_dict():
         raise ValueError(
-            f"the checkpoint was trained with model config {ckpt['config']}, but this run "
-            f"builds {config.to_dict()}; use the same --model and tokenizer, or a new --out-dir"
+            f"the checkpoint holds a model with config {ckpt['config']}, but this run builds "
+            f"{config.to_dict()}; use the same --model and tokenizer, or another --out-dir"
+        )
+    if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
+        raise ValueError(
+            "the checkpoint was trained with a different tokenizer than this run's; use the "
+            "same --data, --vocab-size and --tokenizer as that run, or another --out-dir"
         )
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])

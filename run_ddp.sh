@@ -31,6 +31,15 @@ MASTER_PORT=${MASTER_PORT:-29500}
 # comparing host names with MASTER_ADDR (which fails behind NAT or with several interfaces).
 if [[ "$NODE_RANK" == 0 ]]; then is_host=true; else is_host=false; fi
 
+# One node: keep the collectives' own connections on the loopback interface. (torch's TCPStore,
+# which the rendezvous uses, listens on every interface whatever MASTER_ADDR says: see the
+# README's security note.)
+if [[ "$NNODES" == 1 ]]; then
+  loopback=lo; [[ "$(uname)" == Darwin ]] && loopback=lo0
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$loopback}
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$loopback}
+fi
+
 set -x
 exec torchrun \
   --nnodes="$NNODES" \

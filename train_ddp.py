@@ -55,12 +55,39 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
         raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     if "RANK" in os.environ:
         # torchrun's env:// rendezvous: MASTER_ADDR/PORT are set by torchrun, never hard-coded.
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        # After torchrun restarts the group (--max-restarts), that store can still hold the last
+        # attempt's addresses, and a new worker may connect to its dead predecessor (seen with
+        # torch 2.13 and gloo). A key prefix per attempt keeps the attempts apart.
+        store, _, _ = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+            world_size=world_size, device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
     else:
         # Plain `python train_ddp.py`: a group of one, kept in memory, so the code below is the
         # same at every world size.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, local_rank, world_size, device
+
+
+def from_rank0(fn, is_main: bool):
+    """Run fn() on global rank 0 alone; every rank gets its result, or raises its ValueError.
+
+    For the work only the writing rank may do (creating --out-dir, choosing the checkpoint to
+    resume from): without this broadcast, the other ranks would learn of a failure on rank 0
+    only by waiting forever in the next collective, and each might choose a different checkpoint.
+    """
+    box = [None, None]  # [result, error message]
+    if is_main:
+        try:
+            box[0] = fn()
+        except ValueError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ValueError(box[1])
+    return box[0]
 
 
 def main():
@@ -76,8 +103,7 @@ def main():
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     accumulation = common.check_args(parser, args, devices=world_size)
     precision = common.resolve_precision(args.precision, device)
-    if is_main:
-        os.makedirs(args.out_dir, exist_ok=True)
+    resume_path = from_rank0(lambda: common.prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = common.build_datasets(args)
@@ -111,11 +137,13 @@ def main():
     scheduler = common.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     start_step = 0
-    if resume := common.find_resume_checkpoint(args):
-        path, ckpt = resume
-        start_step = common.restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config)
+    if resume_path:  # every rank loads the same file: the one rank 0 chose
+        ckpt = common.load_checkpoint(resume_path)
+        start_step = common.restore_checkpoint(
+            ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
+        )
         if is_main:
-            print(f"resumed from {path} at step {start_step}")
+            print(f"resumed from {resume_path} at step {start_step}")
     if args.compile:
         common.compile_layers(model)
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
@@ -141,6 +169,7 @@ def main():
         pin_memory=device.type == "cuda",
     )
     metrics = common.Metrics(args.out_dir, is_main, start_step)
+    guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput()
     tokens_per_step = args.batch_size * args.seq_length
     bar = tqdm(
@@ -172,26 +201,33 @@ def main():
                 loss = loss_sum * world_size / global_tokens
                 scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
-        if args.grad_clip > 0:
-            scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        scaler.step(optimizer)
+        # The global loss, on every rank (no wait for it here: the all-reduce is queued like any
+        # other kernel). Every rank then takes the same decisions about it below.
+        dist.all_reduce(step_loss)
+        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf
+        )
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if guard.step_ok(step + 1, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         throughput.add(tokens_per_step)
         done = step + 1
+        last = done == args.max_steps
+        do_log, do_eval, do_save = (
+            done % interval == 0 or last
+            for interval in (args.log_interval, args.eval_interval, args.save_interval)
+        )
+        if do_log or do_eval or do_save:
+            guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
-        if done % args.log_interval == 0 or done == args.max_steps:
+        if do_log:
             # Reading a value from the GPU waits for it; doing so only every log_interval steps
-            # keeps the GPU queue full in between. Every rank joins the all-reduce.
-            dist.all_reduce(step_loss)
+            # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
-            if not math.isfinite(loss):
-                raise SystemExit(
-                    f"error: the loss is {loss} at step {done}; stopping before anything is "
-                    f"saved (the checkpoints in {args.out_dir} are untouched). Try a lower --lr."
-                )
             rate = throughput.rate()
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
             metrics.log(
@@ -199,9 +235,9 @@ def main():
                 loss=loss,
                 lr=lr,
                 tokens_per_sec=rate,
-                grad_norm=grad_norm.item() if args.grad_clip > 0 else None,
+                grad_norm=grad_norm.item(),
             )
-        if done % args.eval_interval == 0 or done == args.max_steps:
+        if do_eval:
             # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
             # then the sums are added up: the result is the loss over the whole validation set.
             val_sum, val_tokens = common.evaluate(
@@ -217,10 +253,10 @@ def main():
                     f"perplexity {common.perplexity(val_loss):.1f}"
                 )
             throughput.restart()  # keep evaluation time out of the tokens/s figure
-        if done % args.save_interval == 0 or done == args.max_steps:
+        if do_save:
             if is_main:  # no collective in here: the other ranks are not in this branch
                 state = common.checkpoint_state(
-                    model, optimizer, scheduler, scaler, done, config, args
+                    model, optimizer, scheduler, scaler, done, config, args, tokenizer
                 )
                 common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
             throughput.restart()

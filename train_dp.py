@@ -12,7 +12,6 @@ why train_ddp.py (one process per GPU) is the recipe for real runs. Compare the 
 """
 
 import math
-import os
 
 import torch
 import torch.nn as nn
@@ -50,7 +49,7 @@ def main():
     devices = max(num_gpus, 1)  # how many devices share each batch
     accumulation = common.check_args(parser, args, devices=devices)
     precision = common.resolve_precision(args.precision, device)
-    os.makedirs(args.out_dir, exist_ok=True)
+    resume_path = common.prepare_out_dir(args)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = common.build_datasets(args)
@@ -78,10 +77,12 @@ def main():
     scheduler = common.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     start_step = 0
-    if resume := common.find_resume_checkpoint(args):
-        path, ckpt = resume
-        start_step = common.restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config)
-        print(f"resumed from {path} at step {start_step}")
+    if resume_path:
+        ckpt = common.load_checkpoint(resume_path)
+        start_step = common.restore_checkpoint(
+            ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
+        )
+        print(f"resumed from {resume_path} at step {start_step}")
     if args.compile:
         common.compile_layers(model)
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
@@ -101,6 +102,7 @@ def main():
         pin_memory=device.type == "cuda",
     )
     metrics = common.Metrics(args.out_dir, True, start_step)
+    guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput()
     tokens_per_step = args.batch_size * args.seq_length
     bar = tqdm(
@@ -122,25 +124,30 @@ def main():
             loss = loss_sum / global_tokens
             scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
-        if args.grad_clip > 0:
-            scaler.unscale_(optimizer)  # clip the true gradients, not fp16-scaled ones
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        scaler.step(optimizer)
+        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf
+        )
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if guard.step_ok(step + 1, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         throughput.add(tokens_per_step)
         done = step + 1
+        last = done == args.max_steps
+        do_log, do_eval, do_save = (
+            done % interval == 0 or last
+            for interval in (args.log_interval, args.eval_interval, args.save_interval)
+        )
+        if do_log or do_eval or do_save:
+            guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
-        if done % args.log_interval == 0 or done == args.max_steps:
+        if do_log:
             # Reading a value from the GPU waits for it; doing so only every log_interval steps
             # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
-            if not math.isfinite(loss):
-                raise SystemExit(
-                    f"error: the loss is {loss} at step {done}; stopping before anything is "
-                    f"saved (the checkpoints in {args.out_dir} are untouched). Try a lower --lr."
-                )
             rate = throughput.rate()
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
             metrics.log(
@@ -148,9 +155,9 @@ def main():
                 loss=loss,
                 lr=lr,
                 tokens_per_sec=rate,
-                grad_norm=grad_norm.item() if args.grad_clip > 0 else None,
+                grad_norm=grad_norm.item(),
             )
-        if done % args.eval_interval == 0 or done == args.max_steps:
+        if do_eval:
             val_sum, val_tokens = common.evaluate(
                 dp_model, val_loader, device, precision, args, tokenizer
             )
@@ -161,8 +168,10 @@ def main():
                 f"perplexity {common.perplexity(val_loss):.1f}"
             )
             throughput.restart()  # keep evaluation time out of the tokens/s figure
-        if done % args.save_interval == 0 or done == args.max_steps:
-            state = common.checkpoint_state(model, optimizer, scheduler, scaler, done, config, args)
+        if do_save:
+            state = common.checkpoint_state(
+                model, optimizer, scheduler, scaler, done, config, args, tokenizer
+            )
             common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
             throughput.restart()
 

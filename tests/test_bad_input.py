@@ -1,0 +1,180 @@
+"""Specification of bad input: every mistake ends in one short message, no traceback, exit code 2,
+and leaves what already exists (an out-dir with a finished run and its checkpoints, the caches)
+byte-identical.
+
+Each test points a script at a copy of a finished run's out-dir (`existing_run`) and a shared
+cache, makes one mistake, and checks all of that.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from harness import DDP, DP, cli, run_script, snapshot
+
+import train_ddp
+
+
+@pytest.fixture
+def existing_run(trained, tmp_path) -> Path:
+    out = tmp_path / "existing"
+    shutil.copytree(trained(DP), out)
+    return out
+
+
+def assert_refused(script, argv, expect, out, cache_dir, world=1):
+    """Run `script` with one mistake in argv: a clean refusal that changes nothing."""
+    out_before = snapshot(out) if out.exists() else None
+    cache_before = snapshot(cache_dir)
+    proc = run_script(script, argv, world, expect_rc=None)
+    output = proc.stdout + proc.stderr
+    # torchrun reports a failed worker with an exit code of its own; a single process says 2.
+    assert proc.returncode == 2 if world == 1 else proc.returncode != 0, output[-4000:]
+    assert expect in proc.stderr, output[-4000:]
+    assert proc.stderr.count("error: ") == 1, f"expected one message:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr.split("error: ")[0], output[-4000:]
+    assert (snapshot(out) if out.exists() else None) == out_before, "the out-dir changed"
+    cache_after = snapshot(cache_dir)
+    assert {k: cache_after.get(k) for k in cache_before} == cache_before, "a cache file changed"
+    return proc
+
+
+# -------------------------------------------------------------------------------------------------
+# Data and tokenizer
+
+
+def test_missing_data_is_refused(existing_run, corpus, cache_dir, tmp_path):
+    argv = cli(corpus, cache_dir, existing_run)
+    argv[argv.index("--data") + 1] = str(tmp_path / "no-such-corpus" / "*.txt")
+    assert_refused(DP, argv, "no .txt/.jsonl/.json/.parquet files found", existing_run, cache_dir)
+
+
+def test_empty_data_is_refused(existing_run, corpus, cache_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("   \n\n")
+    argv = cli(empty, cache_dir, existing_run)
+    assert_refused(DP, argv, "has no non-empty documents", existing_run, cache_dir)
+
+
+def test_missing_text_column_is_refused_naming_the_columns(existing_run, cache_dir, tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"content": f"doc {i}"}) + "\n" for i in range(8)))
+    argv = cli(jsonl, cache_dir, existing_run)
+    assert_refused(DP, argv, "has no column 'text'; its columns are ['content']", existing_run,
+                   cache_dir)  # fmt: skip
+
+
+def test_broken_tokenizer_json_is_refused(existing_run, corpus, cache_dir, tmp_path):
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text('{"version": "1.0", "model": ')
+    argv = cli(corpus, cache_dir, existing_run) + ["--tokenizer", str(broken)]
+    assert_refused(DP, argv, "could not read", existing_run, cache_dir)
+
+
+# -------------------------------------------------------------------------------------------------
+# Flags
+
+
+def test_unknown_preset_is_refused_listing_the_valid_ones(existing_run, corpus, cache_dir):
+    argv = cli(corpus, cache_dir, existing_run, model="huge")
+    assert_refused(DP, argv, "choose one of: tiny, small", existing_run, cache_dir)
+
+
+def test_seq_length_beyond_the_models_positions_is_refused(existing_run, corpus, cache_dir):
+    argv = cli(corpus, cache_dir, existing_run, seq_length=4096)
+    assert_refused(DP, argv, "exceeds the tiny model's max_position_embeddings", existing_run,
+                   cache_dir)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("lr", 0), ("lr", -1e-3), ("max_steps", 0), ("batch_size", 0), ("seq_length", -8),
+     ("micro_batch_size", 0), ("vocab_size", 0), ("keep_checkpoints", 1)],
+)  # fmt: skip
+def test_non_positive_sizes_steps_and_rates_are_refused(
+    existing_run, corpus, cache_dir, flag, value
+):
+    argv = cli(corpus, cache_dir, existing_run, **{flag: value})
+    assert_refused(DP, argv, f"--{flag.replace('_', '-')}", existing_run, cache_dir)
+
+
+def test_unknown_choice_is_one_message_not_a_usage_dump(existing_run, corpus, cache_dir):
+    argv = cli(corpus, cache_dir, existing_run, data_mode="zip")
+    proc = assert_refused(DP, argv, "invalid choice: 'zip'", existing_run, cache_dir)
+    assert "usage:" not in proc.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# Out-dir and resume
+
+
+def test_out_dir_that_cannot_be_created_is_refused(corpus, cache_dir, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    argv = cli(corpus, cache_dir, a_file / "out")
+    assert_refused(DP, argv, "cannot be created or written", a_file, cache_dir)
+
+
+def test_missing_resume_path_is_refused(existing_run, corpus, cache_dir, tmp_path):
+    argv = cli(corpus, cache_dir, existing_run, resume=tmp_path / "nope.pt")
+    assert_refused(DP, argv, "no checkpoint file at", existing_run, cache_dir)
+
+
+def test_resuming_a_checkpoint_of_another_model_is_refused(existing_run, corpus, cache_dir):
+    argv = cli(corpus, cache_dir, existing_run, model="small")  # same run, another size
+    assert_refused(DP, argv, "the checkpoint holds a model with config", existing_run, cache_dir)
+
+
+def test_resuming_with_another_tokenizer_is_refused(existing_run, corpus, cache_dir, tmp_path):
+    # Same vocabulary size, so the model config matches: only the tokenizer itself differs.
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["[PAD]", "[BOT]", "[EOT]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    # The same documents reversed: plenty of text, and certainly other merges.
+    other.train_from_iterator([p.read_text()[::-1] for p in corpus.glob("*.txt")], trainer)
+    assert other.get_vocab_size() == 320
+    path = tmp_path / "other.json"
+    other.save(str(path))
+    argv = cli(corpus, cache_dir, existing_run) + ["--tokenizer", str(path)]
+    assert_refused(DP, argv, "different tokenizer", existing_run, cache_dir)
+
+
+def test_resuming_with_another_data_order_or_schedule_is_refused(existing_run, corpus, cache_dir):
+    argv = cli(corpus, cache_dir, existing_run, batch_size=16, max_steps=20)
+    proc = assert_refused(DP, argv, "the checkpoint was made with", existing_run, cache_dir)
+    assert "--batch-size 8 (now 16)" in proc.stderr and "--max-steps 8 (now 20)" in proc.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# Distributed setup
+
+
+def test_nccl_backend_without_cuda_is_refused(existing_run, corpus, cache_dir):
+    argv = cli(corpus, cache_dir, existing_run) + ["--backend", "nccl"]
+    assert_refused(DDP, argv, "--backend nccl needs CUDA GPUs", existing_run, cache_dir)
+
+
+def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
+    # No GPU here: pretend the node has one, and be the second process on it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="local rank 1 has no GPU: this node has 1"):
+        train_ddp.setup_distributed(backend=None)
+
+
+@pytest.mark.parametrize("mistake", ["flag", "data"])
+def test_under_torchrun_the_error_is_printed_once(existing_run, corpus, cache_dir, mistake):
+    # A bad flag fails before the process group exists, bad data after it: rank 0 alone speaks.
+    argv = cli(corpus, cache_dir, existing_run, model="huge" if mistake == "flag" else "tiny")
+    if mistake == "data":
+        argv[argv.index("--data") + 1] = str(corpus / "missing" / "*.txt")
+    assert_refused(DDP, argv, "error: ", existing_run, cache_dir, world=2)

@@ -1,0 +1,237 @@
+"""Specification of fault tolerance: real kills, damaged checkpoints, NaN losses, several nodes.
+
+A week-long run must survive a dead worker, a killed job and a half-written file without losing
+work, and end with exactly the weights an uninterrupted run would have: on CPU, bit for bit.
+Every test here kills or damages something for real (SIGKILL to a process, a truncated file)
+and compares with an uninterrupted run made by `trained` (tests/test_training.py's fixtures and
+helpers are reused, so both files speak the same vocabulary).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import (
+    DDP,
+    DP,
+    LAUNCH_TIMEOUT,
+    REPO,
+    assert_state_dicts_close,
+    cli,
+    copy_checkpoint,
+    free_port,
+    load_weights,
+    read_metrics,
+    run_ddp_sh_env,
+    run_script,
+    snapshot,
+)
+
+# Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
+FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
+
+
+def launch(argv: list[str], **env) -> subprocess.Popen:
+    """Start run_ddp.sh (2 CPU processes under torchrun) in a process group of its own."""
+    return subprocess.Popen(
+        ["bash", str(REPO / "run_ddp.sh"), *argv], cwd=REPO, env=run_ddp_sh_env(**env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(launcher: subprocess.Popen) -> tuple[int, str]:
+    """Wait for the launcher; on a timeout kill its whole process group, workers included."""
+    try:
+        out, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        out, _ = launcher.communicate()
+        raise AssertionError(f"the run hung; its output:\n{out[-6000:]}") from None
+    return launcher.returncode, out
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below pid (the launcher's workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the training process with global rank `rank` under this launcher."""
+    for pid in descendants(launcher.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if DDP.encode() in cmdline and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher.pid}")
+
+
+def wait_for(path: Path, launcher: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+            raise AssertionError(f"{path.name} was never written:\n{launcher.communicate()[0]}")
+        time.sleep(0.02)
+
+
+# -------------------------------------------------------------------------------------------------
+# Kills under torchrun
+
+
+def test_killed_worker_is_restarted_by_torchrun_and_resumes_bit_identically(
+    trained, corpus, cache_dir, tmp_path
+):
+    reference = trained(DDP, world=2, **FAULT_RUN)
+    out = tmp_path / "out"
+    # Through run_ddp.sh, the product's launcher, as a user would run it.
+    launcher = launch(cli(corpus, cache_dir, out, **FAULT_RUN), MAX_RESTARTS="1")
+    wait_for(out / "checkpoints" / "step_0000008.pt", launcher)
+    os.kill(worker_pid(launcher, rank=1), signal.SIGKILL)  # mid-run, between checkpoints
+    rc, output = finish(launcher)
+
+    assert rc == 0, output[-6000:]
+    # torchrun restarted the group, and the new workers found the checkpoint by themselves.
+    assert "resumed from" in output, output[-6000:]
+    assert_weights_equal(load_weights(out), load_weights(reference))
+    train_steps = [r["step"] for r in read_metrics(out)[0]]
+    assert train_steps == sorted(set(train_steps)), "metrics.jsonl repeats or misorders steps"
+
+
+def test_killed_job_rerun_with_the_same_command_resumes_bit_identically(
+    trained, corpus, cache_dir, tmp_path
+):
+    reference = trained(DDP, world=2, **FAULT_RUN)
+    out = tmp_path / "out"
+    argv = cli(corpus, cache_dir, out, **FAULT_RUN)
+    launcher = launch(argv, MAX_RESTARTS="0")
+    wait_for(out / "checkpoints" / "step_0000008.pt", launcher)
+    os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and every worker, like a dead node
+    launcher.wait(timeout=LAUNCH_TIMEOUT)
+    assert not (out / "model.pt").exists(), "the first run finished before it was killed"
+
+    rc, output = finish(launch(argv, MAX_RESTARTS="0"))  # the same command again
+    assert rc == 0, output[-6000:]
+    assert "resumed from" in output
+    assert_weights_equal(load_weights(out), load_weights(reference))
+
+
+def assert_weights_equal(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    differ = [name for name in expected if not torch.equal(actual[name], expected[name])]
+    assert not differ, f"not bit-identical to the uninterrupted run: {differ}"
+
+
+# -------------------------------------------------------------------------------------------------
+# Damaged checkpoint files
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(
+    trained, corpus, cache_dir, tmp_path
+):
+    reference = trained(DP)  # 8 steps, checkpoints at 4 and 8
+    out = tmp_path / "out"
+    copy_checkpoint(reference, 4, out)
+    newest = out / "checkpoints" / "step_0000008.pt"
+    data = (reference / "checkpoints" / "step_0000008.pt").read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # as if the disk filled up mid-write
+    # What a process killed inside atomic_save leaves behind: a temporary file, never renamed.
+    stray = out / "checkpoints" / "step_0000012.pt.tmp4242"
+    stray.write_bytes(data[:1000])
+
+    proc = run_script(DP, cli(corpus, cache_dir, out))
+    assert "cannot read checkpoint" in proc.stderr and "step_0000008.pt" in proc.stderr
+    assert "resumed from" in proc.stdout and "step_0000004.pt" in proc.stdout
+    assert not stray.exists(), "the stale temporary file was not cleaned up"
+    assert_weights_equal(load_weights(out), load_weights(reference))
+
+
+def test_resume_path_to_a_corrupt_file_is_refused_and_nothing_changes(
+    trained, corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    shutil.copytree(trained(DP), out)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    before = snapshot(out)
+    proc = run_script(DP, cli(corpus, cache_dir, out, resume=bad), expect_rc=2)
+    assert "cannot read checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert snapshot(out) == before
+
+
+# -------------------------------------------------------------------------------------------------
+# Non-finite losses
+
+# An absurd learning rate: the first update blows the weights up, step 2's loss is not finite.
+NAN_RUN = {"lr": 1e4, "warmup_steps": 0, "save_interval": 1, "eval_interval": 100}
+
+
+@pytest.mark.parametrize("script, world", [(DP, 1), (DDP, 2)])
+def test_nonfinite_loss_stops_the_run_naming_the_step_and_saves_nothing_bad(
+    corpus, cache_dir, tmp_path, script, world
+):
+    out = tmp_path / "out"
+    proc = run_script(script, cli(corpus, cache_dir, out, **NAN_RUN), world, expect_rc=None)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "NaN/infinite at step 2" in output
+    assert output.count("error: the loss or the gradient became") == 1, "printed once, by rank 0"
+    assert not (out / "model.pt").exists()
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_0000001.pt"], "only the last good state may be saved"
+    ckpt = torch.load(out / "checkpoints" / checkpoints[0], weights_only=True)
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_skip_nonfinite_skips_bad_updates_and_finishes_with_finite_weights(
+    corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    proc = run_script(DP, cli(corpus, cache_dir, out, **NAN_RUN) + ["--skip-nonfinite"])
+    assert "step 2 has a non-finite loss or gradient; its update is skipped" in proc.stderr
+    weights = load_weights(out)
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+# -------------------------------------------------------------------------------------------------
+# Several nodes
+
+
+def test_two_nodes_of_one_process_equal_one_node_of_two(trained, corpus, cache_dir, tmp_path):
+    # Two "nodes" on one machine, each its own run_ddp.sh (one torchrun agent, one worker),
+    # meeting through the c10d rendezvous on 127.0.0.1, the way cluster nodes meet.
+    out, port = tmp_path / "out", str(free_port())
+    nodes = [
+        launch(cli(corpus, cache_dir, out), NNODES="2", NODE_RANK=str(node_rank),
+               NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, MAX_RESTARTS="0",
+               RDZV_ID="two-nodes")
+        for node_rank in (0, 1)
+    ]  # fmt: skip
+    for node in nodes:
+        rc, output = finish(node)
+        assert rc == 0, output[-6000:]
+    assert "--nnodes=2" in output
+    # Same ranks, same shards, same collectives as one node with two processes.
+    assert_state_dicts_close(load_weights(out), load_weights(trained(DDP, world=2)))
