@@ -235,6 +235,7 @@ def export(out_dir: str, hf_dir: str) -> None:
             "model_max_length": config.max_position_embeddings,
             # decode(encode(code)) must give the code back: no "tidying" of spaces before '.'
             "clean_up_tokenization_spaces": False,
+            # A literal "[BOT]" in a text is text, as in data.py, not a document boundary.
             "split_special_tokens": True,
         },
     )
@@ -270,7 +271,7 @@ def import_hf(hf_dir: str, out_dir: str) -> None:
         if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's table
             continue
         state_dict[from_hf_name(name)] = t.float()  # train and keep master weights in fp32
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
         state_dict["lm_head.weight"] = state_dict["tok_embeddings.weight"]
     model = LlamaForPretraining(config)
     try:

@@ -8,7 +8,7 @@ Reads the three files every training script writes at the end of a run (`model.p
 `config.json`, `tokenizer.json`) and prints the prompt followed by its continuation. The prompt
 is prefixed with [BOT], as every training document is, and decoding stops at [EOT], the token the
 model learnt to put at the end of a document. On a GPU the weights are loaded in bf16 (half the
-memory, same quality for sampling) where the GPU supports it; on CPU they stay fp32.
+memory) where the GPU supports it; on CPU they stay fp32.
 
 The training scripts' end-of-run sample calls `generate_text` below, so what they print is
 exactly what this script prints for the same prompt and seed.
