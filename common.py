@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import data
+from generate import generate_text
 from model import LlamaConfig, LlamaForPretraining, count_parameters
 
 # -------------------------------------------------------------------------------------------------
@@ -391,22 +392,13 @@ def evaluate(
     return loss_sum, num_tokens
 
 
-def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, device) -> str:
-    """`prompt` and a short continuation of it, decoded; the same every time (seeded)."""
-    model.eval()
-    ids = [tokenizer.token_to_id(data.BOT)] + tokenizer.encode(prompt).ids
-    generator = torch.Generator(device=device).manual_seed(0)
-    prompt_ids = torch.tensor([ids], device=device)  # (1, T)
-    max_new_tokens = min(max_new_tokens, model.config.max_position_embeddings - len(ids))
-    out = model.generate(
-        prompt_ids,
-        max_new_tokens,
-        temperature=0.8,
-        top_k=50,
-        eos_id=tokenizer.token_to_id(data.EOT),
-        generator=generator,
-    )
-    return tokenizer.decode(out[0, 1:].tolist())  # decode drops the special tokens
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """`prompt` and a short continuation of it, decoded; the same every time (seed 0).
+
+    This is generate.py's own function with its default sampling settings, so on CPU
+    `python generate.py --seed 0 --prompt ... --max-new-tokens ...` prints the same text.
+    """
+    return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -267,9 +267,7 @@ def main():
         common.save_final(args.out_dir, model, config, tokenizer)
         print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
         if args.sample_tokens:
-            text = common.sample_text(
-                model, tokenizer, args.sample_prompt, args.sample_tokens, device
-            )
+            text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
             print(f"sample:\n{text}")
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()

@@ -180,7 +180,7 @@ def main():
     common.save_final(args.out_dir, model, config, tokenizer)
     print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
     if args.sample_tokens:
-        text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens, device)
+        text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
         print(f"sample:\n{text}")
 
 

@@ -1,14 +1,25 @@
-"""Session fixtures of the training tests: one corpus, one cache, and the reference runs that
-several tests compare against (each made once per session)."""
+"""Shared fixtures.
+
+The training tests share one corpus, one cache and the reference runs that several of them
+compare against (`trained`: each run made once per session). The tests of what reads a run's
+outputs (generate.py, export_hf.py) need no training: an out-dir is model.pt + config.json +
+tokenizer.json, and `common.save_final` writes exactly what the training scripts write
+(`make_out_dir`, `out_dir`, built in-process in well under a second).
+"""
 
 from pathlib import Path
 
+import datasets
 import pytest
+import torch
 from harness import build_args, cli, run_script, write_corpus
 
 import common
+import data
+from model import LlamaConfig, LlamaForPretraining
 
-# Session fixtures: one corpus, one cache, and the reference runs several tests compare against
+# -------------------------------------------------------------------------------------------------
+# Training runs
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +53,62 @@ def trained(tmp_path_factory, corpus, cache_dir):
         return runs[key]
 
     return get
+
+
+# -------------------------------------------------------------------------------------------------
+# A run's outputs, without training
+
+TEXTS = [
+    "def add(x, y):\n    return x + y\n",
+    "The model reads the data and the loss goes down.\n",
+    "class Rank:\n    def step(self):\n        return self.batch\n",
+] * 4
+
+
+def tiny_tokenizer(cache_dir):
+    """A byte-level BPE of ~300 tokens with [PAD], [BOT], [EOT] = 0, 1, 2, as data.py trains."""
+    return data.get_tokenizer(datasets.Dataset.from_dict({"text": TEXTS}), 300, str(cache_dir))
+
+
+def tiny_model(vocab_size: int, tie: bool = False, seed: int = 0) -> LlamaForPretraining:
+    """A 2-layer model whose every parameter, norms included, is random and large.
+
+    Large weights make the next token depend strongly on every earlier token and position (a
+    fresh std-0.02 model is nearly a bigram model), and random norm gains make a swapped
+    attention_norm / ffn_norm visible in any comparison.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=500000.0, tie_word_embeddings=tie,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForPretraining(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(std=0.3)
+            else:  # RMSNorm gains
+                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_out_dir(tmp_path_factory):
+    """make_out_dir(tie=False) -> a directory with model.pt, config.json and tokenizer.json."""
+    cache = tmp_path_factory.mktemp("tokenizer_cache")
+
+    def make(tie: bool = False):
+        out = tmp_path_factory.mktemp("out_tied" if tie else "out")
+        tokenizer = tiny_tokenizer(cache)
+        model = tiny_model(tokenizer.get_vocab_size(), tie=tie)
+        common.save_final(str(out), model, model.config, tokenizer)
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def out_dir(make_out_dir):
+    """One shared out-dir; tests must not write into it."""
+    return make_out_dir()

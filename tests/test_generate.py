@@ -1,0 +1,141 @@
+"""Specification of generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
+
+The out-dir comes from conftest.py (a tiny random model saved with common.save_final, exactly
+what the training scripts write); only two tests launch the script itself (~4 s each).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+from generate import generate_text, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "def add(x"
+
+
+def run_generate(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "generate.py"), *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def always_predicts(model, token_id: int):
+    """Rewire `model` so that its next token is `token_id` whatever the input.
+
+    The layers add nothing (wo = w2 = 0), every embedding is the same vector of ones, so the final
+    norm sees ones everywhere; lm_head scores only `token_id`'s row (ones . ones = hidden_size).
+    """
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wo.weight.zero_()
+            layer.feed_forward.w2.weight.zero_()
+        model.tok_embeddings.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token_id] = 1.0
+    return model
+
+
+def test_cli_prints_the_prompt_and_its_greedy_continuation(out_dir):
+    proc = run_generate("--out-dir", str(out_dir), "--prompt", PROMPT, "--max-new-tokens", "12",
+                        "--temperature", "0")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load_model(str(out_dir))
+    expected = generate_text(model, tokenizer, PROMPT, 12, temperature=0)
+    assert expected.startswith(PROMPT) and len(expected) > len(PROMPT)
+    assert proc.stdout == expected + "\n"
+
+
+def test_cli_reports_a_missing_model_in_one_line_with_exit_code_2(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    proc = run_generate("--out-dir", str(tmp_path), "--prompt", PROMPT)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "model.pt" in proc.stderr and "tokenizer.json" in proc.stderr
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 3)], ids=["greedy", "sampled"])
+def test_cached_and_uncached_decoding_give_the_same_text(out_dir, temperature, seed):
+    model, tokenizer = load_model(str(out_dir))
+    cached = generate_text(model, tokenizer, PROMPT, 30, temperature, seed=seed)
+    uncached = generate_text(model, tokenizer, PROMPT, 30, temperature, seed=seed, use_cache=False)
+    assert cached == uncached
+
+
+def test_greedy_decoding_is_deterministic(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    texts = {generate_text(model, tokenizer, PROMPT, 30, temperature=0, seed=s) for s in range(3)}
+    assert len(texts) == 1  # the seed plays no part at temperature 0
+
+
+def test_the_same_seed_gives_the_same_sample_and_other_seeds_others(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    samples = [generate_text(model, tokenizer, PROMPT, 30, 1.0, top_k=None, seed=s)
+               for s in (0, 0, 1, 2)]  # fmt: skip
+    assert samples[0] == samples[1]
+    assert len(set(samples[1:])) == 3
+
+
+def test_the_prompt_is_prefixed_with_bot(out_dir, monkeypatch):
+    model, tokenizer = load_model(str(out_dir))
+    seen = []
+    monkeypatch.setattr(model, "generate", lambda ids, *a, **k: seen.append(ids) or ids)
+    generate_text(model, tokenizer, PROMPT, 5)
+    assert seen[0][0].tolist() == [tokenizer.token_to_id("[BOT]"), *tokenizer.encode(PROMPT).ids]
+
+
+def test_decoding_stops_at_eot(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    eot = tokenizer.token_to_id("[EOT]")
+    assert generate_text(always_predicts(model, eot), tokenizer, PROMPT, 20, 0) == PROMPT
+    # The control: the same rewiring toward an ordinary token keeps going to max_new_tokens.
+    a = tokenizer.token_to_id("a")
+    assert generate_text(always_predicts(model, a), tokenizer, PROMPT, 20, 0) == PROMPT + "a" * 20
+
+
+def test_a_long_request_stops_at_the_end_of_the_context(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    a = tokenizer.token_to_id("a")
+    text = generate_text(always_predicts(model, a), tokenizer, PROMPT, 1000, 0)
+    prompt_tokens = 1 + len(tokenizer.encode(PROMPT).ids)  # [BOT] + prompt
+    assert text == PROMPT + "a" * (model.config.max_position_embeddings - prompt_tokens)
+
+
+def test_a_prompt_as_long_as_the_context_is_refused(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    with pytest.raises(ValueError, match="context"):
+        generate_text(model, tokenizer, "x = 1\n" * 100, 5)
+
+
+def test_bf16_weights_generate_with_a_bf16_cache(out_dir):
+    # What a GPU run does (bf16 where supported); on CPU only when asked for.
+    model, tokenizer = load_model(str(out_dir), "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    text = generate_text(model, tokenizer, PROMPT, 10, temperature=0)
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+
+
+def test_load_model_refuses_what_is_not_an_out_dir(out_dir, tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        load_model(str(tmp_path / "nowhere"))
+    for name in ("model.pt", "config.json", "tokenizer.json"):
+        (tmp_path / name).write_bytes((out_dir / name).read_bytes())
+    (tmp_path / "config.json").write_text('{"hidden_sise": 32}')
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_bytes((out_dir / "config.json").read_bytes())
+    (tmp_path / "model.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="model.pt"):
+        load_model(str(tmp_path))
+
+
+def test_the_training_scripts_sample_is_generate_text_with_seed_0(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    expected = generate_text(model, tokenizer, "def ", 20, seed=0)
+    assert common.sample_text(model, tokenizer, "def ", 20) == expected

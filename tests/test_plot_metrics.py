@@ -1,0 +1,93 @@
+"""Specification of plot_metrics.py: read metrics.jsonl as the training scripts write it, plot it.
+
+Reading needs only the standard library and is always tested; drawing is tested where
+matplotlib is installed (`pip install -r requirements-plot.txt`).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import plot_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_metrics(out_dir: Path, steps: int = 20, mfu: bool = False, eval_every: int = 10) -> Path:
+    """A metrics.jsonl in the training scripts' format: train lines, and eval lines."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": 6.0 - 0.1 * step, "lr": 1e-3, "tokens_per_sec": 7000.0,
+                  "grad_norm": 1.0}  # fmt: skip
+        if mfu:
+            record["mfu"] = 0.3
+        lines.append(record)
+        if step % eval_every == 0:
+            lines.append({"step": step, "val_loss": 6.5 - 0.1 * step, "val_ppl": 100.0})
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out_dir
+
+
+def test_read_metrics_separates_train_and_evaluation_lines(tmp_path):
+    train, evals = plot_metrics.read_metrics(str(write_metrics(tmp_path / "run")))
+    assert [r["step"] for r in train] == list(range(1, 21))
+    assert [r["step"] for r in evals] == [10, 20]
+    assert all("loss" in r for r in train) and all("val_loss" in r for r in evals)
+
+
+def test_read_metrics_keeps_the_last_line_of_a_repeated_step_and_skips_a_cut_last_line(tmp_path):
+    # A run resumed from its step-10 checkpoint after logging step 12 logs 11 and 12 again; a
+    # kill mid-write leaves half a line at the end.
+    out = write_metrics(tmp_path / "run", steps=12, eval_every=100)
+    again = [{"step": s, "loss": 1.0, "lr": 1e-3, "tokens_per_sec": 1.0} for s in (11, 12, 13)]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in again) + '{"step": 14, "lo')
+    train, _ = plot_metrics.read_metrics(str(out))
+    assert [r["step"] for r in train] == list(range(1, 14))
+    assert [r["loss"] for r in train[-3:]] == [1.0, 1.0, 1.0]
+
+
+def test_read_metrics_of_a_directory_without_metrics_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match="metrics.jsonl"):
+        plot_metrics.read_metrics(str(tmp_path))
+
+
+def test_runs_are_labelled_by_directory_name_and_by_path_when_names_clash():
+    assert plot_metrics.run_labels(["a/dp", "a/ddp/"]) == ["dp", "ddp"]
+    assert plot_metrics.run_labels(["a/out", "b/out"]) == ["a/out", "b/out"]
+
+
+def test_without_matplotlib_plotting_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(SystemExit, match="requirements-plot.txt"):
+        plot_metrics.load_pyplot()
+
+
+def test_cli_overlays_runs_into_a_png_even_when_no_mfu_was_logged(tmp_path):
+    pytest.importorskip("matplotlib")
+    dp = write_metrics(tmp_path / "dp")
+    ddp = write_metrics(tmp_path / "ddp", steps=30, mfu=True)
+    output = tmp_path / "both.png"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "plot_metrics.py"), str(dp), str(ddp), "--output", str(output)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert output.read_bytes().startswith(b"\x89PNG") and output.stat().st_size > 10_000
+
+    # One run, no MFU anywhere: the default output lands in its out-dir.
+    proc = subprocess.run([sys.executable, str(REPO / "plot_metrics.py"), str(dp)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (dp / "metrics.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_reports_a_missing_run_in_one_line_with_exit_code_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "plot_metrics.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
