@@ -411,11 +411,19 @@ class Metrics:
     def __init__(self, out_dir: str, enabled: bool, resume_step: int):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled = enabled
-        if enabled and resume_step > 0 and os.path.exists(self.path):
-            # A run killed after its last checkpoint logged steps that the resumed run will log
-            # again; drop them so the file keeps one line per step.
+        if enabled and os.path.exists(self.path):
+            # A run killed after its last checkpoint (or before its first: resume_step 0) logged
+            # steps that this run will log again, and a kill in the middle of a write can leave
+            # half a line. Keep the whole lines up to the step this run starts from.
+            kept = []
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # the torn last line of a killed run
+                    if record["step"] <= resume_step:
+                        kept.append(json.dumps(record) + "\n")
             atomic_write_text(self.path, "".join(kept))
 
     def log(self, **record) -> None:

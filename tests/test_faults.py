@@ -7,6 +7,7 @@ and compares with an uninterrupted run made by `trained` (tests/test_training.py
 helpers are reused, so both files speak the same vocabulary).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -165,6 +166,22 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(
     assert "cannot read checkpoint" in proc.stderr and "step_0000008.pt" in proc.stderr
     assert "resumed from" in proc.stdout and "step_0000004.pt" in proc.stdout
     assert not stray.exists(), "the stale temporary file was not cleaned up"
+    assert_weights_equal(load_weights(out), load_weights(reference))
+
+
+def test_a_torn_last_line_in_metrics_jsonl_does_not_stop_the_resume(
+    trained, corpus, cache_dir, tmp_path
+):
+    reference = trained(DP)  # 8 steps, a checkpoint at 4
+    out = tmp_path / "out"
+    copy_checkpoint(reference, 4, out)
+    lines = (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+    # Killed while appending step 6's line, after the checkpoint of step 4:
+    (out / "metrics.jsonl").write_text("".join(lines[:6]) + lines[6][: len(lines[6]) // 2])
+
+    run_script(DP, cli(corpus, cache_dir, out))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
     assert_weights_equal(load_weights(out), load_weights(reference))
 
 
