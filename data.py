@@ -209,7 +209,7 @@ def get_tokenizer(
     and a rerun on the same corpus loads <cache_dir>/tokenizers/<key>/tokenizer.json instead.
     """
     if path is not None:
-        tokenizer = _load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
     else:
         if vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ValueError(
@@ -219,7 +219,7 @@ def get_tokenizer(
         cached = os.path.join(cache_dir, "tokenizers", _tokenizer_key(vocab_size, texts))
         cached_file = os.path.join(cached, "tokenizer.json")
         if os.path.exists(cached_file):
-            tokenizer = _load_tokenizer(cached_file)
+            tokenizer = load_tokenizer(cached_file)
         else:
             tokenizer = _train_tokenizer(texts, vocab_size)
             os.makedirs(cached, exist_ok=True)
@@ -272,7 +272,13 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a tokenizer.json of this suite; ValueError saying why if it is not one.
+
+    Checks that [PAD], [BOT], [EOT] have ids 0, 1, 2, which the data pipeline and the model's
+    outputs rely on, and makes a literal "[BOT]" in a text tokenize as text, never as the
+    special id (this flag is not saved in tokenizer.json, so it is set after every load).
+    """
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")
     try:
@@ -280,15 +286,17 @@ def _load_tokenizer(path: str) -> Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception for unparsable files
         raise ValueError(
             f"could not read {path!r} as a tokenizers tokenizer.json ({e}); pass a file saved "
-            f"by Tokenizer.save(), or leave out --tokenizer to train one"
+            f"by Tokenizer.save() (every run writes one to its out-dir), or leave out "
+            f"--tokenizer to train one"
         ) from e
     for expected_id, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != expected_id:
             raise ValueError(
                 f"tokenizer {path!r} maps {token} to id {tokenizer.token_to_id(token)}, but "
-                f"this project needs {', '.join(f'{t}={i}' for i, t in enumerate(SPECIAL_TOKENS))}"
+                f"this suite needs {', '.join(f'{t}={i}' for i, t in enumerate(SPECIAL_TOKENS))}"
                 f"; leave out --tokenizer to train a compatible one"
             )
+    tokenizer.encode_special_tokens = True
     return tokenizer
 
 

@@ -21,7 +21,7 @@ import os
 import torch
 from tokenizers import Tokenizer
 
-from data import BOT, EOT
+from data import BOT, EOT, load_tokenizer
 from model import LlamaConfig, LlamaForPretraining
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")
@@ -32,19 +32,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    try:
-        tokenizer = Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception for unparsable files
-        raise ValueError(f"could not read {path} as a tokenizer.json ({e})") from e
-    for token in (BOT, EOT):
-        if tokenizer.token_to_id(token) is None:
-            raise ValueError(f"{path} has no {token} token: it is not a tokenizer of this suite")
-    # As in data.py: a literal "[BOT]" typed in a prompt is text, not a document boundary.
-    tokenizer.encode_special_tokens = True
-    return tokenizer
 
 
 def load_model(
