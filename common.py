@@ -9,6 +9,7 @@ distributed changes alone.
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import data
@@ -131,6 +133,19 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="tokens to generate from the trained model at the end (0: none)",
     )
     g.add_argument("--sample-prompt", default="def ", help="prompt of the final sample")
+
+    g = p.add_argument_group("memory")
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="keep only each decoder layer's input and recompute the rest in backward: less "
+        "activation memory for ~1/3 more compute; the same results",
+    )
+    g.add_argument(
+        "--plan",
+        action="store_true",
+        help="print memory_plan.py's per-GPU memory estimate for this run at start-up",
+    )
     return p
 
 
@@ -263,6 +278,19 @@ def compile_layers(model: LlamaForPretraining) -> None:
     parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected."""
     for layer in model.layers:
         layer.compile()
+
+
+def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
+    """Recompute each decoder layer's activations in backward instead of storing them.
+
+    Each layer's forward runs under torch.utils.checkpoint, which keeps only the layer's inputs
+    and runs the forward again when backward reaches the layer. Non-reentrant (use_reentrant=
+    False) is the recommended variant: it works with DDP, FSDP and torch.compile, and it replays
+    the RNG state. The forward is replaced on each instance from here, outside model.py, and
+    the parameter names stay unchanged, so checkpoints and model.pt are unaffected.
+    """
+    for layer in model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:

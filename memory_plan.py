@@ -165,6 +165,9 @@ def plan(
 def format_plan(p: dict) -> str:
     """The plan as a table, and which strategies fit --gpu-memory."""
     w, g, o = BYTES_PER_PARAM[p["precision"]]
+    # Small models (the tiny preset of a CPU run) would show only zeros in GB: use MB there.
+    scale, unit = (1, "GB") if p["strategies"]["ddp"]["model_states_gb"] >= 1 else (1e3, "MB")
+
     lines = [
         f"memory per GPU: {p['num_params'] / 1e9:.3g}B parameters, {p['world_size']} GPUs, "
         f"precision {p['precision']} ({w}+{g}+{o} bytes per parameter)"
@@ -175,12 +178,12 @@ def format_plan(p: dict) -> str:
             else ""
         ),
         f"{'strategy':<9}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
-        f"{'acts':>9}{'total':>9}{'acts AC':>9}{'total AC':>10}   (GB; AC = activation "
+        f"{'acts':>9}{'total':>9}{'acts AC':>9}{'total AC':>10}   ({unit}; AC = activation "
         f"checkpointing)",
     ]
 
     def gb(x):
-        return "n/a" if x is None else f"{x:.2f}"
+        return "n/a" if x is None else f"{x * scale:.2f}"
 
     for name, r in p["strategies"].items():
         lines.append(
