@@ -65,13 +65,34 @@ def assert_same_logged_losses_after_step_4(resumed: Path, full: Path) -> None:
 # -------------------------------------------------------------------------------------------------
 # The same weights as DDP on the same global batch
 
+ZERO3 = ("--zero-stage", "3")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, corpus, cache_dir):
+    """launched(script, world, *flags) -> the out-dir of that run, made once per module.
+
+    Callers must not write into the returned directory: copy what they need to change.
+    """
+    runs: dict[tuple, Path] = {}
+
+    def get(script: str, world: int, *flags: str) -> Path:
+        key = (script, world, flags)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(Path(script).stem)
+            run_script(script, cli(corpus, cache_dir, out) + list(flags), world)
+            runs[key] = out
+        return runs[key]
+
+    return get
+
 
 @pytest.mark.parametrize(
     "script, world, flags",
     [
         (DDP, 2, ("--zero1",)),
         (DP, 1, ("--activation-checkpointing",)),
-        (FSDP, 2, ("--zero-stage", "3")),
+        (FSDP, 2, ZERO3),
         # Stage 2, checkpointed, and 4 micro-batches per rank: also proves that
         # set_requires_gradient_sync(False) accumulates exactly like one big batch.
         (FSDP, 2, ("--zero-stage", "2", "--activation-checkpointing", "--micro-batch-size", "1")),
@@ -80,9 +101,8 @@ def assert_same_logged_losses_after_step_4(resumed: Path, full: Path) -> None:
     ids=["zero1", "dp-checkpointing", "fsdp-zero3", "fsdp-zero2-checkpointing-accum",
          "fsdp-zero3-checkpointing-offload"],
 )  # fmt: skip
-def test_strategy_trains_like_ddp(trained, corpus, cache_dir, tmp_path, script, world, flags):
-    out = tmp_path / "out"
-    run_script(script, cli(corpus, cache_dir, out) + list(flags), world)
+def test_strategy_trains_like_ddp(trained, launched, script, world, flags):
+    out = launched(script, world, *flags)
     reference = trained(DDP, world=2)
     assert_state_dicts_close(load_weights(out), load_weights(reference))
     # The losses and the pre-clip gradient norm too: a gradient off by a constant factor (say,
@@ -95,15 +115,12 @@ def test_strategy_trains_like_ddp(trained, corpus, cache_dir, tmp_path, script, 
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, corpus, cache_dir) -> Path:
-    out = tmp_path_factory.mktemp("fsdp_zero3")
-    run_script(FSDP, cli(corpus, cache_dir, out), world=2)
-    return out
+def fsdp_run(launched) -> Path:
+    return launched(FSDP, 2, *ZERO3)
 
 
-def test_zero1_resume_is_bit_identical(corpus, cache_dir, tmp_path):
-    full = tmp_path / "full"
-    run_script(DDP, cli(corpus, cache_dir, full) + ["--zero1"], world=2)
+def test_zero1_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path):
+    full = launched(DDP, 2, "--zero1")
     out = tmp_path / "resumed"
     copy_checkpoint(full, 4, out)
     proc = run_script(DDP, cli(corpus, cache_dir, out) + ["--zero1"], world=2)
@@ -118,6 +135,14 @@ def test_zero1_resume_is_bit_identical(corpus, cache_dir, tmp_path):
         same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
         assert same, f"optimizer{key} differs after resuming"
     assert_same_logged_losses_after_step_4(out, full)
+
+
+def test_zero1_checkpoint_resumes_in_train_dp(launched, trained, corpus, cache_dir, tmp_path):
+    # The consolidated checkpoint is a plain one: any script, any world size reads it.
+    out = tmp_path / "resumed"
+    checkpoint = copy_checkpoint(launched(DDP, 2, "--zero1"), 4, out)
+    run_script(DP, cli(corpus, cache_dir, out, resume=str(checkpoint)))
+    assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
 
 
 def test_fsdp_resume_is_bit_identical(fsdp_run, corpus, cache_dir, tmp_path):
