@@ -263,6 +263,11 @@ def main():
             )
             print(f"sample:\n{text}")
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
+    # Release DDP's reducer (it holds the process group from C++) while the group still exists:
+    # were the group destroyed by it at exit, gloo's destructor would wait for its worker
+    # threads while holding the GIL, and a worker freeing a tensor needs the GIL (an occasional
+    # hang at exit, seen with --zero1's many async broadcasts; pytorch/pytorch#56297).
+    del ddp_model
     dist.destroy_process_group()
 
 
