@@ -29,7 +29,9 @@ The bytes per parameter (w, g, o) depend on what is kept, which `--precision` se
          master weights, momentum and variance: K = 12). This reproduces the paper's Figure 1:
          7.5B parameters on 64 GPUs need 120, 31.4, 16.6 and 1.9 GB per GPU.
 (Note: train_fsdp.py's stage 2 keeps the *gathered* weights between forward and backward, as
-the table says; its gradients are reduce-scattered to shards.)
+the table says; its gradients are reduce-scattered to shards. With --precision bf16 those
+gathered weights are bf16 copies, 2 bytes, next to the 4/N bytes of the fp32 shards: the ZeRO-2
+row then overestimates the weights by up to 2 bytes per parameter.)
 
 **Activations**, per GPU, for one micro-batch of b sequences of s tokens (hidden size h,
 a heads, L layers, vocabulary V), after Korthikanti et al. 2022 ("Reducing Activation

@@ -363,6 +363,10 @@ def main():
         plain.load_state_dict(full_state)
         common.save_final(args.out_dir, plain, config, tokenizer)
         print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+        if args.plan and device.type == "cuda":
+            # What the plan printed at start-up estimated, against what this GPU really needed.
+            peak = torch.cuda.max_memory_allocated(device) / 1e9
+            print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
         if args.sample_tokens:
             text = common.sample_text(
                 plain.to(device), tokenizer, args.sample_prompt, args.sample_tokens, device
