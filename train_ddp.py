@@ -22,11 +22,13 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 import common
+import memory_plan
 from model import IGNORE_INDEX
 
 
@@ -98,6 +100,12 @@ def main():
         default=None,
         help="process group backend (default: nccl on GPU, gloo on CPU)",
     )
+    parser.add_argument(
+        "--zero1",
+        action="store_true",
+        help="ZeRO-1: shard AdamW's state over the ranks (ZeroRedundancyOptimizer); "
+        "weights and gradients stay replicated as in DDP",
+    )
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup_distributed(args.backend)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
@@ -134,6 +142,16 @@ def main():
     model, config = common.build_model(args, tokenizer.get_vocab_size())
     model.to(device)
     optimizer = common.build_optimizer(model, args, device.type)
+    if args.zero1:
+        # ZeRO-1 (stage 1 of Rajbhandari et al.): the same AdamW, but each rank keeps the moments
+        # of only ~1/N of the parameters and updates only those; step() then broadcasts each
+        # rank's updated parameters to the others. Gradients are still all-reduced by DDP, so
+        # everything up to optimizer.step() is unchanged. AdamW allocates its state lazily, so
+        # the one built above cost nothing: its groups carry every setting (weight decay, betas,
+        # eps, fused) into each rank's local AdamW.
+        optimizer = ZeroRedundancyOptimizer(
+            optimizer.param_groups, optimizer_class=torch.optim.AdamW, lr=args.lr
+        )
     scheduler = common.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     start_step = 0
@@ -144,6 +162,8 @@ def main():
         )
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
+    if args.activation_checkpointing:
+        common.apply_activation_checkpointing(model)
     if args.compile:
         common.compile_layers(model)
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
@@ -156,6 +176,8 @@ def main():
     )
     if is_main:
         print(common.describe_run(args, config, accumulation, world_size, device, precision))
+        if args.plan:
+            print(memory_plan.plan_for_run(args, config, world_size, precision))
 
     # ---- training loop -------------------------------------------------------------------------
     batches = common.step_batches(
@@ -254,6 +276,11 @@ def main():
                 )
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
+            if args.zero1:
+                # A collective: every rank sends its shard of the optimizer state to rank 0, so
+                # it is called here by all ranks, never inside the rank-0-only branch below.
+                # The checkpoint then holds the full, unsharded state: any world size loads it.
+                optimizer.consolidate_state_dict(to=0)
             if is_main:  # no collective in here: the other ranks are not in this branch
                 state = common.checkpoint_state(
                     model, optimizer, scheduler, scaler, done, config, args, tokenizer
@@ -270,6 +297,11 @@ def main():
             text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
             print(f"sample:\n{text}")
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
+    # Release DDP's reducer (it holds the process group from C++) while the group still exists:
+    # were the group destroyed by it at exit, gloo's destructor would wait for its worker
+    # threads while holding the GIL, and a worker freeing a tensor needs the GIL (an occasional
+    # hang at exit, seen with --zero1's many async broadcasts; pytorch/pytorch#56297).
+    del ddp_model
     dist.destroy_process_group()
 
 

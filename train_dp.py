@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
 import common
+import memory_plan
 from model import IGNORE_INDEX
 
 
@@ -83,12 +84,16 @@ def main():
             ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
         )
         print(f"resumed from {resume_path} at step {start_step}")
+    if args.activation_checkpointing:
+        common.apply_activation_checkpointing(model)
     if args.compile:
         common.compile_layers(model)
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.
     dp_model = nn.DataParallel(Replica(model, device, precision))
     print(common.describe_run(args, config, accumulation, devices, device, precision))
+    if args.plan:
+        print(memory_plan.plan_for_run(args, config, devices, precision))
 
     # ---- training loop -------------------------------------------------------------------------
     batches = common.step_batches(
