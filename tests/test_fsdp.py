@@ -5,10 +5,10 @@ model.pt.
 Every run is launched as a user would (torchrun, 2 gloo ranks on CPU) with the training tests'
 settings and helpers (harness.py), corpus and reference runs (conftest.py), and compared with
 the DDP run on the same global batch, with test_training.py's tolerances (see its docstring):
-these strategies change where tensors live and which collective
-moves them, not the arithmetic. Measured on this corpus (fp32): ZeRO-1 and activation
-checkpointing are bit-identical to DDP; FSDP differs by at most ~1e-7 (its reduce-scatter adds
-the two ranks' gradients in another order), far inside ATOL.
+these strategies change where tensors live and which collective moves them, not the arithmetic.
+Measured on this corpus (fp32): ZeRO-1 and activation checkpointing are bit-identical to DDP;
+FSDP differs by at most ~1e-7 (its reduce-scatter adds the two ranks' gradients in another
+order), far inside ATOL.
 """
 
 import json
