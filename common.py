@@ -524,7 +524,7 @@ class Throughput:
 # directory, flushed to disk, then renamed over the target (os.replace is atomic on POSIX), so a
 # kill at any moment leaves either the old file or the new one, never half of one.
 
-CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt$")
+CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
 TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
 
 
@@ -546,15 +546,14 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def list_checkpoints(out_dir: str) -> list[str]:
-    """Checkpoint paths in --out-dir, oldest first."""
+def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
+    """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
+    whole, its first group being the step (train_fsdp.py's checkpoints are directories)."""
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         return []
     found = [
-        (int(m.group(1)), name)
-        for name in os.listdir(ckpt_dir)
-        if (m := CHECKPOINT_RE.search(name))
+        (int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := pattern.fullmatch(name))
     ]
     return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
 

@@ -60,19 +60,6 @@ CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
 TRAIN_STATE = "train_state.pt"
 
 
-def list_sharded_checkpoints(out_dir: str) -> list[str]:
-    """Complete checkpoint directories in --out-dir, oldest first."""
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        return []
-    found = [
-        (int(m.group(1)), name)
-        for name in os.listdir(ckpt_dir)
-        if (m := CHECKPOINT_DIR_RE.fullmatch(name))
-    ]
-    return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
-
-
 def prepare_out_dir(args) -> str | None:
     """Create --out-dir and choose the checkpoint directory to resume from (None: start fresh).
 
@@ -86,7 +73,7 @@ def prepare_out_dir(args) -> str | None:
                 shutil.rmtree(os.path.join(ckpt_dir, name))
     others = common.list_checkpoints(args.out_dir)  # train_dp.py / train_ddp.py .pt files
     if args.resume == "never":
-        if list_sharded_checkpoints(args.out_dir) or others:
+        if common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE) or others:
             raise ValueError(
                 f"--resume never, but {args.out_dir} already has checkpoints; pass --resume auto "
                 f"to continue that run, or choose another --out-dir (nothing was overwritten)"
@@ -99,7 +86,7 @@ def prepare_out_dir(args) -> str | None:
                 f"checkpoints of train_dp.py/train_ddp.py do not resume here; see the README)"
             )
         return args.resume
-    found = list_sharded_checkpoints(args.out_dir)
+    found = common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
     if not found and others:
         raise ValueError(
             f"{args.out_dir} holds checkpoints of train_dp.py/train_ddp.py, which do not resume "
@@ -140,7 +127,9 @@ def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tok
         # Atomic as common.save_checkpoint's files: a directory is complete once renamed.
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
-        for old in list_sharded_checkpoints(args.out_dir)[: -args.keep_checkpoints]:
+        for old in common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[
+            : -args.keep_checkpoints
+        ]:
             shutil.rmtree(old)
     dist.barrier()  # on return, the checkpoint is complete for every rank
 
