@@ -736,5 +736,48 @@ def describe_run(args, config, accumulation: int, devices: int, device, precisio
     )
 
 
+# Dense bf16 peak FLOP/s (datasheet, no sparsity), by a piece of torch.cuda.get_device_name();
+# the first match wins, so the specific names come before "H100".
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
+)  # fmt: skip
+
+
+def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
+    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T.
+
+    N counts the parameters of every matrix multiply: lm_head is in it, the input embedding
+    (a table lookup, no multiply) is not; with tied embeddings the one shared matrix is counted
+    once, as lm_head. 12 L H Q T is attention's QK^T and AV (H heads of width Q, context T),
+    counted in full as PaLM does, although causal attention needs only half of it.
+    """
+    n = count_parameters(config)
+    if not config.tie_word_embeddings:
+        n -= config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_length  # H*Q = hidden
+    return 6 * n + attention
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """This GPU's dense bf16 peak, or None (CPU, unknown GPU): no MFU rather than a wrong one."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devices: int):
+    """Model FLOPs utilisation: the fraction of `devices` GPUs' peak that training turned into
+    model FLOPs (recomputation, e.g. activation checkpointing, does not count); None without a
+    known peak."""
+    return None if peak is None else tokens_per_sec * flops_per_token / (peak * devices)
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """The most GPU memory tensors have held so far (GB = 1e9 bytes); None on CPU."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))  # capped: exp of an early, huge loss is just noise

@@ -110,6 +110,8 @@ def main():
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput()
     tokens_per_step = args.batch_size * args.seq_length
+    flops_per_token = common.flops_per_token(config, args.seq_length)
+    peak_flops = common.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
     bar = tqdm(
         range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="train"
     )
@@ -160,6 +162,8 @@ def main():
                 loss=loss,
                 lr=lr,
                 tokens_per_sec=rate,
+                mfu=common.mfu(rate, flops_per_token, peak_flops, devices),
+                peak_memory_gb=common.peak_memory_gb(device),
                 grad_norm=grad_norm.item(),
             )
         if do_eval:
