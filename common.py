@@ -598,30 +598,39 @@ def make_out_dir(args) -> None:
                     os.remove(os.path.join(folder, name))
 
 
+def resume_never_error(out_dir: str) -> ValueError:
+    return ValueError(
+        f"--resume never, but {out_dir} already has checkpoints; pass --resume auto to continue "
+        f"that run, or choose another --out-dir (nothing was overwritten)"
+    )
+
+
+def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
+    """The newest of `paths` (oldest first, as list_checkpoints gives them) whose state file
+    loads. An unreadable newest one (a disk error, a crash mid-write on a filesystem without
+    atomic rename) must not cost the whole run: fall back to the one before, saying so."""
+    for path in reversed(paths):
+        try:
+            load_checkpoint(state_file(path))
+            return path
+        except ValueError as e:
+            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
+    return None
+
+
 def prepare_out_dir(args) -> str | None:
     """make_out_dir, then choose the checkpoint to resume from (None: start fresh)."""
     make_out_dir(args)
     if args.resume == "never":
         if list_checkpoints(args.out_dir):
-            raise ValueError(
-                f"--resume never, but {args.out_dir} already has checkpoints; pass --resume auto "
-                f"to continue that run, or choose another --out-dir (nothing was overwritten)"
-            )
+            raise resume_never_error(args.out_dir)
         return None
     if args.resume != "auto":
         if not os.path.isfile(args.resume):
             raise ValueError(f"--resume: no checkpoint file at {args.resume}")
         load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
         return args.resume
-    # Newest first; an unreadable newest file (a crash mid-write on a filesystem without atomic
-    # rename, a disk error) must not cost the whole run: fall back to the one before.
-    for path in reversed(list_checkpoints(args.out_dir)):
-        try:
-            load_checkpoint(path)
-            return path
-        except ValueError as e:
-            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
-    return None
+    return newest_readable(list_checkpoints(args.out_dir))
 
 
 def rng_state() -> dict:

@@ -32,7 +32,6 @@ import math
 import os
 import re
 import shutil
-import sys
 
 import torch
 import torch.distributed as dist
@@ -74,10 +73,7 @@ def prepare_out_dir(args) -> str | None:
     others = common.list_checkpoints(args.out_dir)  # train_dp.py / train_ddp.py .pt files
     if args.resume == "never":
         if common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE) or others:
-            raise ValueError(
-                f"--resume never, but {args.out_dir} already has checkpoints; pass --resume auto "
-                f"to continue that run, or choose another --out-dir (nothing was overwritten)"
-            )
+            raise common.resume_never_error(args.out_dir)
         return None
     if args.resume != "auto":
         if not os.path.isfile(os.path.join(args.resume, TRAIN_STATE)):
@@ -92,15 +88,8 @@ def prepare_out_dir(args) -> str | None:
             f"{args.out_dir} holds checkpoints of train_dp.py/train_ddp.py, which do not resume "
             f"in train_fsdp.py; choose another --out-dir (model.pt loads everywhere)"
         )
-    # Newest first; one whose train state cannot be read (a disk error) falls back to the one
-    # before, as common.prepare_out_dir does for .pt files.
-    for path in reversed(found):
-        try:
-            common.load_checkpoint(os.path.join(path, TRAIN_STATE))
-            return path
-        except ValueError as e:
-            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
-    return None
+    # A directory is checked through its train state, the file this script loads first.
+    return common.newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
 
 
 def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tokenizer, is_main):
