@@ -193,10 +193,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn_mask=None, cache: KVCache | None = None):
         B, T, _ = x.shape
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.wq(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.wk(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.wv(x).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        hd = self.head_dim
+        # The head counts come from the projections' outputs, not from the config: under tensor
+        # parallelism (train_tp.py) wq/wk/wv are split by columns, so this rank computes only
+        # nh / tp query heads and nkv / tp key/value heads, and attention runs on those alone.
+        q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        nh, nkv = q.size(1), k.size(1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nkv, S, hd) with S = all positions so far
