@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import data
-from generate import generate_text
+from generate import OUT_DIR_FILES, generate_text, load_config, load_model
 from model import LlamaConfig, LlamaForPretraining, count_parameters
 
 # -------------------------------------------------------------------------------------------------
@@ -82,7 +82,19 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
 
     g = p.add_argument_group("model and batch")
-    g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="preset: tiny, small, medium, 1b, 7b, 13b, 70b (default: tiny, or --init-from's)",
+    )
+    g.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of a finished run: an --out-dir holding model.pt, "
+        "config.json and tokenizer.json (any train script's, or export_hf.py --from-hf's); the "
+        "architecture and the tokenizer come from there",
+    )
     g.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
     g.add_argument(
         "--batch-size",
@@ -204,15 +216,26 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
             "--keep-checkpoints must be at least 2: if the newest checkpoint is damaged, resuming "
             "falls back to the one before"
         )
-    # The model preset and the sequence length are known now: refuse them before minutes of data
+    # The model and the sequence length are known now: refuse them before minutes of data
     # preparation, not after.
-    try:
-        config = LlamaConfig.from_preset(args.model)
-    except ValueError as e:
-        parser.error(f"--model: {e}")
+    if args.init_from is not None:
+        if args.model is not None or args.tokenizer is not None:
+            parser.error(
+                f"--init-from {args.init_from} brings its own architecture (config.json) and "
+                f"tokenizer (tokenizer.json): leave out --model and --tokenizer"
+            )
+        config = read_out_dir_config(args.init_from)
+        # The weights only mean something with the tokenizer they were trained with.
+        args.tokenizer = os.path.join(args.init_from, "tokenizer.json")
+    else:
+        args.model = args.model or "tiny"
+        try:
+            config = LlamaConfig.from_preset(args.model)
+        except ValueError as e:
+            parser.error(f"--model: {e}")
     if args.seq_length > config.max_position_embeddings:
         parser.error(
-            f"--seq-length {args.seq_length} exceeds the {args.model} model's "
+            f"--seq-length {args.seq_length} exceeds the {args.model or args.init_from} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
     args.micro_batch_size = micro
@@ -302,13 +325,25 @@ def step_batches(
 # Model, optimizer, schedule, precision
 
 
-def build_model(args, vocab_size: int) -> tuple[LlamaForPretraining, LlamaConfig]:
-    config = LlamaConfig.from_preset(args.model, vocab_size=vocab_size)
-    if args.seq_length > config.max_position_embeddings:
+def read_out_dir_config(out_dir: str) -> LlamaConfig:
+    """The LlamaConfig of a finished run's --out-dir; ValueError saying why it is not one."""
+    missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
+    if missing:
         raise ValueError(
-            f"--seq-length {args.seq_length} exceeds the {args.model} model's "
-            f"max_position_embeddings ({config.max_position_embeddings})"
+            f"--init-from {out_dir}: no {', '.join(missing)} there; point it at the --out-dir of "
+            f"a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
         )
+    return load_config(out_dir)
+
+
+def build_model(args, vocab_size: int) -> tuple[LlamaForPretraining, LlamaConfig]:
+    """The model to train: fresh weights from --seed, or --init-from's (in fp32, on the CPU)."""
+    if args.init_from is not None:
+        # generate.py's loader, so a model.pt that generates also trains (and fails the same
+        # way, with the same messages, if its files do not belong together).
+        model, _ = load_model(args.init_from, "cpu", torch.float32)
+        return model.train(), model.config
+    config = LlamaConfig.from_preset(args.model, vocab_size=vocab_size)
     torch.manual_seed(args.seed)  # the same initial weights in every process
     return LlamaForPretraining(config), config
 
@@ -732,7 +767,8 @@ def describe_run(args, config, accumulation: int, devices: int, device, precisio
     tokens_per_step = args.batch_size * args.seq_length
     return "\n".join(
         [
-            f"model: {args.model}, {count_parameters(config) / 1e6:.2f}M parameters, "
+            f"model: {args.model or 'from ' + args.init_from}, "
+            f"{count_parameters(config) / 1e6:.2f}M parameters, "
             f"vocab {config.vocab_size}",
             f"device: {device} x {devices}, precision {precision}, compile {args.compile}",
             f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "

@@ -34,6 +34,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def load_config(out_dir: str) -> LlamaConfig:
+    """out_dir/config.json as a LlamaConfig; ValueError if it is not one of this suite's."""
+    config_path = os.path.join(out_dir, "config.json")
+    try:
+        with open(config_path) as f:
+            return LlamaConfig(**json.load(f))
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
+
+
 def load_model(
     out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[LlamaForPretraining, Tokenizer]:
@@ -52,12 +62,8 @@ def load_model(
             f"config.json and tokenizer.json at the end of its run (or run "
             f"`python export_hf.py --from-hf HF_DIR {out_dir}`)"
         )
+    config = load_config(out_dir)
     config_path = os.path.join(out_dir, "config.json")
-    try:
-        with open(config_path) as f:
-            config = LlamaConfig(**json.load(f))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
     tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(

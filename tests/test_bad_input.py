@@ -89,6 +89,20 @@ def test_seq_length_beyond_the_models_positions_is_refused(existing_run, corpus,
                    cache_dir)  # fmt: skip
 
 
+def test_init_from_a_directory_without_a_finished_run_is_refused(
+    existing_run, corpus, cache_dir, tmp_path
+):
+    argv = cli(corpus, cache_dir, existing_run, model=None) + ["--init-from", str(tmp_path)]
+    assert_refused(DP, argv, "no model.pt, config.json, tokenizer.json there", existing_run,
+                   cache_dir)  # fmt: skip
+
+
+def test_init_from_with_a_model_preset_is_refused(existing_run, trained, corpus, cache_dir):
+    # The architecture comes from the finished run: a preset as well would contradict it.
+    argv = cli(corpus, cache_dir, existing_run) + ["--init-from", str(trained(DP))]
+    assert_refused(DP, argv, "leave out --model and --tokenizer", existing_run, cache_dir)
+
+
 @pytest.mark.parametrize(
     "flag, value",
     [("lr", 0), ("lr", -1e-3), ("max_steps", 0), ("batch_size", 0), ("seq_length", -8),
