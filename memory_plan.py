@@ -1,6 +1,8 @@
-"""How much GPU memory does training need per GPU, under DDP and each ZeRO stage?
+"""How much GPU memory (and communication) does training need per GPU, under DDP, each ZeRO stage,
+and tensor and pipeline parallelism?
 
     python memory_plan.py --model 7b --world-size 8                 # Llama 2 7B on 8 GPUs
+    python memory_plan.py --model 70b --world-size 64 --tp 8 --pp 4 --micro-batches 16   # 3D
     python memory_plan.py --model 70b --world-size 64 --gpu-memory 80 --micro-batch-size 1
     python memory_plan.py --params 7.5e9 --world-size 64 --precision paper   # the ZeRO paper
     python memory_plan.py --model 7b --json                          # machine-readable
@@ -54,6 +56,43 @@ backward, where one layer's full activations exist at a time:
 
     L * s * b * h * e  +  one layer's full activations  +  4 * s * b * V   (e = 2 or 4 bytes)
 
+**Model parallelism** (`--tp T --pp P`; train_tp.py, train_pp.py) splits the model itself, and
+the ZeRO strategies then apply across the remaining D = N / (T * P) data-parallel ranks:
+
+  tensor parallel (Megatron)  every matrix of a layer split T ways (embedding and lm_head too);
+                              the RMSNorm gains are replicated. Without sequence parallelism
+                              (our train_tp.py), Korthikanti's per-layer count becomes
+                              s*b*h * (10 + 24/T + 5*a*s/(h*T)): the 24 sbh of matmul inputs and
+                              the scores shrink T ways, the norms' and residuals' 10 sbh do not.
+                              The loss is vocabulary-parallel: log-probabilities / T.
+  pipeline parallel           consecutive layers per stage (embedding on the first, lm_head on
+                              the last). The first stage holds the most activations: as many
+                              micro-batches as are in flight there, of its L/P layers each:
+                              GPipe m, 1F1B min(m, P) (so L layers' worth, whatever P), and
+                              interleaved 1F1B with v stages per rank (v-1)*P + 2*(P-1) + 1
+                              chunks of L/(P*v) layers (Megatron-LM's warm-up count). The last
+                              stage adds the log-probabilities, of all m micro-batches under GPipe
+                              (every loss waits for the backward phase). The plan reports the
+                              heavier of the two. The idle fraction of a step, the bubble, is
+                              (P-1)/(m+P-1), and (P-1)/(v*m+P-1) interleaved.
+
+Communication per GPU and optimizer step (bytes sent, ring algorithms: an all-reduce of n bytes
+over k ranks sends 2n(k-1)/k, an all-gather or reduce-scatter n(k-1)/k), for m micro-batches:
+
+  DDP, ZeRO-1     all-reduce the fp32 gradients once (ZeRO-1: reduce-scatter them, all-gather
+                  the updated weights: the same bytes)
+  ZeRO-2 (FSDP)   all-gather the weights for every micro-batch's forward (in the compute dtype),
+                  reduce-scatter fp32 gradients once
+  ZeRO-3 (FSDP)   all-gather them for every forward and again for every backward
+  tensor parallel 4 all-reduces of a micro-batch's s*b*h activations per layer (2 forward, 2
+                  backward), m times: the one cost that grows with the tokens, not the model
+  pipeline        each stage sends its s*b*h output forward and its input gradient backward, once
+                  per micro-batch (and per chunk, interleaved)
+
+That is why tensor parallelism stays inside a node (NVLink), and pipeline and data parallelism
+cross nodes. Not counted: the embedding's and loss's small extra collectives, and the
+recomputation's extra all-reduces under activation checkpointing.
+
 Not counted anywhere: the CUDA context and allocator fragmentation (budget 1-3 GB), temporary
 buffers of collectives, and ZeRO-3's gathered layers (the weights of about two decoder layers at
 a time). GB means 1e9 bytes throughout.
@@ -61,6 +100,7 @@ a time). GB means 1e9 bytes throughout.
 
 import argparse
 import json
+import math
 
 from model import PRESETS, LlamaConfig, count_parameters
 
@@ -90,11 +130,17 @@ def model_states_bytes(num_params: int, world_size: int, precision: str) -> dict
 
 
 def layer_activation_bytes(
-    config: LlamaConfig, micro_batch_size: int, seq_length: int, precision: str, attention: str
+    config: LlamaConfig,
+    micro_batch_size: int,
+    seq_length: int,
+    precision: str,
+    attention: str,
+    tp: int = 1,
 ) -> float:
-    """One decoder layer's stored activations (Korthikanti et al. 2022, see the docstring)."""
+    """One decoder layer's stored activations on one GPU (Korthikanti et al. 2022, see the
+    docstring): 34 s*b*h at tp 1, of which 24 s*b*h (and the scores) are split by tp."""
     s, b, h, a = seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads
-    per_token = 34 + (5 * a * s / h if attention == "math" else 0)
+    per_token = 10 + 24 / tp + (5 * a * s / (h * tp) if attention == "math" else 0)
     return s * b * h * per_token * ACTIVATION_BYTES[precision] / 2
 
 
@@ -105,16 +151,100 @@ def activation_bytes(
     precision: str,
     attention: str = "flash",
     checkpointing: bool = False,
+    tp: int = 1,
+    layers: float | None = None,
+    logprob_copies: int = 1,
 ) -> float:
-    """Activations of one micro-batch on one GPU, with or without activation checkpointing."""
+    """Activations held at once on one GPU, with or without activation checkpointing.
+
+    `layers`: how many layers' activations of one micro-batch are held at once (default: all
+    of them, one micro-batch: no pipeline); `logprob_copies`: how many micro-batches'
+    log-probabilities this GPU holds (0 on a pipeline stage without the loss).
+    """
     s, b, h = seq_length, micro_batch_size, config.hidden_size
-    layers = config.num_hidden_layers
-    layer = layer_activation_bytes(config, b, s, precision, attention)
-    logprobs = 4 * s * b * config.vocab_size  # fp32, kept by cross-entropy for backward
+    layers = config.num_hidden_layers if layers is None else layers
+    layer = layer_activation_bytes(config, b, s, precision, attention, tp)
+    # fp32, kept by cross-entropy for backward; split over the vocabulary under tensor parallel.
+    logprobs = logprob_copies * 4 * s * b * config.vocab_size / tp
     if not checkpointing:
         return layers * layer + logprobs
     inputs = layers * s * b * h * ACTIVATION_BYTES[precision]  # what each checkpoint keeps
     return inputs + layer + logprobs  # + one layer recomputed at a time in backward
+
+
+def stage_parameters(config: LlamaConfig, tp: int, pp: int) -> tuple[float, float]:
+    """Parameters on one GPU of the first and of the last pipeline stage (equal when pp is 1).
+
+    Tensor parallelism splits every matrix tp ways, the norms' gains stay whole; the stages get
+    ceil(L / pp) layers (the most any stage has), the first the embedding, the last the final
+    norm and lm_head.
+    """
+    d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
+    matrices = 2 * d * d + 2 * d * kv_dim + 3 * d * config.intermediate_size
+    layer = matrices / tp + 2 * d
+    table = config.vocab_size * d / tp
+    lm_head = 0 if config.tie_word_embeddings else table
+    if pp == 1:
+        whole = config.num_hidden_layers * layer + table + lm_head + d
+        return whole, whole
+    layers = math.ceil(config.num_hidden_layers / pp) * layer
+    # Tied embeddings on two stages would be one tensor in two places: each stage holds a copy.
+    return layers + table, layers + d + (lm_head or table)
+
+
+def pipeline_in_flight(schedule: str, pp: int, micro_batches: int, stages_per_rank: int):
+    """(layers' worth of one micro-batch's activations the first stage holds at its peak, as a
+    fraction of all L layers; micro-batches the last stage holds, with their log-probabilities)."""
+    m, v = micro_batches, stages_per_rank
+    if pp == 1:
+        return 1.0, 1
+    if schedule == "gpipe":
+        return m / pp, m
+    if schedule == "1f1b":
+        return min(m, pp) / pp, 1
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)  # interleaved 1F1B
+    return chunks / (pp * v), 1
+
+
+def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float:
+    """The share of a step each pipeline stage spends idle (see the docstring)."""
+    slots = micro_batches * (stages_per_rank if schedule == "interleaved" else 1)
+    return (pp - 1) / (slots + pp - 1)
+
+
+def communication_bytes(
+    config: LlamaConfig | None,
+    local_params: float,
+    dp: int,
+    tp: int,
+    pp: int,
+    precision: str,
+    micro_batch_size: int,
+    seq_length: int,
+    micro_batches: int,
+    stages_per_rank: int,
+    schedule: str,
+) -> dict:
+    """Bytes one GPU sends per optimizer step: {strategy: dp bytes} and the tp and pp bytes."""
+    ring = (dp - 1) / dp  # an all-gather's or reduce-scatter's share; an all-reduce sends twice
+    weights = local_params * (2 if precision in ("bf16", "fp16", "paper") else 4)
+    grads = local_params * 4  # gradients are reduced in fp32
+    m = micro_batches
+    data_parallel = {
+        "ddp": 2 * ring * grads,
+        "zero1": 2 * ring * grads,
+        "zero2": ring * (m * weights + grads),
+        "zero3": ring * (2 * m * weights + grads),
+    }
+    tp_bytes = pp_bytes = None
+    if config is not None:
+        e = ACTIVATION_BYTES[precision]
+        activation = seq_length * micro_batch_size * config.hidden_size * e  # one s*b*h tensor
+        layers = math.ceil(config.num_hidden_layers / pp)
+        tp_bytes = 4 * 2 * (tp - 1) / tp * activation * layers * m
+        chunks = stages_per_rank if schedule == "interleaved" else 1
+        pp_bytes = 2 * activation * m * chunks if pp > 1 else 0.0
+    return {"data_parallel": data_parallel, "tensor_parallel": tp_bytes, "pipeline": pp_bytes}
 
 
 def plan(
@@ -126,35 +256,87 @@ def plan(
     seq_length: int = 2048,
     attention: str = "flash",
     gpu_memory_gb: float | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    micro_batches: int = 1,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 2,
 ) -> dict:
-    """The per-GPU plan for every strategy, in GB (1e9 bytes); the --json output.
+    """The per-GPU plan for every data-parallel strategy, in GB (1e9 bytes); the --json output.
 
-    Without a `config` (a bare parameter count) there is no shape to estimate activations from:
-    the activation and total fields are then None.
+    world_size = dp x tp x pp GPUs; the ZeRO strategies shard across the dp = world_size /
+    (tp * pp) ranks that hold the same part of the model. Where the pipeline's first and last
+    stages differ, each row is the heavier stage's. Without a `config` (a bare parameter count)
+    there is no shape to estimate activations from: the activation and total fields are then
+    None, and the parameters are assumed evenly split over tp x pp.
     """
-    if world_size < 1 or num_params < 1:
-        raise ValueError("--world-size and the parameter count must be positive")
-    acts = {}
+    if world_size < 1 or num_params < 1 or tp < 1 or pp < 1 or micro_batches < 1:
+        raise ValueError(
+            "--world-size, --tp, --pp, --micro-batches and the parameter count must be positive"
+        )
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"--world-size {world_size} is not a multiple of --tp {tp} x --pp {pp}: every "
+            f"data-parallel replica needs tp x pp GPUs"
+        )
+    dp = world_size // (tp * pp)
+    first_layers, last_logprobs = pipeline_in_flight(schedule, pp, micro_batches, stages_per_rank)
+    # Per stage: (parameters on one GPU, layers' worth of one micro-batch's activations held,
+    # micro-batches of log-probabilities held).
     if config is not None:
-        for ckpt in (False, True):
-            acts[ckpt] = activation_bytes(
-                config, micro_batch_size, seq_length, precision, attention, ckpt
-            )
+        # --params with --model: that parameter count, split as the model's shape splits.
+        scale = num_params / count_parameters(config)
+        first, last = (n * scale for n in stage_parameters(config, tp, pp))
+        layers = config.num_hidden_layers
+        stages = {
+            "first": (first, first_layers * layers, 1 if pp == 1 else 0),
+            "last": (last, last_logprobs * layers / pp, last_logprobs),
+        }
+    else:
+        stages = {"first": (num_params / (tp * pp), None, None)}
     strategies = {}
-    for name, states in model_states_bytes(num_params, world_size, precision).items():
-        model_states = sum(states.values())
-        row = {f"{part}_gb": value / GB for part, value in states.items()}
-        row["model_states_gb"] = model_states / GB
-        for suffix, ckpt in (("", False), ("_checkpointed", True)):
-            total = (model_states + acts[ckpt]) / GB if acts else None
-            row[f"activations{suffix}_gb"] = acts[ckpt] / GB if acts else None
-            row[f"total{suffix}_gb"] = total
-            if gpu_memory_gb is not None and total is not None:
-                row[f"fits{suffix}"] = total <= gpu_memory_gb
+    for name in STRATEGIES:
+        rows = []
+        for params, layers, logprob_copies in stages.values():
+            states = model_states_bytes(params, dp, precision)[name]
+            model_states = sum(states.values())
+            row = {f"{part}_gb": value / GB for part, value in states.items()}
+            row["model_states_gb"] = model_states / GB
+            for suffix, ckpt in (("", False), ("_checkpointed", True)):
+                acts = None
+                if config is not None:
+                    acts = activation_bytes(
+                        config, micro_batch_size, seq_length, precision, attention, ckpt, tp,
+                        layers, logprob_copies,
+                    )  # fmt: skip
+                row[f"activations{suffix}_gb"] = acts / GB if acts is not None else None
+                row[f"total{suffix}_gb"] = (model_states + acts) / GB if acts is not None else None
+            rows.append(row)
+        row = max(rows, key=lambda r: r["total_gb"] or r["model_states_gb"])  # the heavier stage
+        for suffix in ("", "_checkpointed"):
+            if gpu_memory_gb is not None and row[f"total{suffix}_gb"] is not None:
+                row[f"fits{suffix}"] = max(r[f"total{suffix}_gb"] for r in rows) <= gpu_memory_gb
         strategies[name] = row
+    heaviest = max(params for params, *_ in stages.values())
+    comm = communication_bytes(
+        config, heaviest, dp, tp, pp, precision, micro_batch_size, seq_length, micro_batches,
+        stages_per_rank, schedule,
+    )  # fmt: skip
+    for name, row in strategies.items():
+        row["dp_comm_gb"] = comm["data_parallel"][name] / GB
+    pipelined = pp > 1
     return {
         "num_params": num_params,
         "world_size": world_size,
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "schedule": schedule if pipelined else None,
+        "stages_per_rank": stages_per_rank if pipelined and schedule == "interleaved" else None,
+        "micro_batches": micro_batches,
+        "bubble_fraction": bubble_fraction(schedule, pp, micro_batches, stages_per_rank),
+        "tp_comm_gb": comm["tensor_parallel"] / GB if comm["tensor_parallel"] is not None else None,
+        "pp_comm_gb": comm["pipeline"] / GB if comm["pipeline"] is not None else None,
         "precision": precision,
         "micro_batch_size": micro_batch_size if config else None,
         "seq_length": seq_length if config else None,
@@ -170,8 +352,17 @@ def format_plan(p: dict) -> str:
     # Small models (the tiny preset of a CPU run) would show only zeros in GB: use MB there.
     scale, unit = (1, "GB") if p["strategies"]["ddp"]["model_states_gb"] >= 1 else (1e3, "MB")
 
+    layout = f"dp {p['dp']} x tp {p['tp']} x pp {p['pp']}"
+    if p["pp"] > 1:
+        layout += (
+            f", {p['schedule']} schedule"
+            + (f" with {p['stages_per_rank']} stages per rank" if p["stages_per_rank"] else "")
+            + f", {p['micro_batches']} micro-batches: bubble {p['bubble_fraction']:.0%} of a step"
+            + " (heavier of first and last stage shown)"
+        )
     lines = [
-        f"memory per GPU: {p['num_params'] / 1e9:.3g}B parameters, {p['world_size']} GPUs, "
+        f"memory per GPU: {p['num_params'] / 1e9:.3g}B parameters, {p['world_size']} GPUs "
+        f"({layout}), "
         f"precision {p['precision']} ({w}+{g}+{o} bytes per parameter)"
         + (
             f", micro-batch {p['micro_batch_size']} x {p['seq_length']} tokens, "
@@ -180,8 +371,8 @@ def format_plan(p: dict) -> str:
             else ""
         ),
         f"{'strategy':<9}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}"
-        f"{'acts':>9}{'total':>9}{'acts AC':>9}{'total AC':>10}   ({unit}; AC = activation "
-        f"checkpointing)",
+        f"{'acts':>9}{'total':>9}{'acts AC':>9}{'total AC':>10}{'dp comm':>10}   ({unit}; "
+        f"AC = activation checkpointing; comm = sent per GPU per step)",
     ]
 
     def gb(x):
@@ -192,6 +383,12 @@ def format_plan(p: dict) -> str:
             f"{name:<9}{gb(r['params_gb']):>9}{gb(r['grads_gb']):>9}{gb(r['optimizer_gb']):>9}"
             f"{gb(r['model_states_gb']):>9}{gb(r['activations_gb']):>9}{gb(r['total_gb']):>9}"
             f"{gb(r['activations_checkpointed_gb']):>9}{gb(r['total_checkpointed_gb']):>10}"
+            f"{gb(r['dp_comm_gb']):>10}"
+        )
+    if p["tp"] > 1 or p["pp"] > 1:
+        lines.append(
+            f"model-parallel traffic per GPU per step: tensor parallel {gb(p['tp_comm_gb'])} "
+            f"{unit}, pipeline {gb(p['pp_comm_gb'])} {unit}"
         )
     if p["gpu_memory_gb"] is not None:
         fits = [n for n, r in p["strategies"].items() if r.get("fits")]
@@ -210,6 +407,8 @@ def format_plan(p: dict) -> str:
 
 def plan_for_run(args, config: LlamaConfig, world_size: int, precision: str) -> str:
     """The plan of a training run, as the train scripts print it with --plan."""
+    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
+    dp = world_size // (tp * pp)
     p = plan(
         count_parameters(config),
         world_size,
@@ -218,6 +417,11 @@ def plan_for_run(args, config: LlamaConfig, world_size: int, precision: str) -> 
         args.micro_batch_size,
         args.seq_length,
         attention="math" if args.document_mask else "flash",
+        tp=tp,
+        pp=pp,
+        micro_batches=args.batch_size // (args.micro_batch_size * dp),
+        schedule=getattr(args, "schedule", "1f1b"),
+        stages_per_rank=getattr(args, "stages_per_rank", 2),
     )
     return format_plan(p)
 
@@ -238,7 +442,25 @@ def main() -> None:
         "activations need the model's shape (with --model too, its shape is used for them)",
     )
     p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
-    p.add_argument("--world-size", type=int, default=8, help="data-parallel GPUs (N)")
+    p.add_argument("--world-size", type=int, default=8, help="GPUs in all: N = dp x tp x pp")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree T (train_tp.py)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages P (train_pp.py)")
+    p.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "interleaved"],
+        default="1f1b",
+        help="pipeline schedule: what the first stage holds, and the bubble",
+    )
+    p.add_argument(
+        "--stages-per-rank", type=int, default=2, help="v: model chunks per GPU, interleaved"
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step on each data-parallel replica (gradient "
+        "accumulation; the pipeline's m)",
+    )
     p.add_argument(
         "--precision",
         choices=list(BYTES_PER_PARAM),
@@ -258,8 +480,10 @@ def main() -> None:
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU, to say what fits")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
     args = p.parse_args()
-    if args.world_size < 1 or args.micro_batch_size < 1 or args.seq_length < 1:
-        p.error("--world-size, --micro-batch-size and --seq-length must be positive")
+    for name in ("world_size", "micro_batch_size", "seq_length", "tp", "pp", "micro_batches",
+                 "stages_per_rank"):  # fmt: skip
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive")
     if args.params is not None and args.params < 1:
         p.error(f"--params must be positive, got {args.params:g}")
 
@@ -271,16 +495,24 @@ def main() -> None:
         except ValueError as e:
             p.error(str(e))
     num_params = int(args.params) if args.params is not None else count_parameters(config)
-    result = plan(
-        num_params,
-        args.world_size,
-        args.precision,
-        config,
-        args.micro_batch_size,
-        args.seq_length,
-        args.attention,
-        args.gpu_memory,
-    )
+    try:
+        result = plan(
+            num_params,
+            args.world_size,
+            args.precision,
+            config,
+            args.micro_batch_size,
+            args.seq_length,
+            args.attention,
+            args.gpu_memory,
+            args.tp,
+            args.pp,
+            args.micro_batches,
+            args.schedule,
+            args.stages_per_rank,
+        )
+    except ValueError as e:
+        p.error(str(e))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
 
 

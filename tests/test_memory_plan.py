@@ -104,3 +104,79 @@ def test_cli_table_says_what_fits():
         capture_output=True, text=True, check=True, cwd=REPO,
     )  # fmt: skip
     assert "fits in 40 GB: zero3" in proc.stdout, proc.stdout
+
+
+# -------------------------------------------------------------------------------------------------
+# Tensor and pipeline parallelism
+
+
+def test_stage_parameters_split_matrices_by_tp_and_layers_by_pp():
+    # SHAPE by hand: per layer 40,960 matrix weights + 128 norm gains; embedding and lm_head
+    # 64,000 each; final norm 64. count_parameters = 3 * 41,088 + 128,064 = 251,328.
+    assert memory_plan.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
+    # tp 2: matrices and tables halve, the norm gains stay whole.
+    assert memory_plan.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
+    # pp 3: one layer per stage; the embedding on the first, final norm + lm_head on the last.
+    assert memory_plan.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
+
+
+def test_tensor_parallel_splits_matmul_activations_but_not_norms():
+    # Korthikanti: s*b*h * (10 + 24/t): 16384 * 22 bytes per layer at t = 2 (bf16), and the
+    # vocabulary-parallel loss keeps half of the 1,024,000 bytes of log-probabilities.
+    got = memory_plan.activation_bytes(SHAPE, B, S, "bf16", "flash", tp=2)
+    assert got == 3 * 16384 * 22 + 512_000
+
+
+@pytest.mark.parametrize(
+    "schedule, micro_batches, first_layers, last_micro_batches",
+    [("1f1b", 6, 3, 1), ("gpipe", 6, 6, 6), ("1f1b", 2, 2, 1)],
+)
+def test_pipeline_first_stage_holds_the_micro_batches_in_flight(
+    schedule, micro_batches, first_layers, last_micro_batches
+):
+    # pp 3, one layer per stage. 1F1B: min(m, p) micro-batches in flight on the first stage,
+    # i.e. all L layers' worth when m >= p; GPipe: all m before the first backward.
+    got = memory_plan.pipeline_in_flight(schedule, 3, micro_batches, 2)
+    assert got == (first_layers / 3, last_micro_batches)
+
+
+def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
+    assert memory_plan.bubble_fraction("1f1b", 4, 12, 2) == 3 / 15
+    assert memory_plan.bubble_fraction("gpipe", 1, 8, 2) == 0
+    # Interleaving v = 2 chunks per rank halves each slot: v*m slots share the same p - 1.
+    assert memory_plan.bubble_fraction("interleaved", 4, 12, 2) == 3 / 27
+
+
+def test_communication_per_step_follows_the_ring_formulas():
+    # 1e6 parameters on 4 data-parallel ranks in bf16, 2 micro-batches: DDP all-reduces 4-byte
+    # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
+    c = memory_plan.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
+    assert c["data_parallel"]["ddp"] == 2 * 0.75 * 4e6
+    assert c["data_parallel"]["zero3"] == 0.75 * (2 * 2 * 2e6 + 4e6)
+    # tp 2: 4 all-reduces of s*b*h bf16 activations (32,768 bytes) per layer and micro-batch.
+    assert c["tensor_parallel"] == 4 * 2 * 0.5 * 32_768 * 3 * 2
+    assert c["pipeline"] == 0
+
+
+def test_world_size_must_be_a_multiple_of_tp_times_pp():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", "--world-size", "6",
+         "--tp", "4"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not a multiple of --tp 4" in proc.stderr, proc.stderr
+
+
+def test_3d_layout_fits_70b_where_data_parallelism_alone_cannot():
+    # Llama 2 70B on 64 80-GB GPUs at 4096 tokens: ZeRO-3 alone shards the states but every GPU
+    # still holds all 80 layers' activations (~90 GB); tp 8 x pp 4 (dp 2) divides those too.
+    config = LlamaConfig.from_preset("70b")
+    n = count_parameters(config)
+    flat = memory_plan.plan(n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80)
+    three_d = memory_plan.plan(
+        n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80, tp=8, pp=4, micro_batches=16
+    )
+    assert three_d["dp"] == 2 and three_d["bubble_fraction"] == pytest.approx(3 / 19)
+    assert not flat["strategies"]["zero3"]["fits"]
+    assert three_d["strategies"]["zero3"]["fits"]
+    assert three_d["tp_comm_gb"] > 10 * three_d["pp_comm_gb"]  # why TP stays inside a node
