@@ -57,12 +57,19 @@ from train_ddp import from_rank0, setup_distributed  # the same setup: nothing c
 
 CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
 TRAIN_STATE = "train_state.pt"
+# AdamW's state keyed per parameter ("state.layers.3.attention.wq.weight.exp_avg",
+# "param_groups.layers.3.attention.wq.weight.lr"), not as one list of param_groups: a checkpoint
+# then holds nothing that depends on how parameters are spread over ranks, so train_pp.py, whose
+# pipeline ranks each own different parameters (and would each write another param_groups list
+# under the same key), writes the same directories, and either script resumes the other's.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def prepare_out_dir(args) -> str | None:
+def prepare_out_dir(args, script: str = "train_fsdp.py") -> str | None:
     """Create --out-dir and choose the checkpoint directory to resume from (None: start fresh).
 
-    As common.prepare_out_dir, for checkpoint directories: called on rank 0 alone.
+    As common.prepare_out_dir, for checkpoint directories: called on rank 0 alone. `script` names
+    the script in the messages (train_pp.py writes the same directories).
     """
     common.make_out_dir(args)
     ckpt_dir = os.path.join(args.out_dir, "checkpoints")
@@ -78,7 +85,7 @@ def prepare_out_dir(args) -> str | None:
     if args.resume != "auto":
         if not os.path.isfile(os.path.join(args.resume, TRAIN_STATE)):
             raise ValueError(
-                f"--resume: {args.resume} is not a train_fsdp.py checkpoint directory (the .pt "
+                f"--resume: {args.resume} is not a {script} checkpoint directory (the .pt "
                 f"checkpoints of train_dp.py/train_ddp.py do not resume here; see the README)"
             )
         return args.resume
@@ -86,7 +93,7 @@ def prepare_out_dir(args) -> str | None:
     if not found and others:
         raise ValueError(
             f"{args.out_dir} holds checkpoints of train_dp.py/train_ddp.py, which do not resume "
-            f"in train_fsdp.py; choose another --out-dir (model.pt loads everywhere)"
+            f"in {script}; choose another --out-dir (model.pt loads everywhere)"
         )
     # A directory is checked through its train state, the file this script loads first.
     return common.newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
@@ -101,7 +108,7 @@ def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tok
         os.makedirs(tmp)
     dist.barrier()  # the directory exists before anyone writes into it
     # get_state_dict: the model's and AdamW's state keyed by parameter name, as sharded DTensors.
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     if is_main:
         train_state = {
@@ -131,12 +138,13 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tok
     """
     train_state = common.load_checkpoint(os.path.join(path, TRAIN_STATE))
     common.check_resumable(train_state, config, args, tokenizer)  # before changing anything
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)  # in place, into the tensors of `state`
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-    )
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        options=STATE_DICT_OPTIONS,
+    )  # fmt: skip
     scheduler.load_state_dict(train_state["scheduler"])
     common.set_rng_state(train_state["rng"])
     return train_state["step"]

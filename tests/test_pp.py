@@ -1,0 +1,234 @@
+"""Specification of pipeline parallelism (train_pp.py): every schedule trains exactly like one
+process on the same global batch, resumes bit for bit, and writes the same model.pt.
+
+Runs are launched as a user would (torchrun, gloo ranks on CPU) with the training tests' settings
+(harness.BASE: the tiny preset's 4 layers, batch 8, 8 steps) and compared with train_dp.py on one
+process, with test_training.py's tolerances: a pipeline changes where layers run and how the
+batch is cut into micro-batches (4 of 2 sequences here), not the arithmetic. Measured on this
+corpus (fp32), against train_dp.py: losses within 2.4e-7 (relative), gradient norms 1.9e-6,
+validation losses 1.2e-7, weights 3.6e-6 (absolute) for every layout below; a resumed run is
+bit-identical to the uninterrupted one.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from harness import (
+    DP,
+    assert_same_losses,
+    assert_state_dicts_close,
+    assert_state_dicts_equal,
+    cli,
+    flatten,
+    load_weights,
+    read_metrics,
+    run_script,
+)
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import train_pp
+from generate import generate_text, load_model
+from model import LlamaConfig, LlamaForPretraining
+
+PP = "train_pp.py"
+FSDP = "train_fsdp.py"
+MICRO = ("--micro-batch-size", "2")  # per pipeline: 8 sequences = 4 micro-batches of 2
+
+# (world size, flags) of each layout, one launch each.
+LAYOUTS = {
+    "gpipe": (2, ("--pp", "2", "--schedule", "gpipe", *MICRO)),
+    # Activation checkpointing rides along: recomputation inside a stage changes nothing either.
+    "1f1b-checkpointing": (
+        2, ("--pp", "2", "--schedule", "1f1b", "--activation-checkpointing", *MICRO)
+    ),
+    # 4 stages of one layer on 2 ranks (rank 0: stages 0 and 2), and 2 pipelines: each stage is
+    # also sharded with FSDP over the 2 data-parallel ranks (a 2 x 2 mesh; 2 micro-batches each).
+    "interleaved-dp2": (4, ("--pp", "2", "--schedule", "interleaved", *MICRO)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, corpus, cache_dir):
+    """launched(layout) -> (out-dir, stdout) of that LAYOUTS run, made once per module.
+
+    Callers must not write into the returned directory: copy what they need to change.
+    """
+    runs: dict[str, tuple[Path, str]] = {}
+
+    def get(layout: str) -> tuple[Path, str]:
+        if layout not in runs:
+            world, flags = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(f"pp_{layout}")
+            proc = run_script(PP, cli(corpus, cache_dir, out) + list(flags), world)
+            runs[layout] = out, proc.stdout
+        return runs[layout]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def pp_run(launched):
+    """pp_run(layout) -> the out-dir of that LAYOUTS run (do not write into it)."""
+    return lambda layout: launched(layout)[0]
+
+
+def checkpoint_tensors(out_dir: Path, step: int, tmp_path: Path) -> dict:
+    """A DCP checkpoint's model and optimizer entries, gathered into one flat dict."""
+    path = tmp_path / f"{out_dir.name}_{step}.pt"
+    dcp_to_torch_save(out_dir / "checkpoints" / f"step_{step:07d}", path)
+    return flatten(torch.load(path, weights_only=True))
+
+
+# -------------------------------------------------------------------------------------------------
+# The same training as one process
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_trains_like_one_process(pp_run, trained, layout):
+    out, reference = pp_run(layout), trained(DP)
+    assert_state_dicts_close(load_weights(out), load_weights(reference))
+    # Losses (summed over micro-batches and pipelines), the gradient norm (combined over the
+    # stages: a norm of one stage's gradients only would be smaller) and the validation loss
+    # (forward-only through the pipeline).
+    assert_same_losses(out, reference)
+
+
+def test_start_up_reports_the_schedule_and_its_bubble(launched):
+    stdout = launched("interleaved-dp2")[1]
+    assert "interleaved schedule, 4 stages on 2 ranks (2 per rank)" in stdout, stdout
+    assert "m = 2 micro-batches of 2 sequences per pipeline, 2 data-parallel pipelines" in stdout
+    # p = 2 ranks, v = 2 stages per rank, m = 2: (p-1)/(v*m+p-1) = 1/5.
+    assert "bubble (p-1)/(v*m+p-1) = 20.0%" in stdout, stdout
+
+
+@pytest.mark.parametrize(
+    "schedule, p, m, v, expected",
+    [("gpipe", 4, 8, 1, 3 / 11), ("1f1b", 2, 4, 1, 1 / 5), ("interleaved", 4, 8, 2, 3 / 19)],
+)
+def test_bubble_fraction(schedule, p, m, v, expected):
+    assert train_pp.bubble_fraction(schedule, p, m, v) == pytest.approx(expected)
+
+
+# -------------------------------------------------------------------------------------------------
+# Stages
+
+
+def test_uneven_layers_go_to_the_first_stages():
+    assert train_pp.split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+
+
+def test_stages_together_hold_exactly_the_full_model():
+    config = LlamaConfig.from_preset("tiny", vocab_size=64)
+    model = LlamaForPretraining(config)
+    full = model.state_dict()
+    pieces = {}
+    for pp_rank in range(2):  # interleaved: 4 stages, rank r holds stages r and r + 2
+        stages = train_pp.build_stages(model, pp_rank, 2, 2, torch.device("cpu"))
+        local = train_pp.RankModel(stages).state_dict()
+        assert pieces.keys().isdisjoint(local.keys()), "a parameter on two ranks"
+        pieces.update(local)
+        assert sum(len(s.state_dict()) for s in stages) == len(local)
+    assert pieces.keys() == full.keys()
+    shared = all(pieces[name].data_ptr() == full[name].data_ptr() for name in full)
+    assert shared, "the stages hold copies instead of the model's own tensors"
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():  # the four stages in order compute the whole model's logits
+        h = x
+        for s in range(4):
+            h = train_pp.build_stages(model, s % 2, 2, 2, torch.device("cpu"))[s // 2](h)
+        torch.testing.assert_close(h, model(x), rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------------------------------------
+# Checkpoints and outputs
+
+
+def test_resume_is_bit_identical(pp_run, corpus, cache_dir, tmp_path):
+    full = pp_run("1f1b-checkpointing")
+    out = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_0000004", out / "checkpoints" / "step_0000004")
+    world, flags = LAYOUTS["1f1b-checkpointing"]
+    proc = run_script(PP, cli(corpus, cache_dir, out) + list(flags), world)
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_equal(load_weights(out), load_weights(full))
+    got, want = checkpoint_tensors(out, 8, tmp_path), checkpoint_tensors(full, 8, tmp_path)
+    assert got.keys() == want.keys() and any("optimizer" in key for key in want)
+    for key, value in want.items():
+        same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
+        assert same, f"{key} differs after resuming"
+    got = [(r["step"], r["loss"]) for r in read_metrics(out)[0]]
+    assert got == [(r["step"], r["loss"]) for r in read_metrics(full)[0] if r["step"] > 4]
+
+
+def test_checkpoint_holds_the_whole_model_under_its_own_names(pp_run, tmp_path):
+    # Each pipeline rank wrote only its own stages; together they are the whole model, with
+    # AdamW's state of every parameter.
+    out = pp_run("gpipe")
+    tensors = checkpoint_tensors(out, 8, tmp_path)
+    names = set(load_weights(out))
+    assert {k.removeprefix("/model/") for k in tensors if k.startswith("/model/")} == names
+    for name in names:
+        assert f"/optimizer/state.{name}.exp_avg" in tensors, name
+
+
+def test_pipeline_checkpoint_resumes_in_train_fsdp(pp_run, trained, corpus, cache_dir, tmp_path):
+    # The same DCP layout as train_fsdp.py: written by 2 pipeline stages, read by one process.
+    out = tmp_path / "resumed"
+    full = pp_run("gpipe")
+    shutil.copytree(full / "checkpoints" / "step_0000004", out / "checkpoints" / "step_0000004")
+    proc = run_script(FSDP, cli(corpus, cache_dir, out))
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
+
+
+def test_model_pt_is_a_plain_state_dict_that_generate_loads(pp_run, trained):
+    out = pp_run("interleaved-dp2")
+    weights = load_weights(out)
+    reference = load_weights(trained(DP))
+    assert weights.keys() == reference.keys()
+    for name, tensor in weights.items():
+        assert type(tensor) is torch.Tensor, f"{name} is a {type(tensor)}"
+        assert (tensor.shape, tensor.dtype) == (reference[name].shape, reference[name].dtype)
+    config = LlamaConfig(**json.loads((out / "config.json").read_text()))
+    LlamaForPretraining(config).load_state_dict(weights, strict=True)
+    model, tokenizer = load_model(str(out), "cpu", torch.float32)
+    assert generate_text(model, tokenizer, "def ", 8, seed=0).startswith("def ")
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def pipeline_args(corpus, cache_dir, *flags):
+    parser = train_pp.build_parser()
+    return parser, parser.parse_args(cli(corpus, cache_dir, "unused") + list(flags))
+
+
+@pytest.mark.parametrize(
+    "world, flags, message",
+    [
+        (2, ("--pp", "3"), "--pp 3 does not divide the number of processes (2)"),
+        (4, ("--pp", "2", "--schedule", "interleaved", "--stages-per-rank", "3"),
+         "the model has 4 layers, fewer than the 6 pipeline stages"),
+        (2, ("--pp", "2", "--model", "1b"), "ties lm_head to the token embeddings"),
+        (2, ("--pp", "2", "--precision", "fp16"), "supports --precision bf16 or fp32"),
+        (2, ("--pp", "2", "--micro-batch-size", "8"), "1f1b needs at least as many micro-batches"),
+    ],
+    ids=["pp-does-not-divide-world", "more-stages-than-layers", "tied-embeddings", "fp16",
+         "too-few-micro-batches"],
+)  # fmt: skip
+def test_bad_pipeline_flags_are_refused(corpus, cache_dir, world, flags, message):
+    parser, args = pipeline_args(corpus, cache_dir, *flags)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        train_pp.check_pipeline_args(parser, args, world)
+
+
+def test_refusal_is_one_message_before_anything_is_written(corpus, cache_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = run_script(PP, cli(corpus, cache_dir, out) + ["--pp", "2"], expect_rc=2)
+    assert proc.stderr.count("error: ") == 1 and "does not divide" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()

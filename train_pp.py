@@ -1,0 +1,640 @@
+"""Pretrain a Llama with torchrun + pipeline parallelism: each rank holds a slice of the layers.
+
+    torchrun --standalone --nproc_per_node=4 train_pp.py --pp 4 --schedule 1f1b    # 4 GPUs
+    torchrun --standalone --nproc_per_node=4 train_pp.py --pp 4 --schedule interleaved
+    torchrun --standalone --nproc_per_node=8 train_pp.py --pp 4                   # + 2-way FSDP
+    torchrun --standalone --nproc_per_node=2 train_pp.py --pp 2 --schedule 1f1b    # no GPU: gloo
+
+The decoder is cut into consecutive groups of layers, one group per *stage*; the token embeddings
+go with the first stage, the final norm and lm_head with the last. Each rank runs its stage(s)
+only and passes activations forward (and their gradients backward) to its neighbours with
+point-to-point sends. torch.distributed.pipelining does the scheduling and the sends.
+
+What changes against train_ddp.py / train_fsdp.py:
+  1. One DeviceMesh of shape (dp, pp): pp consecutive ranks form one pipeline, and dp = world_size
+     / pp pipelines each train on their own 1/dp of the global batch. With dp > 1 every stage is
+     sharded over its dp group with FSDP2 (fully_shard), as train_fsdp.py does for the whole
+     model (torchtitan's 2D layout).
+  2. No rank holds the whole model: build_stages() keeps this rank's layers, under the full
+     model's parameter names (layers.<original index>), so the stages' state dicts together are
+     exactly the full model's, and checkpoints are the same DCP directories as train_fsdp.py's.
+  3. Gradient accumulation *is* the pipeline: the rank's share of the batch is cut into m
+     micro-batches, and the schedule streams them through the stages, so that every stage is
+     busy with a different micro-batch. The loop calls schedule.step() once per optimizer step;
+     the loss function runs on the last stage only.
+  4. Everything global needs a reduction over the pipeline too: the loss exists on the last stage
+     only, and each rank holds only its own layers' gradients, so the gradient norm that
+     clipping uses is combined over the pp group.
+
+The bubble: a stage cannot start before the previous one has handed it its first micro-batch,
+nor finish before the last one has handed back its last gradient. With p stages and m
+micro-batches, GPipe (all forwards, then all backwards) and 1F1B (one forward, one backward in
+the steady state: the same bubble, but at most p micro-batches' activations alive instead of m)
+leave each rank idle (p-1)/(m+p-1) of the step. Interleaved 1F1B gives each rank v smaller
+stages (rank r holds stages r, r+p, r+2p, ...), which cuts the bubble to (p-1)/(v*m+p-1), at the
+price of v times more sends. So: many micro-batches (m >= 4p is a common rule), and the default
+micro-batch size here is 1 sequence (as in Megatron-LM and torchtitan).
+
+Layouts. The mesh is (dp, pp) with pp the inner dimension, and torchrun numbers ranks node by
+node, so one pipeline is pp consecutive ranks.
+  - One 8-GPU node: --pp 8 (one pipeline), or --pp 4 / --pp 2 with FSDP over the other factor
+    (dp 2 or 4): fewer stages, a smaller bubble.
+  - Several nodes: --pp 8 on 8-GPU nodes keeps each pipeline inside a node, and FSDP (dp = the
+    number of nodes) crosses the network, as train_fsdp.py does; --pp equal to all the GPUs is one
+    long pipeline across the nodes (dp 1), whose only network traffic is one activation per
+    micro-batch between neighbouring stages. Every node runs the same command:
+        SCRIPT=train_pp.py NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_ddp.sh --pp 8 --model 7b
+  - 3D, with tensor parallelism (train_tp.py's dimension): TP needs NVLink (two all-reduces per
+    layer), PP tolerates slow links, so TP goes inside a node and PP across nodes, e.g. 4 nodes x
+    8 GPUs = tp 8 (in a node) x pp 4 (one stage per node), or tp 4 x pp 4 x dp 2.
+
+Limits: every rank first builds the whole model on the CPU (with the seed, so the weights equal
+every other script's) and then keeps its own stages; the model must fit in host memory once per
+local process. Tied embeddings (the 1b preset) put one tensor on the first and the last stage and
+are refused with --pp > 1. --precision fp16 is refused (a grad scaler across stages is not
+implemented); bf16 autocast works as everywhere else.
+"""
+
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+
+import common
+import data
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+from train_ddp import from_rank0, setup_distributed
+from train_fsdp import (  # the same checkpoint directories as train_fsdp.py
+    load_sharded_checkpoint,
+    prepare_out_dir,
+    save_sharded_checkpoint,
+)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+# -------------------------------------------------------------------------------------------------
+# Stages
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Consecutive layer indices of each stage, as even as possible.
+
+    When the layers do not divide, the first `num_layers % num_stages` stages get one layer more
+    (as numpy.array_split does): the last stage never does, because it also runs the final norm,
+    lm_head and the loss, the heaviest work outside the layers (the first stage's embedding is a
+    lookup, nearly free).
+    """
+    if num_layers < num_stages:
+        raise ValueError(
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
+            f"(--pp x --stages-per-rank); use a smaller --pp or --stages-per-rank, or a deeper "
+            f"--model"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    start = lambda stage: stage * base + min(stage, extra)  # the `extra` stages before it: +1 each
+    return [range(start(stage), start(stage + 1)) for stage in range(num_stages)]
+
+
+class StageModel(nn.Module):
+    """One pipeline stage: a run of consecutive decoder layers, plus the embedding on the first
+    stage and the final norm and lm_head on the last (None elsewhere, as torchtitan does).
+
+    It holds the full model's own submodules under the full model's names (the layers in a
+    ModuleDict keyed by their original index), so its state_dict keys are exactly the full
+    model's: `layers.5.attention.wq.weight` is the same name on every layout.
+
+    Input: token ids (B, T) on the first stage, hidden states (B, T, d) elsewhere. Output: hidden
+    states, or logits (B, T, vocab) on the last stage; the schedule's loss function takes them.
+    """
+
+    def __init__(self, model: LlamaForPretraining, layer_ids: range, first: bool, last: bool,
+                 precision: str = "fp32"):  # fmt: skip
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        # Each stage needs the RoPE tables (every layer rotates q and k). They are the model's
+        # own buffers, a function of the config: referenced, not recomputed; not persistent,
+        # so not in the state_dict, as in the model.
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.precision = precision
+
+    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # autocast here, inside the stage: the schedule calls the stages itself, and the stage is
+        # what FSDP wraps, so there is no outer forward to put it around.
+        with common.autocast(h.device, self.precision):
+            if self.tok_embeddings is not None:
+                h = self.tok_embeddings(h)  # (B, T) ids -> (B, T, d)
+            T = h.size(1)
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim)
+            for layer in self.layers.values():  # in the model's order: keys were added ascending
+                h = layer(h, cos, sin, attn_mask)
+            if self.norm is not None:
+                h = self.norm(h)
+            if self.lm_head is not None:
+                h = self.lm_head(h)  # (B, T, d) -> (B, T, vocab)
+        return h
+
+
+def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages a rank runs: rank r holds stages r, r + pp, r + 2 pp, ... ("looped" order, the
+    one the interleaved schedule expects). With one stage per rank, simply stage r."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def build_stages(
+    model: LlamaForPretraining,
+    pp_rank: int,
+    pp_size: int,
+    stages_per_rank: int,
+    device: torch.device,
+    precision: str = "fp32",
+) -> list[StageModel]:
+    """This rank's stage modules, moved to `device`, in stage order.
+
+    Every rank builds the same full model (same seed, same weights), then keeps only its own
+    layers: the rest is freed with `model`. ValueError if the layers do not go round.
+    """
+    num_stages = pp_size * stages_per_rank
+    layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
+    if model.config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    return [
+        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision).to(device)
+        for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
+    ]
+
+
+def tied_embeddings_error(num_stages: int) -> ValueError:
+    return ValueError(
+        f"the model ties lm_head to the token embeddings (tie_word_embeddings), but with "
+        f"{num_stages} pipeline stages they live on different ranks, and one tensor cannot; "
+        f"use --pp 1 (with --schedule gpipe or 1f1b), train_fsdp.py, or an untied --model"
+    )
+
+
+class RankModel(nn.Module):
+    """Every parameter this rank holds, once, under the full model's names: what the optimizer,
+    the gradient norm and the checkpoints see. The stages run the computation; this module only
+    refers to their submodules (with several stages per rank, their layers side by side)."""
+
+    def __init__(self, stages: list[StageModel]):
+        super().__init__()
+        self.tok_embeddings = next(
+            (s.tok_embeddings for s in stages if s.tok_embeddings is not None), None
+        )
+        self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
+        self.norm = next((s.norm for s in stages if s.norm is not None), None)
+        self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, scale) -> torch.Tensor:
+    """The last stage's loss for one micro-batch: summed cross-entropy x `scale`.
+
+    Training passes scale = dp / (targets in the global batch): the same normalisation as every
+    other script (see the loop), so the schedule must not rescale (scale_grads=False).
+    Evaluation passes 1: plain sums, added up and divided once.
+    """
+    loss_sum = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets (B*T,)
+    return loss_sum * scale
+
+
+# -------------------------------------------------------------------------------------------------
+# Reductions over the mesh
+
+
+def sum_over_mesh(value: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum over the pipeline (the last stage's value, zeros elsewhere), then over data parallel:
+    every rank gets the global total, so every rank takes the same decisions about it."""
+    dist.all_reduce(value, group=mesh["pp"].get_group())
+    dist.all_reduce(value, group=mesh["dp"].get_group())
+    return value
+
+
+def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch.Tensor:
+    """clip_grad_norm_ for a model split over the pipeline: measure the whole model's norm.
+
+    Each rank holds the gradients of its own stages only, so torch's clip_grad_norm_ would
+    measure (and clip by) a different, partial norm on every rank. The squared norms add up over
+    disjoint sets of parameters: all-reduce them over the pp group, take the root, then clip
+    every stage by the same global norm. (With FSDP the per-rank norm is a DTensor over the dp
+    shards: full_tensor() adds those up first, as train_fsdp.py's clipping does.)
+    """
+    parameters = list(parameters)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    squared = norm.square()
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+# -------------------------------------------------------------------------------------------------
+# Flags
+
+
+def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
+    """Validate the pipeline flags; returns (dp, micro-batches per step). ValueError if wrong.
+
+    The model's shape is checked first (it needs no processes), then the world size.
+    """
+    schedule = args.schedule
+    if args.stages_per_rank is None:
+        args.stages_per_rank = 2 if schedule == "interleaved" else 1
+    if schedule == "interleaved" and args.stages_per_rank < 2:
+        parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
+    if schedule != "interleaved" and args.stages_per_rank != 1:
+        parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
+    if args.pp is None:
+        args.pp = world_size  # one pipeline over all ranks
+    if args.pp < 1:
+        parser.error(f"--pp must be positive, got {args.pp}")
+    try:
+        config = LlamaConfig.from_preset(args.model)
+    except ValueError as e:
+        parser.error(f"--model: {e}")
+    num_stages = args.pp * args.stages_per_rank
+    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
+    if config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    if args.precision == "fp16":
+        parser.error(
+            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
+            "inf checks span every stage, which this script does not implement"
+        )
+    if args.plan:
+        parser.error("--plan: memory_plan.py does not model pipeline stages yet")
+    if world_size % args.pp:
+        parser.error(
+            f"--pp {args.pp} does not divide the number of processes ({world_size}): the mesh is "
+            f"dp x pp, so launch a multiple of {args.pp} processes (--nproc_per_node x nodes) or "
+            f"change --pp"
+        )
+    dp = world_size // args.pp
+    if args.micro_batch_size is None:
+        # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
+        # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
+        args.micro_batch_size = 1
+    microbatches = common.check_args(parser, args, devices=dp)
+    if schedule == "1f1b" and microbatches < args.pp:
+        parser.error(
+            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {args.pp}; "
+            f"lower --micro-batch-size or raise --batch-size"
+        )
+    rounds = max(1, microbatches // args.pp)
+    if schedule == "interleaved" and microbatches % rounds:
+        parser.error(
+            f"interleaved needs the micro-batches ({microbatches}) to be a multiple of "
+            f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
+        )
+    return dp, microbatches
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
+    """The share of a step each rank sits idle, for p ranks and m micro-batches.
+
+    GPipe and 1F1B: counted in slots of one micro-batch's forward + backward on one stage, the
+    work takes m slots and filling and draining the pipeline p-1 more: (p-1)/(m+p-1) (Huang et
+    al. 2019, GPipe; 1F1B, PipeDream-Flush's schedule, only reorders the same work). Interleaved
+    1F1B: each rank runs v stages of 1/v of its layers, so its slots are v times shorter; the
+    work takes v*m of them and the fill and drain still p-1: (p-1)/(v*m+p-1). (Narayanan et al.
+    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+    sec. 2.2, give it as (p-1)/(v*m) of the ideal time; as a share of the whole step, this.)
+    """
+    slots = v * m if schedule == "interleaved" else m
+    return (p - 1) / (slots + p - 1)
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation data
+
+
+def validation_batches(val_set, dp_rank: int, dp: int, rows: int, pad_id: int):
+    """This dp rank's share of the validation set, in (x, y) batches of exactly `rows` rows.
+
+    A pipeline runs one fixed shape: every batch must split into the schedule's m micro-batches
+    of the training shape. The last batch is topped up with rows of padding whose targets are
+    all IGNORE_INDEX: they add nothing to the loss sum or the token count. Every dp rank gets the
+    same number of batches (FSDP's all-gathers need every rank in every forward).
+    """
+    shard = Subset(val_set, range(dp_rank, len(val_set), dp))
+    num_batches = math.ceil(math.ceil(len(val_set) / dp) / rows)
+    batches = []
+    for x, y in DataLoader(shard, batch_size=rows):
+        missing = rows - x.size(0)
+        x = torch.cat([x, x.new_full((missing, x.size(1)), pad_id)])  # (rows, T)
+        y = torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)])  # (rows, T)
+        batches.append((x, y))
+    T = val_set[0][0].size(0) if len(val_set) else 1
+    while len(batches) < num_batches:  # a rank whose shard is shorter: all padding
+        batches.append((torch.full((rows, T), pad_id), torch.full((rows, T), IGNORE_INDEX)))
+    return batches
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def build_parser():
+    parser = common.build_parser(
+        "Pretrain a Llama with torchrun + pipeline parallelism (GPipe, 1F1B or interleaved "
+        "1F1B), optionally with FSDP across pipelines. Here --micro-batch-size defaults to 1: "
+        "many micro-batches, a small pipeline bubble."
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=None,
+        help="pipeline-parallel size: ranks per pipeline; world_size / pp pipelines train "
+        "data-parallel (FSDP). Default: all ranks in one pipeline",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default="1f1b",
+        help="gpipe: all forwards, then all backwards; 1f1b: the same bubble, activations of at "
+        "most pp micro-batches alive; interleaved: several smaller stages per rank, a smaller "
+        "bubble",
+    )
+    parser.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="process group backend (default: nccl on GPU, gloo on CPU)",
+    )
+    return parser
+
+
+def main():
+    parser = build_parser()
+    args = parser.parse_args()
+    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
+    dp, microbatches = check_pipeline_args(parser, args, world_size)
+    precision = common.resolve_precision(args.precision, device)
+    pp, v = args.pp, args.stages_per_rank
+    num_stages = pp * v
+    # The 2D mesh: rank = dp_rank * pp + pp_rank, so the pp ranks of one pipeline are
+    # consecutive (on the same node, as long as pp divides the GPUs per node).
+    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    resume_path = from_rank0(lambda: prepare_out_dir(args, script="train_pp.py"), is_main)
+
+    # ---- data ----------------------------------------------------------------------------------
+    train_ds, val_ds, tokenizer = common.build_datasets(args)
+    steps_per_epoch = len(train_ds) // args.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
+            f"({args.batch_size}); use more data or a smaller batch"
+        )
+    # The shards are per pipeline (dp rank), not per process: every stage of one pipeline reads
+    # the same samples. The first stage needs the tokens, the last the targets, and all of them
+    # the target count and the attention mask; reading a batch of token ids costs nothing next to
+    # sending it. Over the dp ranks, step s covers samples [s*B, (s+1)*B) of one shuffle, as in
+    # every other script.
+    sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
+
+    def order_for_epoch(epoch: int) -> list[int]:
+        sampler.set_epoch(epoch)  # the same shuffle on every rank, a new one each epoch
+        return list(sampler)
+
+    val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
+    rows = microbatches * args.micro_batch_size  # sequences per pipeline per step
+    val_batches = validation_batches(val_set, dp_rank, dp, rows, tokenizer.token_to_id(data.PAD))
+
+    # ---- model, stages, data parallelism, optimizer, resume ------------------------------------
+    model, config = common.build_model(args, tokenizer.get_vocab_size())
+    # Applied to the whole model's layers before the split: the stages hold these same layers.
+    if args.activation_checkpointing:
+        common.apply_activation_checkpointing(model)
+    if args.compile:
+        common.compile_layers(model)
+    stage_models = build_stages(model, pp_rank, pp, v, device, precision)
+    del model  # the layers of the other ranks' stages are freed with it
+    if dp > 1:
+        # FSDP across the pipelines: each layer a unit, then each stage the root of the rest
+        # (embeddings, final norm, lm_head), as train_fsdp.py does for the whole model. The
+        # weights stay gathered between forward and backward (ZeRO-2's choice): with m
+        # micro-batches, freeing them would re-gather them m times per step. The schedule tells
+        # FSDP when the last backward of the step is done, and only then are gradients
+        # reduce-scattered (averaged over dp, like DDP).
+        for stage_model in stage_models:
+            for layer in stage_model.layers.values():
+                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(stage_model, mesh=mesh["dp"], reshard_after_forward=False)
+    rank_model = RankModel(stage_models)
+    optimizer = common.build_optimizer(rank_model, args, device.type)
+    scheduler = common.build_scheduler(optimizer, args)
+    start_step = 0
+    if resume_path:  # every rank loads the same directory: the one rank 0 chose
+        start_step = load_sharded_checkpoint(
+            resume_path, rank_model, optimizer, scheduler, config, args, tokenizer
+        )
+        if is_main:
+            print(f"resumed from {resume_path} at step {start_step}")
+    # The runtime side: a PipelineStage per stage knows its index, its neighbours' ranks in the
+    # pp group, and sends/receives activations and gradients. The schedule orders the forwards,
+    # backwards and sends of all micro-batches. scale_grads=False: pipeline_loss is already
+    # normalised by the global number of targets (the schedule would divide by m again).
+    stages = [
+        PipelineStage(stage_model, s, num_stages, device, group=mesh["pp"].get_group())
+        for stage_model, s in zip(stage_models, stage_ids_of_rank(pp_rank, pp, v), strict=True)
+    ]
+    schedule_class = SCHEDULES[args.schedule]
+    schedule = schedule_class(
+        stages if args.schedule == "interleaved" else stages[0],
+        n_microbatches=microbatches,
+        loss_fn=pipeline_loss,
+        scale_grads=False,
+    )
+    is_first = any(stage.is_first for stage in stages)  # this rank feeds the tokens in
+    is_last = any(stage.is_last for stage in stages)  # this rank computes the loss
+    if is_main:
+        print(common.describe_run(args, config, microbatches, dp, device, precision))
+        layers = [len(r) for r in split_layers(config.num_hidden_layers, num_stages)]
+        bubble = bubble_fraction(args.schedule, pp, microbatches, v)
+        formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
+        print(
+            f"pipeline: {args.schedule} schedule, {num_stages} stages on {pp} ranks "
+            f"({v} per rank), layers per stage {layers}, m = {microbatches} micro-batches of "
+            f"{args.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines; "
+            f"bubble {formula} = {bubble:.1%}"
+        )
+
+    # ---- training loop -------------------------------------------------------------------------
+    batches = common.step_batches(
+        train_ds,
+        order_for_epoch,
+        args.micro_batch_size,
+        microbatches,
+        steps_per_epoch,
+        start_step,
+        args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    metrics = common.Metrics(args.out_dir, is_main, start_step)
+    guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
+    throughput = common.Throughput()
+    tokens_per_step = args.batch_size * args.seq_length
+    flops_per_token = common.flops_per_token(config, args.seq_length)
+    peak_flops = common.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+    final_checkpoint = resume_path  # model.pt is read back from the last checkpoint
+    bar = tqdm(
+        range(start_step, args.max_steps),
+        initial=start_step,
+        total=args.max_steps,
+        disable=not is_main,
+        desc="train",
+    )
+
+    def run_pipeline(x, y, scale, losses, train: bool):
+        """One pass of the schedule over the pipeline's batch x, y (rows, T), m micro-batches.
+
+        Only the first stage reads x and only the last computes the loss on y; every stage gets
+        the attention mask (a keyword argument reaches every stage), built from x, which every
+        rank of the pipeline has read.
+        """
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        mask = common.build_attn_mask(x, args, tokenizer)
+        run = schedule.step if train else schedule.eval
+        run(
+            *((x,) if is_first else ()),
+            target=y if is_last else None,
+            losses=losses,
+            loss_kwargs={"scale": scale},
+            return_outputs=False,  # keep no logits: the losses are all this loop needs
+            **({} if mask is None else {"attn_mask": mask}),
+        )
+
+    for step in bar:
+        lr = optimizer.param_groups[0]["lr"]
+        micro_batches = next(batches)
+        x = torch.cat([x for x, _ in micro_batches])  # (m * micro, T); the schedule splits it
+        y = torch.cat([y for _, y in micro_batches])  # back into the same m micro-batches
+        # Normalise by the number of targets in the whole global batch (all micro-batches, all
+        # dp ranks), as in every script. FSDP averages gradients over dp ranks; the factor dp
+        # undoes that, leaving sum of all losses / all targets.
+        global_tokens = (y != IGNORE_INDEX).sum().to(device)
+        dist.all_reduce(global_tokens, group=mesh["dp"].get_group())
+        losses = []  # filled on the last stage: one scaled loss per micro-batch
+        run_pipeline(x, y, dp / global_tokens, losses, train=True)
+        # The global loss, on every rank: the scaled losses add up to dp x the mean loss.
+        step_loss = torch.stack(losses).sum() if is_last else torch.zeros((), device=device)
+        step_loss = sum_over_mesh(step_loss.detach(), mesh) / dp
+        grad_norm = clip_grad_norm_over_pipeline(
+            rank_model.parameters(),
+            args.grad_clip if args.grad_clip > 0 else math.inf,
+            mesh["pp"].get_group(),
+        )
+        if guard.step_ok(step + 1, step_loss, grad_norm):
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        throughput.add(tokens_per_step)
+        done = step + 1
+        last = done == args.max_steps
+        do_log, do_eval, do_save = (
+            done % interval == 0 or last
+            for interval in (args.log_interval, args.eval_interval, args.save_interval)
+        )
+        if do_log or do_eval or do_save:
+            guard.check(args.out_dir)  # never log, evaluate or save a NaN state
+
+        if do_log:
+            loss = step_loss.item()
+            rate = throughput.rate()
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
+            metrics.log(
+                step=done,
+                loss=loss,
+                lr=lr,
+                tokens_per_sec=rate,
+                mfu=common.mfu(rate, flops_per_token, peak_flops, world_size),
+                peak_memory_gb=common.peak_memory_gb(device),
+                grad_norm=grad_norm.item(),
+            )
+        if do_eval:
+            # Forward only, through the same pipeline: the schedule's eval() runs the forwards
+            # and the loss of every micro-batch, no backward. Sums, added up over the micro-
+            # batches, the pipeline and the dp ranks, divided once. (Switching between eval()
+            # and step() makes the schedule infer again the shapes its stages send: one extra
+            # forward of one micro-batch, which changes no result.)
+            val_sum = torch.zeros((), device=device)
+            val_tokens = torch.zeros((), device=device, dtype=torch.long)
+            with torch.no_grad():
+                for vx, vy in val_batches:
+                    losses = []
+                    run_pipeline(vx, vy, 1.0, losses, train=False)
+                    if is_last:
+                        val_sum += torch.stack(losses).sum()
+                        val_tokens += (vy != IGNORE_INDEX).sum().to(device)
+            val_loss = (sum_over_mesh(val_sum, mesh) / sum_over_mesh(val_tokens, mesh)).item()
+            metrics.log(step=done, val_loss=val_loss, val_ppl=common.perplexity(val_loss))
+            if is_main:
+                tqdm.write(
+                    f"step {done}: val loss {val_loss:.4f}, "
+                    f"perplexity {common.perplexity(val_loss):.1f}"
+                )
+            throughput.restart()  # keep evaluation time out of the tokens/s figure
+        if do_save:
+            # Every rank writes its own stages' parameters and AdamW state, under the full
+            # model's names (a collective, never inside is_main).
+            save_sharded_checkpoint(
+                args, done, rank_model, optimizer, scheduler, config, tokenizer, is_main
+            )
+            final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
+            throughput.restart()
+
+    # ---- outputs -------------------------------------------------------------------------------
+    # The last checkpoint already holds every tensor of the model, under its full name, whatever
+    # the layout that wrote it (pp, dp, interleaved): rank 0 reads it back into a plain model
+    # (DCP without collectives), rather than gathering every stage's tensors over the network
+    # with code of its own. Like resuming, it needs --out-dir on a filesystem rank 0 can read.
+    if is_main:
+        plain = LlamaForPretraining(config)
+        state = {"model": plain.state_dict()}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=final_checkpoint, no_dist=True)
+        plain.load_state_dict(state["model"])
+        common.save_final(args.out_dir, plain, config, tokenizer)
+        print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+        if args.sample_tokens:
+            text = common.sample_text(
+                plain.to(device), tokenizer, args.sample_prompt, args.sample_tokens
+            )
+            print(f"sample:\n{text}")
+    dist.barrier()  # the run is over when rank 0's files are written, for every rank
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    common.run(main)
