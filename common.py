@@ -224,15 +224,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
                 f"--init-from {args.init_from} brings its own architecture (config.json) and "
                 f"tokenizer (tokenizer.json): leave out --model and --tokenizer"
             )
-        config = read_out_dir_config(args.init_from)
         # The weights only mean something with the tokenizer they were trained with.
         args.tokenizer = os.path.join(args.init_from, "tokenizer.json")
     else:
         args.model = args.model or "tiny"
-        try:
-            config = LlamaConfig.from_preset(args.model)
-        except ValueError as e:
-            parser.error(f"--model: {e}")
+    try:
+        config = model_shape(args)
+    except ValueError as e:
+        parser.error(f"--model: {e}" if args.init_from is None else str(e))
     if args.seq_length > config.max_position_embeddings:
         parser.error(
             f"--seq-length {args.seq_length} exceeds the {args.model or args.init_from} model's "
@@ -325,15 +324,19 @@ def step_batches(
 # Model, optimizer, schedule, precision
 
 
-def read_out_dir_config(out_dir: str) -> LlamaConfig:
-    """The LlamaConfig of a finished run's --out-dir; ValueError saying why it is not one."""
-    missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
+def model_shape(args) -> LlamaConfig:
+    """The architecture this run will train, known before any data is read: --init-from's
+    config.json, or the --model preset (its vocab_size is the tokenizer's later, which changes
+    no check made with this). ValueError saying why if there is none."""
+    if args.init_from is None:
+        return LlamaConfig.from_preset(args.model)
+    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
     if missing:
         raise ValueError(
-            f"--init-from {out_dir}: no {', '.join(missing)} there; point it at the --out-dir of "
-            f"a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
+            f"--init-from {args.init_from}: no {', '.join(missing)} there; point it at the "
+            f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
         )
-    return load_config(out_dir)
+    return load_config(args.init_from)
 
 
 def build_model(args, vocab_size: int) -> tuple[LlamaForPretraining, LlamaConfig]:

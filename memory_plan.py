@@ -207,7 +207,16 @@ def pipeline_in_flight(schedule: str, pp: int, micro_batches: int, stages_per_ra
 
 
 def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float:
-    """The share of a step each pipeline stage spends idle (see the docstring)."""
+    """The share of a step each rank of a pipeline of `pp` stages sits idle.
+
+    GPipe and 1F1B: counted in slots of one micro-batch's forward + backward on one stage, the
+    work takes m slots, and filling and draining the pipeline p-1 more: (p-1)/(m+p-1) (Huang et
+    al. 2019, GPipe; 1F1B, PipeDream-Flush's schedule, only reorders the same work). Interleaved
+    1F1B: each rank runs v stages of 1/v of its layers, so its slots are v times shorter; the
+    work takes v*m of them and the fill and drain still p-1: (p-1)/(v*m+p-1). (Narayanan et al.
+    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+    sec. 2.2, give it as (p-1)/(v*m) of the ideal time; as a share of the whole step, this.)
+    """
     slots = micro_batches * (stages_per_rank if schedule == "interleaved" else 1)
     return (pp - 1) / (slots + pp - 1)
 

@@ -78,7 +78,8 @@ from tqdm import tqdm
 
 import common
 import data
-from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+import memory_plan
+from model import IGNORE_INDEX, LlamaForPretraining
 from train_ddp import from_rank0, setup_distributed
 from train_fsdp import (  # the same checkpoint directories as train_fsdp.py
     load_sharded_checkpoint,
@@ -258,7 +259,7 @@ def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch
 def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
     """Validate the pipeline flags; returns (dp, micro-batches per step). ValueError if wrong.
 
-    The model's shape is checked first (it needs no processes), then the world size.
+    Called before any data is read: a mistake costs seconds, not a tokenized corpus.
     """
     schedule = args.schedule
     if args.stages_per_rank is None:
@@ -271,21 +272,6 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
         args.pp = world_size  # one pipeline over all ranks
     if args.pp < 1:
         parser.error(f"--pp must be positive, got {args.pp}")
-    try:
-        config = LlamaConfig.from_preset(args.model)
-    except ValueError as e:
-        parser.error(f"--model: {e}")
-    num_stages = args.pp * args.stages_per_rank
-    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
-    if config.tie_word_embeddings and num_stages > 1:
-        raise tied_embeddings_error(num_stages)
-    if args.precision == "fp16":
-        parser.error(
-            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
-            "inf checks span every stage, which this script does not implement"
-        )
-    if args.plan:
-        parser.error("--plan: memory_plan.py does not model pipeline stages yet")
     if world_size % args.pp:
         parser.error(
             f"--pp {args.pp} does not divide the number of processes ({world_size}): the mesh is "
@@ -297,7 +283,17 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
         # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
         # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
         args.micro_batch_size = 1
-    microbatches = common.check_args(parser, args, devices=dp)
+    microbatches = common.check_args(parser, args, devices=dp)  # and the model's flags
+    config = common.model_shape(args)
+    num_stages = args.pp * args.stages_per_rank
+    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
+    if config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    if args.precision == "fp16":
+        parser.error(
+            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
+            "inf checks span every stage, which this script does not implement"
+        )
     if schedule == "1f1b" and microbatches < args.pp:
         parser.error(
             f"1f1b needs at least as many micro-batches as stages: {microbatches} < {args.pp}; "
@@ -310,21 +306,6 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
             f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
         )
     return dp, microbatches
-
-
-def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
-    """The share of a step each rank sits idle, for p ranks and m micro-batches.
-
-    GPipe and 1F1B: counted in slots of one micro-batch's forward + backward on one stage, the
-    work takes m slots and filling and draining the pipeline p-1 more: (p-1)/(m+p-1) (Huang et
-    al. 2019, GPipe; 1F1B, PipeDream-Flush's schedule, only reorders the same work). Interleaved
-    1F1B: each rank runs v stages of 1/v of its layers, so its slots are v times shorter; the
-    work takes v*m of them and the fill and drain still p-1: (p-1)/(v*m+p-1). (Narayanan et al.
-    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-    sec. 2.2, give it as (p-1)/(v*m) of the ideal time; as a share of the whole step, this.)
-    """
-    slots = v * m if schedule == "interleaved" else m
-    return (p - 1) / (slots + p - 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -480,7 +461,7 @@ def main():
     if is_main:
         print(common.describe_run(args, config, microbatches, dp, device, precision))
         layers = [len(r) for r in split_layers(config.num_hidden_layers, num_stages)]
-        bubble = bubble_fraction(args.schedule, pp, microbatches, v)
+        bubble = memory_plan.bubble_fraction(args.schedule, pp, microbatches, v)
         formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
         print(
             f"pipeline: {args.schedule} schedule, {num_stages} stages on {pp} ranks "
@@ -488,6 +469,8 @@ def main():
             f"{args.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines; "
             f"bubble {formula} = {bubble:.1%}"
         )
+        if args.plan:
+            print(memory_plan.plan_for_run(args, config, world_size, precision))
 
     # ---- training loop -------------------------------------------------------------------------
     batches = common.step_batches(

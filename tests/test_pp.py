@@ -104,14 +104,6 @@ def test_start_up_reports_the_schedule_and_its_bubble(launched):
     assert "bubble (p-1)/(v*m+p-1) = 20.0%" in stdout, stdout
 
 
-@pytest.mark.parametrize(
-    "schedule, p, m, v, expected",
-    [("gpipe", 4, 8, 1, 3 / 11), ("1f1b", 2, 4, 1, 1 / 5), ("interleaved", 4, 8, 2, 3 / 19)],
-)
-def test_bubble_fraction(schedule, p, m, v, expected):
-    assert train_pp.bubble_fraction(schedule, p, m, v) == pytest.approx(expected)
-
-
 # -------------------------------------------------------------------------------------------------
 # Stages
 
