@@ -62,7 +62,8 @@ TRAIN_STATE = "train_state.pt"
 def prepare_out_dir(args) -> str | None:
     """Create --out-dir and choose the checkpoint directory to resume from (None: start fresh).
 
-    As common.prepare_out_dir, for checkpoint directories: called on rank 0 alone.
+    As common.prepare_out_dir, for checkpoint directories: called on rank 0 alone. train_tp.py
+    uses it and the two functions below too: its checkpoints are the same DCP directories.
     """
     common.make_out_dir(args)
     ckpt_dir = os.path.join(args.out_dir, "checkpoints")
@@ -78,15 +79,16 @@ def prepare_out_dir(args) -> str | None:
     if args.resume != "auto":
         if not os.path.isfile(os.path.join(args.resume, TRAIN_STATE)):
             raise ValueError(
-                f"--resume: {args.resume} is not a train_fsdp.py checkpoint directory (the .pt "
-                f"checkpoints of train_dp.py/train_ddp.py do not resume here; see the README)"
+                f"--resume: {args.resume} is not a train_fsdp.py checkpoint directory (nor a "
+                f"train_tp.py one: the same format; the .pt checkpoints of train_dp.py/"
+                f"train_ddp.py do not resume here; see the README)"
             )
         return args.resume
     found = common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
     if not found and others:
         raise ValueError(
             f"{args.out_dir} holds checkpoints of train_dp.py/train_ddp.py, which do not resume "
-            f"in train_fsdp.py; choose another --out-dir (model.pt loads everywhere)"
+            f"in train_fsdp.py or train_tp.py; choose another --out-dir (model.pt loads everywhere)"
         )
     # A directory is checked through its train state, the file this script loads first.
     return common.newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
