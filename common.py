@@ -351,10 +351,17 @@ def build_model(args, vocab_size: int) -> tuple[LlamaForPretraining, LlamaConfig
     return LlamaForPretraining(config), config
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a model, or of a pipeline stage of train_pp.py (which keeps them in
+    an nn.ModuleDict keyed by their index in the whole model)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+
+
 def compile_layers(model: LlamaForPretraining) -> None:
     """Compile each decoder layer in place: a short compile (one layer's graph, reused), and the
     parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected."""
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         layer.compile()
 
 
@@ -367,7 +374,7 @@ def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
     the RNG state. The forward is replaced on each instance from here, outside model.py, and
     the parameter names stay unchanged, so checkpoints and model.pt are unaffected.
     """
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 

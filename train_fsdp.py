@@ -69,7 +69,8 @@ def prepare_out_dir(args, script: str = "train_fsdp.py") -> str | None:
     """Create --out-dir and choose the checkpoint directory to resume from (None: start fresh).
 
     As common.prepare_out_dir, for checkpoint directories: called on rank 0 alone. `script` names
-    the script in the messages (train_pp.py writes the same directories).
+    the script in the messages: train_tp.py and train_pp.py write the same directories (and use
+    the two functions below).
     """
     common.make_out_dir(args)
     ckpt_dir = os.path.join(args.out_dir, "checkpoints")

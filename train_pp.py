@@ -86,6 +86,7 @@ from train_fsdp import (  # the same checkpoint directories as train_fsdp.py
     prepare_out_dir,
     save_sharded_checkpoint,
 )
+from train_tp import apply_tensor_parallel, check_tensor_parallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -268,23 +269,26 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
         parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
     if schedule != "interleaved" and args.stages_per_rank != 1:
         parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
+    if args.tp < 1:
+        parser.error(f"--tp must be positive, got {args.tp}")
     if args.pp is None:
-        args.pp = world_size  # one pipeline over all ranks
+        args.pp = max(1, world_size // args.tp)  # one pipeline over all ranks (of a tp rank)
     if args.pp < 1:
         parser.error(f"--pp must be positive, got {args.pp}")
-    if world_size % args.pp:
+    if world_size % (args.pp * args.tp):
         parser.error(
-            f"--pp {args.pp} does not divide the number of processes ({world_size}): the mesh is "
-            f"dp x pp, so launch a multiple of {args.pp} processes (--nproc_per_node x nodes) or "
-            f"change --pp"
+            f"--pp {args.pp} x --tp {args.tp} does not divide the number of processes "
+            f"({world_size}): the mesh is pp x dp x tp, so launch a multiple of "
+            f"{args.pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
         )
-    dp = world_size // args.pp
+    dp = world_size // (args.pp * args.tp)
     if args.micro_batch_size is None:
         # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
         # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
         args.micro_batch_size = 1
     microbatches = common.check_args(parser, args, devices=dp)  # and the model's flags
     config = common.model_shape(args)
+    check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
     num_stages = args.pp * args.stages_per_rank
     split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
     if config.tie_word_embeddings and num_stages > 1:
@@ -347,8 +351,15 @@ def build_parser():
         "--pp",
         type=int,
         default=None,
-        help="pipeline-parallel size: ranks per pipeline; world_size / pp pipelines train "
-        "data-parallel (FSDP). Default: all ranks in one pipeline",
+        help="pipeline-parallel size: stages per pipeline; world_size / (pp x tp) pipelines "
+        "train data-parallel (FSDP). Default: all ranks (world_size / tp) in one pipeline",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks inside each stage (3D: pp x dp x tp = world_size); keep it "
+        "within a node",
     )
     parser.add_argument(
         "--schedule",
@@ -382,9 +393,12 @@ def main():
     precision = common.resolve_precision(args.precision, device)
     pp, v = args.pp, args.stages_per_rank
     num_stages = pp * v
-    # The 2D mesh: rank = dp_rank * pp + pp_rank, so the pp ranks of one pipeline are
-    # consecutive (on the same node, as long as pp divides the GPUs per node).
-    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    # The 3D mesh: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The last dimension varies
+    # fastest: a tensor-parallel group is tp consecutive ranks, on one node (its all-reduces, in
+    # every layer, need NVLink); next come the dp replicas of a stage (FSDP's gathers); the
+    # pipeline is the outermost dimension, the one that crosses nodes (its traffic, one
+    # activation per micro-batch between neighbours, is the lightest). torchtitan's order.
+    mesh = init_device_mesh(device.type, (pp, dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     resume_path = from_rank0(lambda: prepare_out_dir(args, script="train_pp.py"), is_main)
 
@@ -420,6 +434,14 @@ def main():
         common.compile_layers(model)
     stage_models = build_stages(model, pp_rank, pp, v, device, precision)
     del model  # the layers of the other ranks' stages are freed with it
+    if args.tp > 1:
+        # Tensor parallelism inside each stage: train_tp.py's split of every matrix over the tp
+        # ranks. The stage's inputs and outputs stay plain replicated tensors, so the pipeline
+        # sends exactly what it would without TP. lm_head all-gathers the logits here
+        # (loss_parallel=False): the vocabulary-parallel loss of train_tp.py would need its
+        # loss_parallel() context around the schedule's backward of the last stage too.
+        for stage_model in stage_models:
+            apply_tensor_parallel(stage_model, mesh["tp"], loss_parallel=False)
     if dp > 1:
         # FSDP across the pipelines: each layer a unit, then each stage the root of the rest
         # (embeddings, final norm, lm_head), as train_fsdp.py does for the whole model. The
@@ -466,7 +488,8 @@ def main():
         print(
             f"pipeline: {args.schedule} schedule, {num_stages} stages on {pp} ranks "
             f"({v} per rank), layers per stage {layers}, m = {microbatches} micro-batches of "
-            f"{args.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines; "
+            f"{args.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines, "
+            f"tensor parallel {args.tp} inside each stage; "
             f"bubble {formula} = {bubble:.1%}"
         )
         if args.plan:

@@ -1,0 +1,175 @@
+"""Specification of tensor parallelism (train_tp.py): splitting every matrix over 2 ranks trains
+exactly like one process on the same global batch, resumes bit for bit, and writes the same plain
+model.pt as every other script.
+
+The runs are launched as a user would (torchrun, 2 gloo ranks on CPU) with the training tests'
+settings and helpers (harness.py, conftest.py), and compared with train_dp.py on one process with
+test_training.py's tolerances: TP changes which rank multiplies which slice, and adds partial sums
+in another order, not the arithmetic. Measured on this corpus (fp32, --tp 2 against train_dp.py):
+weights differ by at most 9.7e-6, logged losses by 2.1e-7 (relative), gradient norms by 4.0e-6
+(relative), validation losses by 1.2e-7. The 2-D layout (--tp 2 on 4 ranks: TP x FSDP) was
+checked by hand (weights within 1.1e-5 of train_dp.py); 4 processes are too slow for CI on 2 cores.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import (
+    DP,
+    REPO,
+    assert_same_losses,
+    assert_state_dicts_close,
+    assert_state_dicts_equal,
+    cli,
+    load_weights,
+    run_script,
+)
+from test_bad_input import assert_refused
+from test_fsdp import (
+    FSDP,
+    assert_same_logged_losses_after_step_4,
+    copy_sharded_checkpoint,
+    sharded_checkpoint_state,
+)
+
+from generate import generate_text, load_model
+from model import LlamaConfig, LlamaForPretraining
+from train_tp import check_tensor_parallel, data_parallel_size
+
+TP = "train_tp.py"
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, corpus, cache_dir) -> Path:
+    """--tp 2 on 2 ranks: one tensor-parallel group (dp 1). Tests must not write into it."""
+    out = tmp_path_factory.mktemp("train_tp")
+    run_script(TP, cli(corpus, cache_dir, out) + ["--tp", "2"], world=2)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# The same training as one process
+
+
+def test_tp2_trains_like_one_process(tp_run, trained):
+    reference = trained(DP)
+    assert_state_dicts_close(load_weights(tp_run), load_weights(reference))
+    # The losses and the pre-clip gradient norm too: a gradient off by a constant factor (say, the
+    # targets counted once per tp rank) would not show in the weights.
+    assert_same_losses(tp_run, reference)
+
+
+def test_dp2_tp1_splits_the_batch_over_dp_groups_like_fsdp(trained, corpus, cache_dir, tmp_path):
+    # --tp 1 on 2 ranks is train_fsdp.py's layout through this script: 2 dp groups of one rank,
+    # each reading half of every global batch, in 2 micro-batches (gradient accumulation).
+    out = tmp_path / "out"
+    flags = ["--tp", "1", "--micro-batch-size", "2"]
+    proc = run_script(TP, cli(corpus, cache_dir, out) + flags, world=2)
+    assert "dp 2 x tp 1" in proc.stdout
+    reference = trained(DP)
+    assert_state_dicts_close(load_weights(out), load_weights(reference))
+    assert_same_losses(out, reference)
+
+
+# -------------------------------------------------------------------------------------------------
+# Resuming
+
+
+def test_tp_resume_is_bit_identical(tp_run, corpus, cache_dir, tmp_path):
+    out = tmp_path / "resumed"
+    copy_sharded_checkpoint(tp_run, 4, out)
+    proc = run_script(TP, cli(corpus, cache_dir, out) + ["--tp", "2"], world=2)
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_equal(load_weights(out), load_weights(tp_run))
+    got = sharded_checkpoint_state(out, 8, tmp_path)
+    want = sharded_checkpoint_state(tp_run, 8, tmp_path)
+    assert got.keys() == want.keys() and any("optimizer" in key for key in want)
+    for key, value in want.items():
+        same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
+        assert same, f"{key} differs after resuming"
+    assert_same_logged_losses_after_step_4(out, tp_run)
+
+
+def test_tp_checkpoint_resumes_in_train_fsdp_on_one_rank(tp_run, corpus, cache_dir, tmp_path):
+    # The same DCP directories as train_fsdp.py's: DCP reassembles the TP shards into whatever
+    # layout the loading run has. Steps 5-8 then run unsplit: the tolerance, not equality.
+    out = tmp_path / "resumed"
+    copy_sharded_checkpoint(tp_run, 4, out)
+    (out / "metrics.jsonl").write_text((tp_run / "metrics.jsonl").read_text())  # steps 1-4
+    proc = run_script(FSDP, cli(corpus, cache_dir, out), world=1)
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_close(load_weights(out), load_weights(tp_run))
+    assert_same_losses(out, tp_run)
+
+
+# -------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def test_model_pt_loads_in_a_plain_model_and_generate_runs_on_the_out_dir(tp_run):
+    weights = load_weights(tp_run)
+    assert all(type(tensor) is torch.Tensor for tensor in weights.values()), "not plain tensors"
+    config = LlamaConfig(**json.loads((tp_run / "config.json").read_text()))
+    LlamaForPretraining(config).load_state_dict(weights, strict=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "generate.py"), "--out-dir", str(tp_run), "--prompt", "def ",
+         "--max-new-tokens", "8", "--temperature", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load_model(str(tp_run))
+    assert proc.stdout == generate_text(model, tokenizer, "def ", 8, temperature=0) + "\n"
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize(
+    "world_size, tp, dp", [(2, 2, 1), (4, 2, 2), (8, 4, 2), (2, 1, 2), (1, 1, 1)]
+)
+def test_dp_is_world_size_over_tp(world_size, tp, dp):
+    assert data_parallel_size(world_size, tp) == dp
+
+
+@pytest.mark.parametrize("world_size, tp", [(2, 3), (3, 2), (6, 4), (1, 2), (2, 0)])
+def test_tp_that_does_not_divide_the_ranks_is_refused(world_size, tp):
+    with pytest.raises(ValueError, match=f"--tp {tp} must"):
+        data_parallel_size(world_size, tp)
+
+
+@pytest.mark.parametrize(
+    "field, tp, overrides",
+    [
+        ("num_attention_heads", 4, {}),  # tiny: 6 query heads
+        ("num_key_value_heads", 3, {}),  # tiny: 6 query heads, but 2 key/value heads
+        ("intermediate_size", 2, {"intermediate_size": 513}),
+    ],
+)
+def test_tp_must_split_heads_and_hidden_units_whole(field, tp, overrides):
+    config = LlamaConfig.from_preset("tiny", **overrides)
+    with pytest.raises(ValueError, match=rf"--tp {tp} does not divide the model's {field} \("):
+        check_tensor_parallel(config, tp)
+    check_tensor_parallel(config, 1)  # no split: anything goes
+
+
+def test_tp_divides_the_tiny_model_in_two():
+    check_tensor_parallel(LlamaConfig.from_preset("tiny", vocab_size=321), 2)  # odd vocab: fine
+
+
+@pytest.mark.parametrize(
+    "flags, expect",
+    [
+        (["--tp", "2"], "--tp 2 must divide the number of ranks (1)"),
+        (["--tp", "1", "--precision", "fp16"], "supports --precision bf16 or fp32"),
+    ],
+    ids=["tp-above-world-size", "fp16"],
+)
+def test_cli_refuses_bad_flags_in_one_line(corpus, cache_dir, tmp_path, flags, expect):
+    out = tmp_path / "out"
+    assert_refused(TP, cli(corpus, cache_dir, out) + flags, expect, out, cache_dir)
+    assert not out.exists(), "nothing is written before the flags are checked"
