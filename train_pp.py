@@ -1,8 +1,9 @@
-"""Pretrain a Llama with torchrun + pipeline parallelism: each rank holds a slice of the layers.
+"""Pretrain a Llama with torchrun + pipeline parallelism (and, with --tp, 3D parallelism).
 
     torchrun --standalone --nproc_per_node=4 train_pp.py --pp 4 --schedule 1f1b    # 4 GPUs
     torchrun --standalone --nproc_per_node=4 train_pp.py --pp 4 --schedule interleaved
     torchrun --standalone --nproc_per_node=8 train_pp.py --pp 4                   # + 2-way FSDP
+    torchrun --standalone --nproc_per_node=8 train_pp.py --pp 2 --tp 4            # + TP: 3D
     torchrun --standalone --nproc_per_node=2 train_pp.py --pp 2 --schedule 1f1b    # no GPU: gloo
 
 The decoder is cut into consecutive groups of layers, one group per *stage*; the token embeddings
@@ -11,10 +12,11 @@ only and passes activations forward (and their gradients backward) to its neighb
 point-to-point sends. torch.distributed.pipelining does the scheduling and the sends.
 
 What changes against train_ddp.py / train_fsdp.py:
-  1. One DeviceMesh of shape (dp, pp): pp consecutive ranks form one pipeline, and dp = world_size
-     / pp pipelines each train on their own 1/dp of the global batch. With dp > 1 every stage is
-     sharded over its dp group with FSDP2 (fully_shard), as train_fsdp.py does for the whole
-     model (torchtitan's 2D layout).
+  1. One DeviceMesh of shape (pp, dp, tp): dp = world_size / (pp x tp) pipelines each train on
+     their own 1/dp of the global batch. With dp > 1 every stage is sharded over its dp group
+     with FSDP2 (fully_shard), as train_fsdp.py does for the whole model; with --tp > 1 every
+     stage's matrices are also split over tp ranks exactly as train_tp.py splits them (its
+     apply_tensor_parallel): 3D parallelism, as used for BLOOM-176B.
   2. No rank holds the whole model: build_stages() keeps this rank's layers, under the full
      model's parameter names (layers.<original index>), so the stages' state dicts together are
      exactly the full model's, and checkpoints are the same DCP directories as train_fsdp.py's.
@@ -35,24 +37,23 @@ stages (rank r holds stages r, r+p, r+2p, ...), which cuts the bubble to (p-1)/(
 price of v times more sends. So: many micro-batches (m >= 4p is a common rule), and the default
 micro-batch size here is 1 sequence (as in Megatron-LM and torchtitan).
 
-Layouts. The mesh is (dp, pp) with pp the inner dimension, and torchrun numbers ranks node by
-node, so one pipeline is pp consecutive ranks.
+Layouts. The mesh is (pp, dp, tp), tp varying fastest, and torchrun numbers ranks node by node:
+a TP group is tp consecutive ranks (keep it inside a node: two all-reduces per layer need
+NVLink), a stage's dp replicas come next, and the pipeline, whose traffic is the lightest (one
+activation per micro-batch between neighbouring stages), spans the rest, across nodes.
   - One 8-GPU node: --pp 8 (one pipeline), or --pp 4 / --pp 2 with FSDP over the other factor
-    (dp 2 or 4): fewer stages, a smaller bubble.
-  - Several nodes: --pp 8 on 8-GPU nodes keeps each pipeline inside a node, and FSDP (dp = the
-    number of nodes) crosses the network, as train_fsdp.py does; --pp equal to all the GPUs is one
-    long pipeline across the nodes (dp 1), whose only network traffic is one activation per
-    micro-batch between neighbouring stages. Every node runs the same command:
-        SCRIPT=train_pp.py NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_ddp.sh --pp 8 --model 7b
-  - 3D, with tensor parallelism (train_tp.py's dimension): TP needs NVLink (two all-reduces per
-    layer), PP tolerates slow links, so TP goes inside a node and PP across nodes, e.g. 4 nodes x
-    8 GPUs = tp 8 (in a node) x pp 4 (one stage per node), or tp 4 x pp 4 x dp 2.
+    (dp 2 or 4): fewer stages, a smaller bubble; or --pp 2 --tp 4.
+  - Several nodes, every node running the same command, e.g. 4 nodes x 8 GPUs:
+        SCRIPT=train_pp.py NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./run_ddp.sh --pp 4 --tp 8
+    tp 8 (one node) x pp 4 (one stage per node); or --pp 4 --tp 4: 2 FSDP replicas of each stage
+    inside a node; or --pp 32: one long pipeline, whose only network traffic is activations.
 
 Limits: every rank first builds the whole model on the CPU (with the seed, so the weights equal
 every other script's) and then keeps its own stages; the model must fit in host memory once per
 local process. Tied embeddings (the 1b preset) put one tensor on the first and the last stage and
 are refused with --pp > 1. --precision fp16 is refused (a grad scaler across stages is not
-implemented); bf16 autocast works as everywhere else.
+implemented); bf16 autocast works as everywhere else. With --tp, lm_head's logits are gathered
+on the last stage (train_tp.py's vocabulary-parallel loss is not used across the pipeline).
 """
 
 import math
