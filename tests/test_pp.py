@@ -24,6 +24,7 @@ from harness import (
     assert_same_losses,
     assert_state_dicts_close,
     assert_state_dicts_equal,
+    assert_train_dp_starts_from,
     cli,
     flatten,
     load_weights,
@@ -194,6 +195,12 @@ def test_model_pt_is_a_plain_state_dict_that_generate_loads(pp_run, trained):
     LlamaForPretraining(config).load_state_dict(weights, strict=True)
     model, tokenizer = load_model(str(out), "cpu", torch.float32)
     assert generate_text(model, tokenizer, "def ", 8, seed=0).startswith("def ")
+
+
+def test_model_pt_starts_a_train_dp_run(corpus, cache_dir, tmp_path, pp_run):
+    assert_train_dp_starts_from(
+        pp_run("interleaved-dp2"), corpus, cache_dir, tmp_path / "continued"
+    )
 
 
 # -------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from harness import (
     assert_same_losses,
     assert_state_dicts_close,
     assert_state_dicts_equal,
+    assert_train_dp_starts_from,
     cli,
     load_weights,
     run_script,
@@ -127,6 +128,10 @@ def test_model_pt_loads_in_a_plain_model_and_generate_runs_on_the_out_dir(tp_run
 
 # -------------------------------------------------------------------------------------------------
 # Bad input
+
+
+def test_model_pt_starts_a_train_dp_run(corpus, cache_dir, tmp_path, tp_run):
+    assert_train_dp_starts_from(tp_run, corpus, cache_dir, tmp_path / "continued")
 
 
 @pytest.mark.parametrize(
