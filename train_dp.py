@@ -156,13 +156,14 @@ def main():
             # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
             rate = throughput.rate()
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
+            mfu = common.mfu(rate, flops_per_token, peak_flops, devices)
+            bar.set_postfix(common.bar_postfix(loss, lr, rate, tokens_per_step, mfu))
             metrics.log(
                 step=done,
                 loss=loss,
                 lr=lr,
                 tokens_per_sec=rate,
-                mfu=common.mfu(rate, flops_per_token, peak_flops, devices),
+                mfu=mfu,
                 peak_memory_gb=common.peak_memory_gb(device),
                 grad_norm=grad_norm.item(),
             )
