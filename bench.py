@@ -211,12 +211,12 @@ def build(strategy: str, args, vocab_size: int, device, precision: str):
 
 def train_step(model, optimizer, x, y, device, precision, grad_clip, distributed: bool) -> None:
     """One optimizer step, as the training scripts take it (no gradient accumulation)."""
-    global_tokens = (y != IGNORE_INDEX).sum().to(device)  # all of them: random tokens, no padding
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    global_tokens = (y != IGNORE_INDEX).sum()  # all of them here: random tokens, no padding
     world_size = 1
     if distributed:
         dist.all_reduce(global_tokens)
         world_size = dist.get_world_size()
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     with common.autocast(device, precision):
         loss_sum, _ = model(x, y)
     loss_sum = loss_sum.sum()  # a no-op but under DataParallel, which returns one sum per GPU
