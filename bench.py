@@ -219,7 +219,7 @@ def train_step(model, optimizer, x, y, device, precision, grad_clip, distributed
         world_size = dist.get_world_size()
     with common.autocast(device, precision):
         loss_sum, _ = model(x, y)
-    loss_sum = loss_sum.sum()  # a no-op but under DataParallel, which returns one sum per GPU
+    loss_sum = loss_sum.sum()  # a no-op, except under DataParallel: one sum per GPU
     # DDP and FSDP average gradients over ranks; the factor world_size undoes that, as in the
     # scripts, leaving sum of all losses / all tokens.
     (loss_sum * world_size / global_tokens).backward()
@@ -254,7 +254,7 @@ def over_ranks(value: float | None, op, device: torch.device) -> float | None:
 
 
 def time_strategy(strategy, args, vocab_size, device, precision, rows) -> tuple[float, float]:
-    """(seconds for --steps steps, the slowest rank's; peak GB of GPU memory or None)."""
+    """(seconds that --steps steps took the slowest rank, peak GB of GPU memory or None)."""
     if device.type == "cuda":  # the peak of this strategy alone: nothing left from the last one
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -270,13 +270,12 @@ def time_strategy(strategy, args, vocab_size, device, precision, rows) -> tuple[
     for _ in range(args.steps):
         train_step(*step)
     wait_for_all(device)
-    seconds = time.perf_counter() - start
-    peak = common.peak_memory_gb(device)
+    seconds = over_ranks(time.perf_counter() - start, dist.ReduceOp.MAX, device)
+    # This process's GPU: under dp, GPU 0, which holds the model and gathers the outputs.
+    peak = over_ranks(common.peak_memory_gb(device), dist.ReduceOp.MAX, device)
     del model, optimizer, step  # DDP's reducer goes before the process group does
     gc.collect()
-    return over_ranks(seconds, dist.ReduceOp.MAX, device), over_ranks(
-        peak, dist.ReduceOp.MAX, device
-    )
+    return seconds, peak
 
 
 def skip_reason(strategy: str, under_torchrun: bool) -> str | None:
@@ -298,7 +297,9 @@ def command_line() -> str:
     the launcher's are rebuilt from its environment (rendezvous details left out)."""
     script = [os.path.basename(sys.argv[0]), *sys.argv[1:]]
     if "LOCAL_WORLD_SIZE" not in os.environ:
-        return shlex.join(["python", *script])
+        # A thread count set by hand changes CPU results (torchrun sets its own: 1).
+        threads = os.environ.get("OMP_NUM_THREADS")
+        return shlex.join([*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", *script])
     nproc = int(os.environ["LOCAL_WORLD_SIZE"])
     nnodes = int(os.environ["WORLD_SIZE"]) // nproc
     nodes = [f"--nnodes={nnodes}"] if nnodes > 1 else ["--standalone"]
