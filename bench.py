@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--warmup", type=int, default=5, help="untimed steps before them (compilation, ...)"
     )
-    g.add_argument("--json", default=None, help="also write the results to this JSON file")
+    g.add_argument(
+        "--json", default=None, help="also write the results (per device, as printed) to this file"
+    )
 
     g = p.add_argument_group("model and step (the training scripts' flags)")
     g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
