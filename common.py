@@ -564,6 +564,21 @@ class Throughput:
         return rate
 
 
+def bar_postfix(loss: float, lr: float, tokens_per_sec: float, tokens_per_step: int, mfu):
+    """The progress bar's figures at a log step: loss, learning rate, tokens/s, the mean step
+    time since the last log (tokens/s counts training steps alone, so this does too), and MFU
+    where the GPU's peak is known (None: left out)."""
+    postfix = {
+        "loss": f"{loss:.3f}",
+        "lr": f"{lr:.2e}",
+        "tok_s": f"{tokens_per_sec:,.0f}",
+        "step_ms": f"{1000 * tokens_per_step / tokens_per_sec:,.1f}",
+    }
+    if mfu is not None:
+        postfix["mfu"] = f"{100 * mfu:.1f}%"
+    return postfix
+
+
 # -------------------------------------------------------------------------------------------------
 # Checkpoints and outputs. Every file is written atomically: to a temporary name in the same
 # directory, flushed to disk, then renamed over the target (os.replace is atomic on POSIX), so a

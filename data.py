@@ -456,7 +456,11 @@ def _cut_windows(input_ids: list[np.ndarray], seq_length: int) -> dict[str, np.n
 
 
 def benchmark_loader(
-    dataset: PretrainingDataset, batch_size: int, num_workers: int = 0, num_batches: int = 50
+    dataset: PretrainingDataset,
+    batch_size: int,
+    num_workers: int = 0,
+    num_batches: int = 50,
+    pin_memory: bool = False,
 ) -> float:
     """Tokens per second (of x) that a shuffling DataLoader delivers from `dataset`."""
     loader = torch.utils.data.DataLoader(
@@ -464,6 +468,7 @@ def benchmark_loader(
         batch_size=batch_size,
         shuffle=True,  # random access, as in training
         num_workers=num_workers,
+        pin_memory=pin_memory,  # as the training scripts on GPU: page-locked, for async copies
         persistent_workers=num_workers > 0,
     )
     batches = itertools.chain.from_iterable(itertools.repeat(loader))  # epoch after epoch

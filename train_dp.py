@@ -117,14 +117,19 @@ def main():
     )
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
-        micro_batches = next(batches)
+        # Copy the whole step's micro-batches to the device first, asynchronously (from pinned
+        # memory), and count their targets there: counting on the CPU and copying the count over
+        # would make the CPU wait, every step, for the GPU to finish the step before.
+        micro_batches = [
+            (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            for x, y in next(batches)
+        ]
         # Normalise by the number of targets in the whole batch (all micro-batches), not per
         # micro-batch: then every target token weighs the same however the batch is split, and
         # padded batches give the same gradient as one big batch would.
-        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(device)
+        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
         step_loss = torch.zeros((), device=device)
         for x, y in micro_batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # One loss sum per replica: a vector of length `devices`, gathered on GPU 0.
             loss_sum, _ = dp_model(x, y, common.build_attn_mask(x, args, tokenizer))
             loss_sum = loss_sum.sum()
@@ -156,13 +161,14 @@ def main():
             # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
             rate = throughput.rate()
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
+            mfu = common.mfu(rate, flops_per_token, peak_flops, devices)
+            bar.set_postfix(common.bar_postfix(loss, lr, rate, tokens_per_step, mfu))
             metrics.log(
                 step=done,
                 loss=loss,
                 lr=lr,
                 tokens_per_sec=rate,
-                mfu=common.mfu(rate, flops_per_token, peak_flops, devices),
+                mfu=mfu,
                 peak_memory_gb=common.peak_memory_gb(device),
                 grad_norm=grad_norm.item(),
             )

@@ -48,3 +48,16 @@ def test_a_cpu_run_logs_mfu_and_peak_memory_as_null(trained):
     train, _ = read_metrics(trained(DP))
     assert train and all("mfu" in r and r["mfu"] is None for r in train)
     assert all("peak_memory_gb" in r and r["peak_memory_gb"] is None for r in train)
+
+
+def test_progress_bar_shows_step_time_and_mfu_next_to_loss_lr_and_tokens_per_sec():
+    # 8,000 tokens/s at 4,096 tokens per step: one step every 512 ms.
+    postfix = common.bar_postfix(2.5, 3e-4, 8000.0, 4096, 0.4123)
+    assert postfix == {
+        "loss": "2.500", "lr": "3.00e-04", "tok_s": "8,000", "step_ms": "512.0", "mfu": "41.2%"
+    }  # fmt: skip
+
+
+def test_progress_bar_leaves_mfu_out_where_the_peak_is_unknown():
+    postfix = common.bar_postfix(2.5, 3e-4, 8000.0, 4096, None)
+    assert list(postfix) == ["loss", "lr", "tok_s", "step_ms"]

@@ -1,0 +1,178 @@
+"""Specification of bench.py: one row per strategy with its tokens/s, step time, MFU, memory and
+ratio to the plain single-process step, a line on the data pipeline, the same figures in --json,
+and a clean refusal of bad input.
+
+bench.py is launched as a user would (`python bench.py`, and torchrun with 2 gloo ranks) on the
+training tests' corpus, with the tiny preset and a few steps: these tests hold what it reports
+and that the figures agree with each other, not how fast this machine is.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from harness import run_script
+
+import bench
+
+BENCH = "bench.py"
+TINY = {"model": "tiny", "seq_length": 32, "micro_batch_size": 4, "steps": 3, "warmup": 1,
+        "vocab_size": 320, "num_workers": 0}  # fmt: skip
+MEASURED = [s for s in bench.STRATEGIES if s != "dp"]  # no GPU here: dp is skipped
+
+
+def bench_argv(corpus, cache, json_path, **overrides) -> list[str]:
+    argv = ["--data", str(corpus), "--cache-dir", str(cache), "--json", str(json_path)]
+    for name, value in {**TINY, **overrides}.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def benched(tmp_path_factory, corpus):
+    """benched(world) -> (stdout, report of --json) of bench.py with every strategy, run once."""
+    cache = tmp_path_factory.mktemp("bench_cache")
+    runs = {}
+
+    def get(world: int):
+        if world not in runs:
+            path = tmp_path_factory.mktemp(f"bench_w{world}") / "bench.json"
+            proc = run_script(BENCH, bench_argv(corpus, cache, path), world)
+            runs[world] = proc.stdout, json.loads(path.read_text())
+        return runs[world]
+
+    return get
+
+
+def table(stdout: str) -> dict[str, list[str]]:
+    """The printed table's rows, by strategy: the cells after the strategy's name."""
+    rows = [line.strip("|").split("|") for line in stdout.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[2:]}
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+# -------------------------------------------------------------------------------------------------
+# One process: the wrappers at world size 1 against the plain step
+
+
+def test_every_strategy_gets_a_row_with_positive_tokens_per_sec(benched):
+    stdout, _ = benched(1)
+    rows = table(stdout)
+    assert list(rows) == list(bench.STRATEGIES)
+    for strategy in MEASURED:
+        tokens_per_sec, step_ms, mfu, memory, vs_single = rows[strategy]
+        assert number(tokens_per_sec) > 0 and number(step_ms) > 0 and number(vs_single) > 0
+        assert mfu == "-" and memory == "-"  # a CPU has no known peak and no GPU memory
+    assert rows["dp"][0] == "skipped: needs >1 GPU"
+
+
+def test_ratios_are_each_strategys_rate_over_singles(benched):
+    stdout, report = benched(1)
+    results = {r["strategy"]: r for r in report["results"]}
+    single = results["single"]["tokens_per_sec"]
+    for strategy in MEASURED:
+        r = results[strategy]
+        assert r["vs_single"] == pytest.approx(r["tokens_per_sec"] / single, rel=1e-12)
+        # One step's tokens (micro-batch x sequence) in one step's time: the same rate.
+        tokens_per_step = TINY["micro_batch_size"] * TINY["seq_length"]
+        assert r["tokens_per_sec"] * r["step_ms"] / 1000 == pytest.approx(tokens_per_step)
+        assert r["mfu"] is None and r["peak_memory_gb"] is None
+        # The printed row shows the JSON's figures.
+        assert table(stdout)[strategy][0] == f"{r['tokens_per_sec']:,.0f}"
+    assert results["single"]["vs_single"] == 1.0
+    assert results["dp"]["skipped"] and results["dp"]["tokens_per_sec"] is None
+
+
+def test_the_data_pipeline_line_compares_the_loader_with_the_fastest_step(benched):
+    stdout, report = benched(1)
+    d = report["data"]
+    rates = {r["strategy"]: r["tokens_per_sec"] for r in report["results"] if not r["skipped"]}
+    assert d["consumed_by"] == max(rates, key=rates.get)
+    assert d["consumed_tokens_per_sec"] == max(rates.values())
+    assert d["tokens_per_sec"] > 0
+    assert d["ratio"] == pytest.approx(d["tokens_per_sec"] / d["consumed_tokens_per_sec"])
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("data pipeline:"))
+    assert f"delivers {d['tokens_per_sec']:,.0f} tokens/s" in line
+    assert line.endswith(f"consumes {d['consumed_tokens_per_sec']:,.0f}: {d['ratio']:,.1f}x")
+    assert ("the GPU would starve" in stdout) == (d["ratio"] < bench.AHEAD)
+
+
+def test_the_output_names_torch_the_device_the_date_and_the_command(benched):
+    stdout, report = benched(1)
+    assert report["torch"] in stdout and report["device"] in stdout and report["date"] in stdout
+    # The tests' launcher sets OMP_NUM_THREADS=1 (harness.launch_env): a CPU figure depends on it.
+    command = r"^command: OMP_NUM_THREADS=1 python bench\.py --data .* --steps 3 --warmup 1 "
+    assert re.search(command, stdout, re.M)
+    assert report["world_size"] == 1 and report["settings"]["precision"] == "fp32"
+
+
+# -------------------------------------------------------------------------------------------------
+# torchrun: scaling efficiency
+
+
+def test_under_torchrun_every_rank_measures_and_ratios_are_scaling_efficiency(benched):
+    stdout, report = benched(2)
+    assert report["world_size"] == 2
+    assert report["command"].startswith("torchrun --standalone --nproc_per_node=2 bench.py ")
+    results = {r["strategy"]: r for r in report["results"]}
+    for strategy in MEASURED:
+        r = results[strategy]
+        assert r["tokens_per_sec"] > 0
+        assert r["vs_single"] == pytest.approx(
+            r["tokens_per_sec"] / results["single"]["tokens_per_sec"], rel=1e-12
+        )
+    assert "scaling efficiency" in stdout
+    assert table(stdout)["dp"][0] == "skipped: needs one process, not torchrun"
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_input_is_one_message_and_exit_code_2_with_nothing_written(corpus, tmp_path):
+    path = tmp_path / "bench.json"
+    argv = bench_argv(corpus, tmp_path, path, strategies="single,tp")
+    proc = run_script(BENCH, argv, expect_rc=2)
+    assert "error: --strategies: unknown 'tp'; choose from single, dp, ddp" in proc.stderr
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("strategies", ",", "--strategies: no strategy given"),
+     ("steps", 0, "--steps must be positive, got 0"),
+     ("micro_batch_size", -1, "--micro-batch-size must be positive, got -1"),
+     ("warmup", -1, "--warmup and --num-workers must be >= 0"),
+     ("seq_length", 4096, "--seq-length 4096 exceeds the tiny model's max_position_embeddings"),
+     ("model", "huge", "--model: unknown model preset 'huge'"),
+     ("json", "/no/such/dir/bench.json", "its directory does not exist")],
+)  # fmt: skip
+def test_bad_flags_are_refused_before_any_work(corpus, tmp_path, flag, value, message):
+    # What the subprocess above shows for one flag, checked in-process for the others.
+    parser = bench.build_parser()
+    args = parser.parse_args(bench_argv(corpus, tmp_path, tmp_path / "b.json", **{flag: value}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bench.check_args(parser, args)
+
+
+def test_strategies_run_in_a_fixed_order_with_single_first(corpus, tmp_path):
+    parser = bench.build_parser()
+    args = parser.parse_args(
+        bench_argv(corpus, tmp_path, tmp_path / "b.json", strategies="fsdp,ddp")
+    )
+    assert bench.check_args(parser, args) == ["single", "ddp", "fsdp"]
+
+
+def test_bf16_on_a_cpu_that_cannot_run_it_is_refused(monkeypatch):
+    def no_bf16_kernels(*args, **kwargs):
+        raise RuntimeError("no bf16 kernels")
+
+    monkeypatch.setattr(torch, "autocast", no_bf16_kernels)
+    with pytest.raises(ValueError, match="this CPU cannot run bf16 .*; use fp32"):
+        bench.check_precision("bf16", torch.device("cpu"))
+    assert bench.check_precision("auto", torch.device("cpu")) == "fp32"
