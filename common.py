@@ -546,36 +546,49 @@ class NonFiniteGuard:
 
 
 class Throughput:
-    """Tokens per second of training alone: evaluation and saving restart the clock."""
+    """How fast training goes: tokens/s, step time, MFU and peak GPU memory, of training steps
+    alone (evaluation and saving restart the clock)."""
 
-    def __init__(self):
+    def __init__(self, config: LlamaConfig, args, device: torch.device, devices: int):
+        self.tokens_per_step = args.batch_size * args.seq_length
+        self.flops_per_token = flops_per_token(config, args.seq_length)
+        self.peak_flops = peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+        self.device, self.devices = device, devices
         self.restart()
 
     def restart(self) -> None:
-        self.start, self.tokens = time.perf_counter(), 0
+        self.start, self.steps = time.perf_counter(), 0
 
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
+    def step(self) -> None:
+        self.steps += 1
 
-    def rate(self) -> float:
-        """Tokens per second since the last rate() or restart(); starts a new interval."""
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+    def figures(self) -> dict:
+        """The figures since the last figures() or restart(), as metrics.jsonl logs them; starts
+        a new interval. Only host time is measured: the caller has just waited for the GPU (its
+        .item() of the loss), so the steps counted are the steps done."""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        rate = self.steps * self.tokens_per_step / seconds
+        figures = {
+            "tokens_per_sec": rate,
+            "step_ms": 1000 * seconds / max(self.steps, 1),
+            "mfu": mfu(rate, self.flops_per_token, self.peak_flops, self.devices),
+            "peak_memory_gb": peak_memory_gb(self.device),
+        }
         self.restart()
-        return rate
+        return figures
 
 
-def bar_postfix(loss: float, lr: float, tokens_per_sec: float, tokens_per_step: int, mfu):
+def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
     """The progress bar's figures at a log step: loss, learning rate, tokens/s, the mean step
-    time since the last log (tokens/s counts training steps alone, so this does too), and MFU
-    where the GPU's peak is known (None: left out)."""
+    time since the last log, and MFU where the GPU's peak is known (None: left out)."""
     postfix = {
         "loss": f"{loss:.3f}",
         "lr": f"{lr:.2e}",
-        "tok_s": f"{tokens_per_sec:,.0f}",
-        "step_ms": f"{1000 * tokens_per_step / tokens_per_sec:,.1f}",
+        "tok_s": f"{figures['tokens_per_sec']:,.0f}",
+        "step_ms": f"{figures['step_ms']:,.1f}",
     }
-    if mfu is not None:
-        postfix["mfu"] = f"{100 * mfu:.1f}%"
+    if figures["mfu"] is not None:
+        postfix["mfu"] = f"{100 * figures['mfu']:.1f}%"
     return postfix
 
 

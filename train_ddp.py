@@ -192,10 +192,7 @@ def main():
     )
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
-    throughput = common.Throughput()
-    tokens_per_step = args.batch_size * args.seq_length
-    flops_per_token = common.flops_per_token(config, args.seq_length)
-    peak_flops = common.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+    throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     bar = tqdm(
         range(start_step, args.max_steps),
         initial=start_step,
@@ -243,7 +240,7 @@ def main():
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        throughput.add(tokens_per_step)
+        throughput.step()
         done = step + 1
         last = done == args.max_steps
         do_log, do_eval, do_save = (
@@ -257,18 +254,9 @@ def main():
             # Reading a value from the GPU waits for it; doing so only every log_interval steps
             # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
-            rate = throughput.rate()
-            mfu = common.mfu(rate, flops_per_token, peak_flops, world_size)
-            bar.set_postfix(common.bar_postfix(loss, lr, rate, tokens_per_step, mfu))
-            metrics.log(
-                step=done,
-                loss=loss,
-                lr=lr,
-                tokens_per_sec=rate,
-                mfu=mfu,
-                peak_memory_gb=common.peak_memory_gb(device),
-                grad_norm=grad_norm.item(),
-            )
+            figures = throughput.figures()
+            bar.set_postfix(common.bar_postfix(loss, lr, figures))
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
         if do_eval:
             # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
             # then the sums are added up: the result is the loss over the whole validation set.

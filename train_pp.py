@@ -509,10 +509,7 @@ def main():
     )
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
-    throughput = common.Throughput()
-    tokens_per_step = args.batch_size * args.seq_length
-    flops_per_token = common.flops_per_token(config, args.seq_length)
-    peak_flops = common.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+    throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     final_checkpoint = resume_path  # model.pt is read back from the last checkpoint
     bar = tqdm(
         range(start_step, args.max_steps),
@@ -546,10 +543,13 @@ def main():
         micro_batches = next(batches)
         x = torch.cat([x for x, _ in micro_batches])  # (m * micro, T); the schedule splits it
         y = torch.cat([y for _, y in micro_batches])  # back into the same m micro-batches
+        # On the device first, asynchronously, and the targets counted there: a count made on
+        # the CPU and copied over would make the CPU wait for the previous step every step.
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         # Normalise by the number of targets in the whole global batch (all micro-batches, all
         # dp ranks), as in every script. FSDP averages gradients over dp ranks; the factor dp
         # undoes that, leaving sum of all losses / all targets.
-        global_tokens = (y != IGNORE_INDEX).sum().to(device)
+        global_tokens = (y != IGNORE_INDEX).sum()
         dist.all_reduce(global_tokens, group=mesh["dp"].get_group())
         losses = []  # filled on the last stage: one scaled loss per micro-batch
         run_pipeline(x, y, dp / global_tokens, losses, train=True)
@@ -565,7 +565,7 @@ def main():
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        throughput.add(tokens_per_step)
+        throughput.step()
         done = step + 1
         last = done == args.max_steps
         do_log, do_eval, do_save = (
@@ -577,17 +577,9 @@ def main():
 
         if do_log:
             loss = step_loss.item()
-            rate = throughput.rate()
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
-            metrics.log(
-                step=done,
-                loss=loss,
-                lr=lr,
-                tokens_per_sec=rate,
-                mfu=common.mfu(rate, flops_per_token, peak_flops, world_size),
-                peak_memory_gb=common.peak_memory_gb(device),
-                grad_norm=grad_norm.item(),
-            )
+            figures = throughput.figures()
+            bar.set_postfix(common.bar_postfix(loss, lr, figures))
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
         if do_eval:
             # Forward only, through the same pipeline: the schedule's eval() runs the forwards
             # and the loss of every micro-batch, no backward. Sums, added up over the micro-

@@ -333,10 +333,7 @@ def main():
     )
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
-    throughput = common.Throughput()
-    tokens_per_step = args.batch_size * args.seq_length
-    flops_per_token = common.flops_per_token(config, args.seq_length)
-    peak_flops = common.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+    throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     # The cross-entropy of vocab-sharded logits, forward and backward, runs under loss_parallel.
     vocab_parallel = loss_parallel if args.tp > 1 else contextlib.nullcontext
     bar = tqdm(
@@ -348,15 +345,18 @@ def main():
     )
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
-        micro_batches = next(batches)
+        # Copied to the device first, asynchronously, and counted there (as train_fsdp.py).
+        micro_batches = [
+            (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            for x, y in next(batches)
+        ]
         # Normalise by the number of targets in the whole global batch (all micro-batches, all dp
         # groups), not per micro-batch: then every target token weighs the same however the batch
         # is split. Summed over the dp group only: the tp ranks of a group count the same tokens.
-        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(device)
+        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
         dist.all_reduce(global_tokens, group=dp_group)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if dp > 1:
                 # Gradient accumulation: reduce-scatter only after the last micro-step.
                 model.set_requires_gradient_sync(i == accumulation - 1)
@@ -386,7 +386,7 @@ def main():
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        throughput.add(tokens_per_step)
+        throughput.step()
         done = step + 1
         last = done == args.max_steps
         do_log, do_eval, do_save = (
@@ -400,17 +400,9 @@ def main():
             # Reading a value from the GPU waits for it; doing so only every log_interval steps
             # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
-            rate = throughput.rate()
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
-            metrics.log(
-                step=done,
-                loss=loss,
-                lr=lr,
-                tokens_per_sec=rate,
-                mfu=common.mfu(rate, flops_per_token, peak_flops, world_size),
-                peak_memory_gb=common.peak_memory_gb(device),
-                grad_norm=grad_norm.item(),
-            )
+            figures = throughput.figures()
+            bar.set_postfix(common.bar_postfix(loss, lr, figures))
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
         if do_eval:
             # Every rank evaluates (each layer's forward is a collective over its tp group, and
             # FSDP's all-gathers over dp); each dp group its own shard of the data, and the sums

@@ -51,13 +51,20 @@ def test_a_cpu_run_logs_mfu_and_peak_memory_as_null(trained):
 
 
 def test_progress_bar_shows_step_time_and_mfu_next_to_loss_lr_and_tokens_per_sec():
-    # 8,000 tokens/s at 4,096 tokens per step: one step every 512 ms.
-    postfix = common.bar_postfix(2.5, 3e-4, 8000.0, 4096, 0.4123)
-    assert postfix == {
+    figures = {"tokens_per_sec": 8000.0, "step_ms": 512.0, "mfu": 0.4123, "peak_memory_gb": 3.0}
+    assert common.bar_postfix(2.5, 3e-4, figures) == {
         "loss": "2.500", "lr": "3.00e-04", "tok_s": "8,000", "step_ms": "512.0", "mfu": "41.2%"
     }  # fmt: skip
 
 
 def test_progress_bar_leaves_mfu_out_where_the_peak_is_unknown():
-    postfix = common.bar_postfix(2.5, 3e-4, 8000.0, 4096, None)
-    assert list(postfix) == ["loss", "lr", "tok_s", "step_ms"]
+    figures = {"tokens_per_sec": 8000.0, "step_ms": 512.0, "mfu": None, "peak_memory_gb": None}
+    assert list(common.bar_postfix(2.5, 3e-4, figures)) == ["loss", "lr", "tok_s", "step_ms"]
+
+
+def test_throughput_figures_agree_with_each_other(trained):
+    # Every logged step: step time x tokens/s = the tokens of one step (8 x 32), whatever the
+    # machine's speed.
+    train, _ = read_metrics(trained(DP))
+    for r in train:
+        assert r["step_ms"] * r["tokens_per_sec"] / 1000 == pytest.approx(8 * 32, rel=1e-6)
