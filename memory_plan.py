@@ -217,7 +217,9 @@ def plan_for_run(args, config: LlamaConfig, world_size: int, precision: str) -> 
         config,
         args.micro_batch_size,
         args.seq_length,
-        attention="math" if args.document_mask else "flash",
+        # SDPA with a dense mask falls back to kernels that store the (s, s) scores; FlexAttention
+        # (--attention flex) is a fused kernel like flash attention.
+        attention="math" if args.document_mask and args.attention == "sdpa" else "flash",
     )
     return format_plan(p)
 

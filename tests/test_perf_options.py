@@ -1,0 +1,154 @@
+"""Specification of two choices a run makes for speed and memory: which kernel runs the
+--document-mask (--attention), and how --micro-batch-size auto searches for the largest
+micro-batch that fits.
+
+Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
+What is held here: the decisions around them, the search on an injected memory model, and the
+clear refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, the model's
+flex_attention path in test_model.py.)
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from harness import DDP, DP, cli, run_script
+
+import common
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # only compared, never used
+
+# -------------------------------------------------------------------------------------------------
+# --attention
+
+
+def attention_args(attention: str, document_mask: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(attention=attention, document_mask=document_mask)
+
+
+@pytest.mark.parametrize(
+    "document_mask, device, replicas, expected",
+    [
+        (True, CUDA, 1, "flex"),
+        (True, CPU, 1, "sdpa"),  # no FlexAttention backward on CPU
+        (True, CUDA, 2, "sdpa"),  # DataParallel cannot split a BlockMask over GPUs
+        (False, CUDA, 1, "sdpa"),  # no mask: SDPA's causal flash kernel
+    ],
+)
+def test_auto_attention_is_flex_only_for_a_document_mask_on_one_cuda_device(
+    document_mask, device, replicas, expected
+):
+    args = attention_args("auto", document_mask)
+    assert common.resolve_attention(args, device, replicas) == expected
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_an_explicit_attention_choice_is_kept(attention):
+    assert common.resolve_attention(attention_args(attention), CUDA) == attention
+
+
+@pytest.mark.parametrize(
+    "args, device, replicas, reason",
+    [
+        (attention_args("flex"), CPU, 1, "needs a CUDA GPU"),
+        (attention_args("flex", document_mask=False), CUDA, 1, "--document-mask"),
+        (attention_args("flex"), CUDA, 2, "DataParallel"),
+    ],
+    ids=["on_cpu", "without_document_mask", "under_dataparallel"],
+)
+def test_flex_attention_where_it_cannot_run_is_refused_with_the_reason(
+    args, device, replicas, reason
+):
+    with pytest.raises(ValueError, match=reason):
+        common.resolve_attention(args, device, replicas)
+
+
+# -------------------------------------------------------------------------------------------------
+# --micro-batch-size auto: the search, on an injected memory model
+
+
+class Probe:
+    """peak_bytes(n) for the search: records the sizes probed; `oom_from` raises no error but
+    reports infinity, as auto_micro_batch_size does for torch.OutOfMemoryError."""
+
+    def __init__(self, base: float, per_sequence: float, oom_from: int | None = None):
+        self.base, self.per_sequence, self.oom_from = base, per_sequence, oom_from
+        self.probed: list[int] = []
+
+    def __call__(self, n: int) -> float:
+        self.probed.append(n)
+        if self.oom_from is not None and n >= self.oom_from:
+            return float("inf")
+        return self.base + self.per_sequence * n
+
+
+def test_the_search_takes_the_largest_divisor_of_the_per_device_batch_that_fits():
+    probe = Probe(base=0, per_sequence=1)
+    best, peaks = common.search_micro_batch_size(12, probe, budget=6.5)
+    assert best == 6
+    assert probe.probed == [1, 2, 3, 4, 6]  # divisors only, small to large; 12 predicted 12 > 6.5
+    assert peaks == {1: 1, 2: 2, 3: 3, 4: 4, 6: 6}
+
+
+def test_the_whole_per_device_batch_is_chosen_when_it_fits():
+    best, _ = common.search_micro_batch_size(8, Probe(base=10, per_sequence=1), budget=100)
+    assert best == 8  # then accumulation is 1
+
+
+def test_running_out_of_memory_ends_the_search_at_the_size_before():
+    probe = Probe(base=0, per_sequence=1, oom_from=4)
+    best, peaks = common.search_micro_batch_size(16, probe, budget=100)
+    assert best == 2
+    assert probe.probed == [1, 2, 4]
+    assert peaks[4] == float("inf")
+
+
+def test_a_size_over_budget_ends_the_search_although_a_larger_one_might_measure_less():
+    # Memory is taken to grow with the micro-batch: the first size over budget is the last tried.
+    peaks_by_size = {1: 10, 2: 20, 3: 200, 6: 30}
+    probed = []
+    best, _ = common.search_micro_batch_size(
+        6, lambda n: probed.append(n) or peaks_by_size[n], budget=100
+    )
+    assert (best, probed) == (2, [1, 2, 3])
+
+
+def test_a_size_predicted_over_budget_from_the_last_two_probes_is_never_probed():
+    probe = Probe(base=10, per_sequence=10)  # 1: 20, 2: 30, 4: 50, 8: 90, 16 would be 170
+    best, _ = common.search_micro_batch_size(16, probe, budget=95)
+    assert best == 8
+    assert probe.probed == [1, 2, 4, 8]
+
+
+def test_the_search_finds_nothing_when_one_sequence_does_not_fit():
+    probe = Probe(base=50, per_sequence=10)
+    assert common.search_micro_batch_size(4, probe, budget=55) == (None, {1: 60})
+
+
+def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
+    parser = common.build_parser("test")
+    assert parser.parse_args(["--micro-batch-size", "4"]).micro_batch_size == 4
+    assert parser.parse_args(["--micro-batch-size", "auto"]).micro_batch_size == "auto"
+    with pytest.raises(ValueError, match="expected a number or 'auto'"):
+        parser.parse_args(["--micro-batch-size", "max"])
+
+
+# -------------------------------------------------------------------------------------------------
+# On CPU: refused as usage errors, before anything is written
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        (DP, ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU memory"),
+        ("train_fsdp.py", ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU"),
+        (DDP, ["--document-mask", "--attention", "flex"], "--attention flex needs a CUDA GPU"),
+    ],
+    ids=["auto_dp", "auto_fsdp", "flex_ddp"],
+)
+def test_gpu_only_choices_on_cpu_exit_with_a_usage_error(corpus, cache_dir, tmp_path, script,
+                                                         flags, message):  # fmt: skip
+    proc = run_script(script, cli(corpus, cache_dir, tmp_path / "out") + flags, expect_rc=2)
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()
