@@ -1,6 +1,6 @@
 """Specification of two choices a run makes for speed and memory: which kernel runs the
 --document-mask (--attention), and how --micro-batch-size auto searches for the largest
-micro-batch that fits.
+micro-batch that fits; and of profile_step.py's reference, the yardstick of our training step.
 
 Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
 What is held here: the decisions around them, the search on an injected memory model, and the
@@ -15,6 +15,8 @@ import torch
 from harness import DDP, DP, cli, run_script
 
 import common
+import profile_step
+from model import LlamaConfig, LlamaForPretraining
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # only compared, never used
 
@@ -152,3 +154,36 @@ def test_gpu_only_choices_on_cpu_exit_with_a_usage_error(corpus, cache_dir, tmp_
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+# -------------------------------------------------------------------------------------------------
+# profile_step.py: the reference it times our step against is the same model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_profile_step_reference_computes_our_models_loss_and_gradients(tie):
+    config = LlamaConfig.from_preset("tiny", vocab_size=300, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = LlamaForPretraining(config)
+    params = profile_step.reference_params(model)
+    tokens = torch.randint(300, (2, 33), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ours, _ = model(x, y)
+    cos, sin = profile_step.reference_rope_tables(config, 32, "cpu")
+    reference = profile_step.reference_loss(params, x, y, config, cos, sin)
+    torch.testing.assert_close(reference, ours, rtol=1e-6, atol=0)
+    ours.backward()
+    reference.backward()
+    wq_wk_wv = params["layers"][0]["wqkv"].grad.split([192, 64, 64])  # 6 and 2 heads of 32
+    for got, projection in zip(wq_wk_wv, ("wq", "wk", "wv"), strict=True):
+        want = getattr(model.layers[0].attention, projection).weight.grad
+        # fp32 sums in another order (one matmul instead of three): 1e-4 of the largest entry.
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_profile_step_prints_the_profile_and_both_step_times():
+    argv = "--seq-length 16 --batch-size 4 --micro-batch-size 2 --warmup 1 --rounds 1 --steps 1"
+    argv = argv.split() + ["--profile-steps", "1", "--rows", "5"]
+    out = run_script("profile_step.py", argv).stdout
+    assert "aten::mm" in out  # the profiler's table
+    assert "ours" in out and "reference" in out and "x reference" in out, out
