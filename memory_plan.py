@@ -219,7 +219,7 @@ def plan_for_run(args, config: LlamaConfig, world_size: int, precision: str) -> 
         args.seq_length,
         # SDPA with a dense mask falls back to kernels that store the (s, s) scores; FlexAttention
         # (--attention flex) is a fused kernel like flash attention.
-        attention="math" if args.document_mask and args.attention == "sdpa" else "flash",
+        attention="math" if args.document_mask and args.attention != "flex" else "flash",
     )
     return format_plan(p)
 

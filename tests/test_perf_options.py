@@ -3,8 +3,9 @@
 micro-batch that fits; and of profile_step.py's reference, the yardstick of our training step.
 
 Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
-What is held here: the decisions around them, the search on an injected memory model, and the
-clear refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, the model's
+What is held here: the decisions around them; the search on an injected memory model, and
+auto_micro_batch_size on a CPU whose torch.cuda memory counters are simulated; and the clear
+refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, the model's
 flex_attention path in test_model.py.)
 """
 
@@ -125,6 +126,86 @@ def test_a_size_predicted_over_budget_from_the_last_two_probes_is_never_probed()
 def test_the_search_finds_nothing_when_one_sequence_does_not_fit():
     probe = Probe(base=50, per_sequence=10)
     assert common.search_micro_batch_size(4, probe, budget=55) == (None, {1: 60})
+
+
+class Tiny(torch.nn.Module):
+    """A small Llama whose "GPU memory" peak is 100 + 100 per sequence of its last forward, and
+    which runs out of memory from `oom_from` sequences on."""
+
+    def __init__(self, oom_from: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=97))
+        self.oom_from, self.peak, self.batches = oom_from, 0, []
+
+    def forward(self, x, y, attn_mask=None):
+        self.batches.append(tuple(x.shape))
+        if self.oom_from is not None and x.size(0) >= self.oom_from:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        self.peak = 100 + 100 * x.size(0)
+        return self.model(x, y, attn_mask)
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """auto_micro_batch_size on the CPU, with torch.cuda's memory counters answered by Tiny."""
+
+    def run(model: Tiny, total_memory: int, batch_size: int = 8, devices: int = 1):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: SimpleNamespace(total_memory=total_memory))  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: model.peak)
+        argv = f"--batch-size {batch_size} --seq-length 16 --micro-batch-size auto".split()
+        args = common.build_parser("test").parse_args(argv)
+        args.attention = "sdpa"
+        optimizer = common.build_optimizer(model, args, "cpu")
+        tokenizer = SimpleNamespace(get_vocab_size=lambda: 97)
+        rng = torch.get_rng_state()
+        accumulation = common.auto_micro_batch_size(
+            args, model, tokenizer, optimizer, torch.device("cpu"), "fp32", devices
+        )
+        assert torch.equal(torch.get_rng_state(), rng), "the probes changed training's RNG"
+        assert all(p.grad is None for p in model.parameters()), "a probe's gradient was left"
+        return args.micro_batch_size, accumulation
+
+    return run
+
+
+def test_auto_sets_the_largest_fitting_micro_batch_and_the_accumulation(simulated_gpu, capsys):
+    model = Tiny()
+    # budget 0.9 * 700 = 630: 1 -> 200, 2 -> 300, 4 -> 500 fit; 8 (predicted 900) is not tried
+    assert simulated_gpu(model, total_memory=700) == (4, 2)
+    assert model.batches == [(1, 16), (2, 16), (4, 16)]  # (n, --seq-length) random tokens
+    assert "micro-batch size auto: 4" in capsys.readouterr().out
+
+
+def test_auto_stops_at_an_out_of_memory_error_and_frees_its_gradients(simulated_gpu):
+    assert simulated_gpu(Tiny(oom_from=4), total_memory=10_000) == (2, 4)
+
+
+def test_auto_probes_each_devices_share_of_the_batch(simulated_gpu):
+    model = Tiny()
+    assert simulated_gpu(model, total_memory=10_000, batch_size=8, devices=4) == (2, 1)
+    assert model.batches == [(1, 16), (2, 16)]
+
+
+def test_auto_refuses_a_gpu_where_not_one_sequence_fits(simulated_gpu):
+    with pytest.raises(ValueError, match="not even 1 sequence of 16 tokens fits"):
+        simulated_gpu(Tiny(), total_memory=150)
+
+
+def test_check_args_leaves_auto_to_be_measured_but_checks_the_devices_divide_the_batch(
+    monkeypatch,
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    parser = common.build_parser("test")
+    argv = ["--batch-size", "12", "--micro-batch-size", "auto"]
+    args = parser.parse_args(argv)
+    assert common.check_args(parser, args, devices=4) == 1  # until measured
+    assert args.micro_batch_size == "auto"
+    with pytest.raises(ValueError, match="--batch-size 12 must be a multiple"):
+        common.check_args(parser, parser.parse_args(argv), devices=5)
 
 
 def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
