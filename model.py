@@ -183,10 +183,10 @@ class KVCache:
 # FlexAttention (a BlockMask instead of a dense mask) is only fast compiled: run eagerly,
 # flex_attention computes the whole (T, T) score matrix, exactly what it exists to avoid. So it is
 # compiled once, on first use (torch.compile's import alone costs seconds, which generate.py and
-# the tests should not pay), and called compiled whether or not the layers are. Inside a layer
-# compiled by --compile, the plain function is called instead: it becomes part of that layer's
-# graph, and the layer's compilation generates the fused kernel (calling the compiled function
-# there would nest one compilation inside another).
+# the tests should not pay), and called compiled whether or not the layers are: relying on
+# --compile alone would leave the default, uncompiled run on the slow path. Inside a layer that
+# --compile compiles, the plain function is called: Dynamo captures it into the layer's graph,
+# whose compilation generates the fused kernel, with nothing compiled twice.
 _compiled_flex_attention = None
 
 
