@@ -1,4 +1,5 @@
-"""Plumbing shared by every train_*.py script; nothing in here is distributed.
+"""Plumbing shared by every train_*.py script; nothing in here is distributed (but for one
+all-reduce that makes the ranks agree on a measured micro-batch size).
 
 Each training script keeps its own visible loop (setup -> data -> model -> wrap -> loop ->
 teardown) and calls these helpers for the parts that do not change between parallel strategies:
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
@@ -73,6 +75,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="pack mode: tokens attend only within their own document (slower on CPU)",
     )
     g.add_argument(
+        "--attention",
+        choices=["auto", "sdpa", "flex"],
+        default="auto",
+        help="kernel of --document-mask: sdpa (a dense (T, T) mask; any device) or flex "
+        "(FlexAttention's block-sparse mask, compiled; CUDA only). auto: flex on CUDA, else sdpa",
+    )
+    g.add_argument(
         "--val-fraction",
         type=float,
         default=0.01,
@@ -104,10 +113,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--micro-batch-size",
-        type=int,
+        type=micro_batch_size_arg,
         default=None,
-        help="sequences per device per forward pass; gradient accumulation makes up "
-        "the rest of --batch-size (default: no accumulation)",
+        help="sequences per device per forward pass; gradient accumulation makes up the rest of "
+        "--batch-size (default: no accumulation). auto (CUDA): the largest that fits, measured",
     )
 
     g = p.add_argument_group("optimization")
@@ -179,11 +188,23 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def micro_batch_size_arg(value: str) -> int | str:
+    """--micro-batch-size: a number, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: int) -> int:
     """Validate the flags against each other; return the gradient accumulation steps.
 
     `devices` is how many devices share one global batch (GPUs under DataParallel, ranks under
-    DDP). Raises ValueError (through parser.error) on any inconsistency.
+    DDP). Raises ValueError (through parser.error) on any inconsistency. With
+    --micro-batch-size auto, args.micro_batch_size stays "auto" and the 1 returned holds only
+    until auto_micro_batch_size has measured the size, and so the accumulation, on the GPU.
     """
     for name in (
         "seq_length",
@@ -201,9 +222,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
         parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
-    if args.micro_batch_size is not None and args.micro_batch_size <= 0:
+    auto = args.micro_batch_size == "auto"
+    if auto and not torch.cuda.is_available():
+        # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of
+        # memory swaps or has the process killed instead of raising an error one could catch.
+        parser.error(
+            "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
+            "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
+        )
+    if not auto and args.micro_batch_size is not None and args.micro_batch_size <= 0:
         parser.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
-    micro = args.micro_batch_size or args.batch_size // devices
+    micro = args.micro_batch_size
+    if auto or micro is None:
+        micro = args.batch_size // devices  # each device's share (auto: the largest candidate)
     per_step = micro * devices
     if micro == 0 or args.batch_size % per_step:
         parser.error(
@@ -237,7 +268,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
             f"--seq-length {args.seq_length} exceeds the {args.model or args.init_from} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
-    args.micro_batch_size = micro
+    if not auto:
+        args.micro_batch_size = micro
     return args.batch_size // per_step
 
 
@@ -415,6 +447,35 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+def resolve_attention(args, device: torch.device, replicas: int = 1) -> str:
+    """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
+
+    replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py). It splits
+    every tensor argument along the batch, but a BlockMask is no tensor: each GPU would get the
+    whole batch's mask, on GPU 0.
+    """
+    if args.attention == "auto":
+        flex = args.document_mask and device.type == "cuda" and replicas == 1
+        return "flex" if flex else "sdpa"
+    if args.attention == "flex":
+        if not args.document_mask:
+            raise ValueError(
+                "--attention flex runs the --document-mask; without that mask attention is plain "
+                "causal and SDPA's flash kernel is already the fast path (drop --attention)"
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"--attention flex needs a CUDA GPU: in torch {torch.__version__}, FlexAttention "
+                f"has no backward pass on CPU; use --attention sdpa (or auto)"
+            )
+        if replicas > 1:
+            raise ValueError(
+                f"--attention flex cannot run under DataParallel over {replicas} GPUs (it splits "
+                f"tensors over the GPUs, not a BlockMask); use train_ddp.py or --attention sdpa"
+            )
+    return args.attention
+
+
 def autocast(device: torch.device, precision: str):
     """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
     if precision == "fp32":
@@ -424,7 +485,8 @@ def autocast(device: torch.device, precision: str):
 
 
 def build_attn_mask(x: torch.Tensor, args, tokenizer) -> torch.Tensor | None:
-    """None (plain causal attention, the fast path) unless --document-mask asks for one.
+    """None (plain causal attention, the fast path) unless --document-mask asks for one: then a
+    FlexAttention BlockMask with --attention flex, else a dense (B, 1, T, T) additive mask.
 
     Pad mode needs no padding mask: padding is on the right, so under causal attention a real
     token never sees a pad, and what pad positions compute is ignored by the loss
@@ -432,10 +494,149 @@ def build_attn_mask(x: torch.Tensor, args, tokenizer) -> torch.Tensor | None:
     """
     if not args.document_mask:
         return None
-    from masks import create_causal_mask, create_document_mask, document_ids
+    from masks import (
+        create_causal_mask,
+        create_document_block_mask,
+        create_document_mask,
+        document_ids,
+    )
 
     doc_ids = document_ids(x, tokenizer.token_to_id(data.BOT))  # (B, T)
+    if args.attention == "flex":  # block-sparse: the model runs flex_attention
+        return create_document_block_mask(doc_ids)
     return create_causal_mask(x.size(1), x.device) + create_document_mask(doc_ids)
+
+
+# -------------------------------------------------------------------------------------------------
+# --micro-batch-size auto: the largest micro-batch that fits, measured on the GPU
+
+# The share of the GPU's memory a micro-batch may fill, with the optimizer state still to come:
+# the rest is headroom for fragmentation, NCCL buffers and evaluation.
+AUTO_MEMORY_FRACTION = 0.9
+
+
+def search_micro_batch_size(
+    per_device: int, peak_bytes: Callable[[int], float], budget: float
+) -> tuple[int | None, dict[int, float]]:
+    """The largest divisor n of per_device with peak_bytes(n) <= budget (None: not even 1), and
+    the peaks measured, {n: bytes}.
+
+    Divisors, so that accumulation then makes up the batch exactly. They are tried from small to
+    large, stopping at the first that does not fit: memory grows with n, and small probes are
+    cheap. A size that the last two measurements (activations grow linearly with n) predict to
+    be over budget is not tried at all: running out of memory is slow, fragments the allocator's
+    cache and, under torchrun, a rank that runs out alone leaves the others waiting in a
+    collective of the forward or backward pass.
+    """
+    best, peaks = None, {}
+    for n in (d for d in range(1, per_device + 1) if per_device % d == 0):
+        if len(peaks) >= 2:
+            (n1, p1), (n2, p2) = list(peaks.items())[-2:]
+            if p2 + (p2 - p1) / (n2 - n1) * (n - n2) > budget:
+                break
+        peak = peak_bytes(n)
+        if peak > budget:
+            peaks[n] = peak
+            break
+        best, peaks[n] = n, peak
+    return best, peaks
+
+
+def optimizer_state_to_come(optimizer) -> int:
+    """Bytes of AdamW state (two moments of each parameter's size) not allocated yet on the GPU.
+
+    AdamW allocates its state at the first step, so a probe before it does not see it; from the
+    second step on it is there during every forward and backward. A resumed optimizer already
+    has it. Counted: the parameters this rank updates (the local shard of an FSDP DTensor; the
+    AdamW of this rank's part under ZeroRedundancyOptimizer), and only those on the GPU.
+    """
+    from torch.distributed.tensor import DTensor  # here: a second of start-up for every script
+
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's AdamW
+    total = 0
+    for group in local.param_groups:
+        for p in group["params"]:
+            shard = p.to_local() if isinstance(p, DTensor) else p
+            if shard.is_cuda and not local.state.get(p):
+                total += 2 * shard.numel() * shard.element_size()
+    return total
+
+
+def auto_micro_batch_size(
+    args, model, tokenizer, optimizer, device, precision: str, devices: int, replicas: int = 1
+) -> int:
+    """--micro-batch-size auto: set args.micro_batch_size to the largest that fits on this GPU,
+    and return the gradient accumulation steps that keep the global batch --batch-size.
+
+    model: the wrapped model, as the training loop calls it. Each probe runs its forward (with
+    the run's attention mask and precision) and backward on random tokens of --seq-length, and
+    measures the peak memory the caching allocator reserved; a size fits if that peak plus the
+    optimizer state still to come stays within AUTO_MEMORY_FRACTION of the GPU. replicas: the
+    GPUs nn.DataParallel splits each forward over (n sequences for each). Under torchrun every
+    rank probes the same sizes and takes the largest peak of all, so all choose the same size.
+    DDP probes under no_sync(): no collective, so a rank that runs out of memory alone cannot
+    leave the others waiting. FSDP's forward and backward are collectives themselves; the
+    search's prediction avoids most out-of-memory probes (see search_micro_batch_size).
+    """
+    from torch.distributed.tensor import DTensor
+
+    per_device = args.batch_size // devices
+    budget = AUTO_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    state = optimizer_state_to_come(optimizer)
+    # train_fsdp.py keeps the full (unsharded) fp32 gradient of every sharded parameter between
+    # the micro-steps of an accumulation (set_requires_gradient_sync(False)); a probe does not.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    unsharded_grads = sum(4 * p.numel() for p in params if isinstance(p, DTensor))
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP's; the others have none
+    tokens = torch.Generator().manual_seed(0)  # its own generator: training's RNG is untouched
+
+    def forward_backward(n: int) -> None:
+        ids = torch.randint(tokenizer.get_vocab_size(), (n * replicas, args.seq_length + 1),
+                            generator=tokens)  # fmt: skip
+        x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)  # (n * replicas, T) each
+        with no_sync():
+            with autocast(device, precision):
+                loss_sum, _ = model(x, y, build_attn_mask(x, args, tokenizer))
+            loss_sum.sum().backward()  # .sum(): DataParallel returns one per replica
+
+    def peak_bytes(n: int) -> float:
+        torch.cuda.empty_cache()  # release what earlier probes cached, then measure from here
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            forward_backward(n)  # its tensors are freed when it returns (or raises)
+            peak = torch.cuda.max_memory_reserved(device) + state
+            peak += unsharded_grads if n < per_device else 0
+        except torch.OutOfMemoryError:
+            peak = math.inf
+        optimizer.zero_grad(set_to_none=True)  # the probe's gradients; no weight has changed
+        torch.cuda.empty_cache()
+        peak = torch.tensor(float(peak), device=device)
+        if dist.is_initialized():  # the same decision on every rank: the largest peak of all
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak.item()
+
+    best, peaks = search_micro_batch_size(per_device, peak_bytes, budget)
+    if args.compile or args.attention == "flex":
+        # The probes compiled the layers for several batch sizes, so the kernels kept are
+        # dynamic-shape ones; recompiling once for the chosen size gives static, faster ones.
+        torch.compiler.reset()
+    tried = ", ".join(
+        f"{n}: " + ("out of memory" if math.isinf(p) else f"{p / 1e9:.1f} GB")
+        for n, p in peaks.items()
+    )
+    if best is None:
+        raise ValueError(
+            f"--micro-batch-size auto: not even 1 sequence of {args.seq_length} tokens fits in "
+            f"{budget / 1e9:.1f} GB ({tried}, optimizer state included); try "
+            f"--activation-checkpointing, train_fsdp.py, or a shorter --seq-length"
+        )
+    args.micro_batch_size = best
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"micro-batch size auto: {best} (peak memory by size, with the optimizer state to "
+            f"come: {tried}; budget {budget / 1e9:.1f} GB)"
+        )
+    return per_device // best
 
 
 # -------------------------------------------------------------------------------------------------
@@ -808,7 +1009,8 @@ def describe_run(args, config, accumulation: int, devices: int, device, precisio
             f"model: {args.model or 'from ' + args.init_from}, "
             f"{count_parameters(config) / 1e6:.2f}M parameters, "
             f"vocab {config.vocab_size}",
-            f"device: {device} x {devices}, precision {precision}, compile {args.compile}",
+            f"device: {device} x {devices}, precision {precision}, compile {args.compile}"
+            + (f", document mask by {args.attention}" if args.document_mask else ""),
             f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
             f"tokens per step = micro-batch {args.micro_batch_size} x {devices} devices x "
             f"{accumulation} accumulation steps",

@@ -1,8 +1,8 @@
 """Attention masks: causal, padding and document (for packed sequences).
 
-Every mask here is *additive*: a float tensor of 0 where a query may attend to a key and -inf where
-it may not, added to the attention scores before the softmax. Each function encodes one rule, and
-rules combine by addition, as in the classic DataParallel/DDP Llama recipe:
+Every dense mask here is *additive*: a float tensor of 0 where a query may attend to a key and
+-inf where it may not, added to the attention scores before the softmax. Each function encodes
+one rule, and rules combine by addition, as in the classic DataParallel/DDP Llama recipe:
 
     mask = create_causal_mask(T, device) + create_padding_mask(input_ids, pad_id, device)
     logits = model(input_ids, attn_mask=mask)
@@ -18,9 +18,16 @@ anyway; what a padding query computes is thrown away by the loss.
 
 When no mask is needed at all (unpadded causal training), pass none: the model then calls SDPA with
 `is_causal=True`, which is what lets flash attention run on GPU.
+
+A dense (B, 1, T, T) mask costs T^2 memory per sequence and rules out flash attention. For the
+document mask there is a sparse alternative for GPUs, FlexAttention's BlockMask
+(`create_document_block_mask`): the same rule written as a function of (query, key) positions,
+from which PyTorch records which blocks of 128 x 128 positions are blocked entirely (skipped),
+fully allowed, or mixed.
 """
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 def create_causal_mask(seq_len: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -56,6 +63,33 @@ def document_ids(input_ids: torch.Tensor, bot_id: int) -> torch.Tensor:
     A row that starts in the middle of a document gives that partial document number 0.
     """
     return torch.cumsum(input_ids == bot_id, dim=1)
+
+
+def document_mask_mod(document_ids: torch.Tensor):
+    """FlexAttention's mask_mod for causal attention within documents: True = attend.
+
+    The rule of create_causal_mask + create_document_mask, for one (batch, head, query, key)
+    position at a time; document_ids (B, T) as `document_ids` returns them.
+    """
+
+    def causal_within_document(b, h, q_idx, kv_idx):
+        same_document = document_ids[b, q_idx] == document_ids[b, kv_idx]
+        return (q_idx >= kv_idx) & same_document
+
+    return causal_within_document
+
+
+def create_document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """A BlockMask of causal attention within documents, for model(..., attn_mask=...) on GPU.
+
+    Building it evaluates the rule once for every (query, key) pair, one byte each, on
+    document_ids' device (H=None: one mask for all heads); the model then runs flex_attention,
+    which keeps no (T, T) tensor through forward and backward as SDPA's dense mask does.
+    """
+    B, T = document_ids.shape
+    return create_block_mask(
+        document_mask_mod(document_ids), B, None, T, T, device=document_ids.device
+    )
 
 
 def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

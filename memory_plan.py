@@ -425,7 +425,9 @@ def plan_for_run(args, config: LlamaConfig, world_size: int, precision: str) -> 
         config,
         args.micro_batch_size,
         args.seq_length,
-        attention="math" if args.document_mask else "flash",
+        # SDPA with a dense mask falls back to kernels that store the (s, s) scores; FlexAttention
+        # (--attention flex) is a fused kernel like flash attention.
+        attention="math" if args.document_mask and args.attention != "flex" else "flash",
         tp=tp,
         pp=pp,
         micro_batches=args.batch_size // (args.micro_batch_size * dp),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # Targets equal to this value are ignored by the loss (padding). -100 is F.cross_entropy's default.
 IGNORE_INDEX = -100
@@ -179,6 +180,26 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+# FlexAttention (a BlockMask instead of a dense mask) is only fast compiled: run eagerly,
+# flex_attention computes the whole (T, T) score matrix, exactly what it exists to avoid. So it is
+# compiled once, on first use (torch.compile's import alone costs seconds, which generate.py and
+# the tests should not pay), and called compiled whether or not the layers are: relying on
+# --compile alone would leave the default, uncompiled run on the slow path. Inside a layer that
+# --compile compiles, the plain function is called: Dynamo captures it into the layer's graph,
+# whose compilation generates the fused kernel, with nothing compiled twice.
+_compiled_flex_attention = None
+
+
+def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd)."""
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -204,21 +225,26 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nkv, S, hd) with S = all positions so far
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(q.dtype)  # SDPA wants an additive mask in the query's dtype
-        # With no explicit mask, `is_causal=True` lets SDPA pick its fastest kernel (flash
-        # attention on GPU) and never materialise a (T, T) mask. A single decoding step (T == 1)
-        # attends to the whole cache, so it needs no mask at all. Grouped-query attention:
-        # `enable_gqa` lets each group of nh/nkv query heads share one key/value head without
-        # copying k and v.
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            is_causal=attn_mask is None and T > 1,
-            enable_gqa=nkv != nh,
-        )  # (B, nh, T, hd)
+        # Grouped-query attention: `enable_gqa` lets each group of nh/nkv query heads share one
+        # key/value head without copying k and v.
+        if isinstance(attn_mask, BlockMask):
+            # A document mask for FlexAttention (masks.create_document_block_mask): the kernel
+            # skips the key blocks the mask blocks entirely and never builds a (T, T) mask.
+            y = fused_flex_attention(q, k, v, attn_mask, enable_gqa=nkv != nh)  # (B, nh, T, hd)
+        else:
+            if attn_mask is not None and attn_mask.dtype != torch.bool:
+                attn_mask = attn_mask.to(q.dtype)  # SDPA wants an additive mask in q's dtype
+            # With no explicit mask, `is_causal=True` lets SDPA pick its fastest kernel (flash
+            # attention on GPU) and never materialise a (T, T) mask. A single decoding step
+            # (T == 1) attends to the whole cache, so it needs no mask at all.
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=attn_mask is None and T > 1,
+                enable_gqa=nkv != nh,
+            )  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
         return self.wo(y)
 
@@ -293,7 +319,8 @@ class LlamaForPretraining(nn.Module):
 
         attn_mask: None for plain causal attention (the fast path), or a mask from masks.py that
             broadcasts to (B, heads, T, T): additive floats (0 = attend, -inf = blocked) or bools
-            (True = attend). It must include causality itself.
+            (True = attend), run by SDPA; or a FlexAttention BlockMask, run by flex_attention
+            (training and evaluation; generation uses no mask). It must include causality itself.
         targets: (B, T) next-token ids; positions equal to IGNORE_INDEX (padding) do not count.
 
         Returns the logits (B, T, vocab_size) when targets is None. With targets, returns

@@ -111,6 +111,7 @@ def main():
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     accumulation = common.check_args(parser, args, devices=world_size)
     precision = common.resolve_precision(args.precision, device)
+    args.attention = common.resolve_attention(args, device)
     resume_path = from_rank0(lambda: common.prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -136,7 +137,6 @@ def main():
     # Every world_size-th validation sample, nothing dropped or repeated (a DistributedSampler
     # would pad or drop to even out the shards): the summed loss is that of the whole set.
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(val_shard, batch_size=args.micro_batch_size)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
     model, config = common.build_model(args, tokenizer.get_vocab_size())
@@ -174,6 +174,11 @@ def main():
         device_ids=[local_rank] if device.type == "cuda" else None,
         forward_sync_buffers=False,
     )
+    if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
+        accumulation = common.auto_micro_batch_size(
+            args, ddp_model, tokenizer, optimizer, device, precision, world_size
+        )
+    val_loader = DataLoader(val_shard, batch_size=args.micro_batch_size)
     if is_main:
         print(common.describe_run(args, config, accumulation, world_size, device, precision))
         if args.plan:

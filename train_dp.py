@@ -50,6 +50,7 @@ def main():
     devices = max(num_gpus, 1)  # how many devices share each batch
     accumulation = common.check_args(parser, args, devices=devices)
     precision = common.resolve_precision(args.precision, device)
+    args.attention = common.resolve_attention(args, device, replicas=devices)
     resume_path = common.prepare_out_dir(args)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -68,8 +69,6 @@ def main():
         return torch.randperm(len(train_ds), generator=generator).tolist()
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-    # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
-    val_loader = DataLoader(val_set, batch_size=args.micro_batch_size * devices)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
     model, config = common.build_model(args, tokenizer.get_vocab_size())
@@ -91,6 +90,12 @@ def main():
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.
     dp_model = nn.DataParallel(Replica(model, device, precision))
+    if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
+        accumulation = common.auto_micro_batch_size(
+            args, dp_model, tokenizer, optimizer, device, precision, devices, replicas=devices
+        )
+    # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
+    val_loader = DataLoader(val_set, batch_size=args.micro_batch_size * devices)
     print(common.describe_run(args, config, accumulation, devices, device, precision))
     if args.plan:
         print(memory_plan.plan_for_run(args, config, devices, precision))

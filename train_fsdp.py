@@ -180,6 +180,7 @@ def main():
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     accumulation = common.check_args(parser, args, devices=world_size)
     precision = common.resolve_precision(args.precision, device)
+    args.attention = common.resolve_attention(args, device)
     if precision == "fp16":
         raise ValueError(
             "train_fsdp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
@@ -210,7 +211,6 @@ def main():
     # Every world_size-th validation sample, nothing dropped or repeated (a DistributedSampler
     # would pad or drop to even out the shards): the summed loss is that of the whole set.
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(val_shard, batch_size=args.micro_batch_size)
 
     # ---- model, sharding, optimizer, resume -----------------------------------------------------
     model, config = common.build_model(args, tokenizer.get_vocab_size())
@@ -250,6 +250,11 @@ def main():
         )
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
+    if args.micro_batch_size == "auto":  # measure the largest that fits, with the sharded model
+        accumulation = common.auto_micro_batch_size(
+            args, model, tokenizer, optimizer, device, precision, world_size
+        )
+    val_loader = DataLoader(val_shard, batch_size=args.micro_batch_size)
     if is_main:
         print(common.describe_run(args, config, accumulation, world_size, device, precision))
         print(

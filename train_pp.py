@@ -283,6 +283,16 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
             f"{args.pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
         )
     dp = world_size // (args.pp * args.tp)
+    if args.micro_batch_size == "auto":
+        parser.error(
+            "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
+            "probed alone); give a number (python memory_plan.py --pp N estimates what fits)"
+        )
+    if args.attention == "flex":
+        # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
+        # micro-batch would get the whole batch's mask.
+        parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
+    args.attention = "sdpa"
     if args.micro_batch_size is None:
         # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
         # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.

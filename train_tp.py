@@ -231,9 +231,17 @@ def main():
         args.tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     dp = data_parallel_size(world_size, args.tp)
     # Only the dp groups split the batch: the tp ranks of a group work on the same samples.
+    if args.micro_batch_size == "auto":
+        # Its probe runs the model's forward and backward outside loss_parallel(), which the
+        # vocabulary-sharded loss needs.
+        parser.error(
+            "--micro-batch-size auto is not supported by train_tp.py; give a number "
+            "(python memory_plan.py --tp N estimates what fits)"
+        )
     accumulation = common.check_args(parser, args, devices=dp)
     check_tensor_parallel(common.model_shape(args), args.tp)  # before any data work
     precision = common.resolve_precision(args.precision, device)
+    args.attention = common.resolve_attention(args, device)
     if precision == "fp16":
         raise ValueError(
             "train_tp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "

@@ -2,8 +2,15 @@
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_mask
 
-from masks import create_causal_mask, create_document_mask, create_padding_mask, document_ids
+from masks import (
+    create_causal_mask,
+    create_document_block_mask,
+    create_document_mask,
+    create_padding_mask,
+    document_ids,
+)
 
 PAD = 0
 BOT = 1
@@ -147,3 +154,45 @@ def test_a_padding_query_in_left_padding_attends_only_to_itself():
     mask = CAUSAL + create_padding_mask(LEFT_PADDED, PAD)
     first_row = mask[0, 0, 0]  # the first pad query sees only padding keys, causally
     assert first_row[0] == 0 and is_blocked(first_row[1:]).all()
+
+
+# -------------------------------------------------------------------------------------------------
+# The BlockMask for FlexAttention: the same rule as causal + document, block-sparse
+
+
+def packed_rows(T: int = 320, seed: int = 0) -> torch.Tensor:
+    """(3, T) packed rows with documents of 1 to ~100 tokens; the first starts mid-document."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(2, 50, (3, T), generator=generator)
+    starts = torch.rand(3, T, generator=generator) < 0.02
+    starts[1, 0] = starts[2, 0] = True  # rows 1 and 2 start with a document; row 0 mid-way
+    starts[2, 1] = True  # a one-token document
+    rows[starts] = BOT
+    return rows
+
+
+def test_block_mask_rule_allows_exactly_what_the_dense_causal_document_mask_allows():
+    ids = packed_rows()
+    B, T = ids.shape
+    block_mask = create_document_block_mask(document_ids(ids, BOT))
+    # The BlockMask's own mask_mod, evaluated at every (query, key) pair.
+    allowed = create_mask(block_mask.mask_mod, B, 1, T, T, device="cpu")  # (B, 1, T, T)
+    dense = create_causal_mask(T) + create_document_mask(document_ids(ids, BOT))
+    assert torch.equal(allowed, dense == 0)
+
+
+def test_block_mask_skips_exactly_the_blocks_with_no_allowed_pair():
+    ids = packed_rows()
+    B, T = ids.shape
+    block_mask = create_document_block_mask(document_ids(ids, BOT))
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    allowed = create_causal_mask(T) + create_document_mask(document_ids(ids, BOT)) == 0
+    # Pad (B, 1, T, T) to whole blocks, then ask of each block whether any pair in it is allowed.
+    nq, nk = -(-T // q_block), -(-T // kv_block)
+    padded = torch.zeros(B, 1, nq * q_block, nk * kv_block, dtype=torch.bool)
+    padded[..., :T, :T] = allowed
+    any_allowed = padded.view(B, 1, nq, q_block, nk, kv_block).any(dim=5).any(dim=3)  # (B,1,nq,nk)
+    computed = block_mask.to_dense().bool()  # (B, 1, nq, nk): the blocks the kernel visits
+    assert torch.equal(computed, any_allowed)
+    below_diagonal = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=-1)
+    assert not computed[..., below_diagonal].all(), "the documents should skip blocks, too"

@@ -1,0 +1,270 @@
+"""Specification of two choices a run makes for speed and memory: which kernel runs the
+--document-mask (--attention), and how --micro-batch-size auto searches for the largest
+micro-batch that fits; and of profile_step.py's reference, the yardstick of our training step.
+
+Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
+What is held here: the decisions around them; the search on an injected memory model, and
+auto_micro_batch_size on a CPU whose torch.cuda memory counters are simulated; and the clear
+refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, the model's
+flex_attention path in test_model.py.)
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from harness import DDP, DP, cli, run_script
+
+import common
+import profile_step
+from model import LlamaConfig, LlamaForPretraining
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # only compared, never used
+
+# -------------------------------------------------------------------------------------------------
+# --attention
+
+
+def attention_args(attention: str, document_mask: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(attention=attention, document_mask=document_mask)
+
+
+@pytest.mark.parametrize(
+    "document_mask, device, replicas, expected",
+    [
+        (True, CUDA, 1, "flex"),
+        (True, CPU, 1, "sdpa"),  # no FlexAttention backward on CPU
+        (True, CUDA, 2, "sdpa"),  # DataParallel cannot split a BlockMask over GPUs
+        (False, CUDA, 1, "sdpa"),  # no mask: SDPA's causal flash kernel
+    ],
+)
+def test_auto_attention_is_flex_only_for_a_document_mask_on_one_cuda_device(
+    document_mask, device, replicas, expected
+):
+    args = attention_args("auto", document_mask)
+    assert common.resolve_attention(args, device, replicas) == expected
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_an_explicit_attention_choice_is_kept(attention):
+    assert common.resolve_attention(attention_args(attention), CUDA) == attention
+
+
+@pytest.mark.parametrize(
+    "args, device, replicas, reason",
+    [
+        (attention_args("flex"), CPU, 1, "needs a CUDA GPU"),
+        (attention_args("flex", document_mask=False), CUDA, 1, "--document-mask"),
+        (attention_args("flex"), CUDA, 2, "DataParallel"),
+    ],
+    ids=["on_cpu", "without_document_mask", "under_dataparallel"],
+)
+def test_flex_attention_where_it_cannot_run_is_refused_with_the_reason(
+    args, device, replicas, reason
+):
+    with pytest.raises(ValueError, match=reason):
+        common.resolve_attention(args, device, replicas)
+
+
+# -------------------------------------------------------------------------------------------------
+# --micro-batch-size auto: the search, on an injected memory model
+
+
+class Probe:
+    """peak_bytes(n) for the search: records the sizes probed; `oom_from` raises no error but
+    reports infinity, as auto_micro_batch_size does for torch.OutOfMemoryError."""
+
+    def __init__(self, base: float, per_sequence: float, oom_from: int | None = None):
+        self.base, self.per_sequence, self.oom_from = base, per_sequence, oom_from
+        self.probed: list[int] = []
+
+    def __call__(self, n: int) -> float:
+        self.probed.append(n)
+        if self.oom_from is not None and n >= self.oom_from:
+            return float("inf")
+        return self.base + self.per_sequence * n
+
+
+def test_the_search_takes_the_largest_divisor_of_the_per_device_batch_that_fits():
+    probe = Probe(base=0, per_sequence=1)
+    best, peaks = common.search_micro_batch_size(12, probe, budget=6.5)
+    assert best == 6
+    assert probe.probed == [1, 2, 3, 4, 6]  # divisors only, small to large; 12 predicted 12 > 6.5
+    assert peaks == {1: 1, 2: 2, 3: 3, 4: 4, 6: 6}
+
+
+def test_the_whole_per_device_batch_is_chosen_when_it_fits():
+    best, _ = common.search_micro_batch_size(8, Probe(base=10, per_sequence=1), budget=100)
+    assert best == 8  # then accumulation is 1
+
+
+def test_running_out_of_memory_ends_the_search_at_the_size_before():
+    probe = Probe(base=0, per_sequence=1, oom_from=4)
+    best, peaks = common.search_micro_batch_size(16, probe, budget=100)
+    assert best == 2
+    assert probe.probed == [1, 2, 4]
+    assert peaks[4] == float("inf")
+
+
+def test_a_size_over_budget_ends_the_search_although_a_larger_one_might_measure_less():
+    # Memory is taken to grow with the micro-batch: the first size over budget is the last tried.
+    peaks_by_size = {1: 10, 2: 20, 3: 200, 6: 30}
+    probed = []
+    best, _ = common.search_micro_batch_size(
+        6, lambda n: probed.append(n) or peaks_by_size[n], budget=100
+    )
+    assert (best, probed) == (2, [1, 2, 3])
+
+
+def test_a_size_predicted_over_budget_from_the_last_two_probes_is_never_probed():
+    probe = Probe(base=10, per_sequence=10)  # 1: 20, 2: 30, 4: 50, 8: 90, 16 would be 170
+    best, _ = common.search_micro_batch_size(16, probe, budget=95)
+    assert best == 8
+    assert probe.probed == [1, 2, 4, 8]
+
+
+def test_the_search_finds_nothing_when_one_sequence_does_not_fit():
+    probe = Probe(base=50, per_sequence=10)
+    assert common.search_micro_batch_size(4, probe, budget=55) == (None, {1: 60})
+
+
+class Tiny(torch.nn.Module):
+    """A small Llama whose "GPU memory" peak is 100 + 100 per sequence of its last forward, and
+    which runs out of memory from `oom_from` sequences on."""
+
+    def __init__(self, oom_from: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=97))
+        self.oom_from, self.peak, self.batches = oom_from, 0, []
+
+    def forward(self, x, y, attn_mask=None):
+        self.batches.append(tuple(x.shape))
+        if self.oom_from is not None and x.size(0) >= self.oom_from:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        self.peak = 100 + 100 * x.size(0)
+        return self.model(x, y, attn_mask)
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """auto_micro_batch_size on the CPU, with torch.cuda's memory counters answered by Tiny."""
+
+    def run(model: Tiny, total_memory: int, batch_size: int = 8, devices: int = 1):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: SimpleNamespace(total_memory=total_memory))  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: model.peak)
+        argv = f"--batch-size {batch_size} --seq-length 16 --micro-batch-size auto".split()
+        args = common.build_parser("test").parse_args(argv)
+        args.attention = "sdpa"
+        optimizer = common.build_optimizer(model, args, "cpu")
+        tokenizer = SimpleNamespace(get_vocab_size=lambda: 97)
+        rng = torch.get_rng_state()
+        accumulation = common.auto_micro_batch_size(
+            args, model, tokenizer, optimizer, torch.device("cpu"), "fp32", devices
+        )
+        assert torch.equal(torch.get_rng_state(), rng), "the probes changed training's RNG"
+        assert all(p.grad is None for p in model.parameters()), "a probe's gradient was left"
+        return args.micro_batch_size, accumulation
+
+    return run
+
+
+def test_auto_sets_the_largest_fitting_micro_batch_and_the_accumulation(simulated_gpu, capsys):
+    model = Tiny()
+    # budget 0.9 * 700 = 630: 1 -> 200, 2 -> 300, 4 -> 500 fit; 8 (predicted 900) is not tried
+    assert simulated_gpu(model, total_memory=700) == (4, 2)
+    assert model.batches == [(1, 16), (2, 16), (4, 16)]  # (n, --seq-length) random tokens
+    assert "micro-batch size auto: 4" in capsys.readouterr().out
+
+
+def test_auto_stops_at_an_out_of_memory_error_and_frees_its_gradients(simulated_gpu):
+    assert simulated_gpu(Tiny(oom_from=4), total_memory=10_000) == (2, 4)
+
+
+def test_auto_probes_each_devices_share_of_the_batch(simulated_gpu):
+    model = Tiny()
+    assert simulated_gpu(model, total_memory=10_000, batch_size=8, devices=4) == (2, 1)
+    assert model.batches == [(1, 16), (2, 16)]
+
+
+def test_auto_refuses_a_gpu_where_not_one_sequence_fits(simulated_gpu):
+    with pytest.raises(ValueError, match="not even 1 sequence of 16 tokens fits"):
+        simulated_gpu(Tiny(), total_memory=150)
+
+
+def test_check_args_leaves_auto_to_be_measured_but_checks_the_devices_divide_the_batch(
+    monkeypatch,
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    parser = common.build_parser("test")
+    argv = ["--batch-size", "12", "--micro-batch-size", "auto"]
+    args = parser.parse_args(argv)
+    assert common.check_args(parser, args, devices=4) == 1  # until measured
+    assert args.micro_batch_size == "auto"
+    with pytest.raises(ValueError, match="--batch-size 12 must be a multiple"):
+        common.check_args(parser, parser.parse_args(argv), devices=5)
+
+
+def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
+    parser = common.build_parser("test")
+    assert parser.parse_args(["--micro-batch-size", "4"]).micro_batch_size == 4
+    assert parser.parse_args(["--micro-batch-size", "auto"]).micro_batch_size == "auto"
+    with pytest.raises(ValueError, match="expected a number or 'auto'"):
+        parser.parse_args(["--micro-batch-size", "max"])
+
+
+# -------------------------------------------------------------------------------------------------
+# On CPU: refused as usage errors, before anything is written
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        (DP, ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU memory"),
+        ("train_fsdp.py", ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU"),
+        (DDP, ["--document-mask", "--attention", "flex"], "--attention flex needs a CUDA GPU"),
+    ],
+    ids=["auto_dp", "auto_fsdp", "flex_ddp"],
+)
+def test_gpu_only_choices_on_cpu_exit_with_a_usage_error(corpus, cache_dir, tmp_path, script,
+                                                         flags, message):  # fmt: skip
+    proc = run_script(script, cli(corpus, cache_dir, tmp_path / "out") + flags, expect_rc=2)
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+# -------------------------------------------------------------------------------------------------
+# profile_step.py: the reference it times our step against is the same model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_profile_step_reference_computes_our_models_loss_and_gradients(tie):
+    config = LlamaConfig.from_preset("tiny", vocab_size=300, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = LlamaForPretraining(config)
+    params = profile_step.reference_params(model)
+    tokens = torch.randint(300, (2, 33), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ours, _ = model(x, y)
+    cos, sin = profile_step.reference_rope_tables(config, 32, "cpu")
+    reference = profile_step.reference_loss(params, x, y, config, cos, sin)
+    torch.testing.assert_close(reference, ours, rtol=1e-6, atol=0)
+    ours.backward()
+    reference.backward()
+    wq_wk_wv = params["layers"][0]["wqkv"].grad.split([192, 64, 64])  # 6 and 2 heads of 32
+    for got, projection in zip(wq_wk_wv, ("wq", "wk", "wv"), strict=True):
+        want = getattr(model.layers[0].attention, projection).weight.grad
+        # fp32 sums in another order (one matmul instead of three): 1e-4 of the largest entry.
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_profile_step_prints_the_profile_and_both_step_times():
+    argv = "--seq-length 16 --batch-size 4 --micro-batch-size 2 --warmup 1 --rounds 1 --steps 1"
+    argv = argv.split() + ["--profile-steps", "1", "--rows", "5"]
+    out = run_script("profile_step.py", argv).stdout
+    assert "aten::mm" in out  # the profiler's table
+    assert "ours" in out and "reference" in out and "x reference" in out, out
