@@ -64,7 +64,9 @@ the ZeRO strategies then apply across the remaining D = N / (T * P) data-paralle
                               (our train_tp.py), Korthikanti's per-layer count becomes
                               s*b*h * (10 + 24/T + 5*a*s/(h*T)): the 24 sbh of matmul inputs and
                               the scores shrink T ways, the norms' and residuals' 10 sbh do not.
-                              The loss is vocabulary-parallel: log-probabilities / T.
+                              The loss is vocabulary-parallel: log-probabilities / T (as in
+                              train_tp.py; train_pp.py --tp gathers the logits on its last
+                              stage, whose log-probabilities are then T times this count).
   pipeline parallel           consecutive layers per stage (embedding on the first, lm_head on
                               the last). The first stage holds the most activations: as many
                               micro-batches as are in flight there, of its L/P layers each:

@@ -15,6 +15,7 @@ shards this one module from the outside.
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
 """
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -187,17 +188,16 @@ class KVCache:
 # --compile alone would leave the default, uncompiled run on the slow path. Inside a layer that
 # --compile compiles, the plain function is called: Dynamo captures it into the layer's graph,
 # whose compilation generates the fused kernel, with nothing compiled twice.
-_compiled_flex_attention = None
+@functools.cache
+def compiled_flex_attention():
+    """torch.compile(flex_attention), made on the first call and reused by every later one."""
+    return torch.compile(flex_attention)
 
 
 def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
     """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd)."""
-    if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+    return attend(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 class Attention(nn.Module):
