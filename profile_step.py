@@ -213,7 +213,7 @@ def main() -> None:
         description="Profile train_dp.py's training step and time it against a lean reference.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=default("model"), help="preset, as in train_dp.py")
+    p.add_argument("--model", default="tiny", help="preset, as in train_dp.py")
     p.add_argument("--vocab-size", type=int, default=default("vocab_size"), help="vocabulary")
     p.add_argument("--seq-length", type=int, default=default("seq_length"), help="tokens/row")
     p.add_argument("--batch-size", type=int, default=default("batch_size"), help="rows per step")
@@ -242,7 +242,10 @@ def main() -> None:
     # The optimizer's and the schedule's settings: train_dp.py's defaults.
     for name in ("lr", "weight_decay", "grad_clip", "warmup_steps", "max_steps", "min_lr_ratio"):
         setattr(args, name, default(name))
-    config = LlamaConfig.from_preset(args.model, vocab_size=args.vocab_size)
+    try:
+        config = LlamaConfig.from_preset(args.model, vocab_size=args.vocab_size)
+    except ValueError as e:
+        p.error(str(e))
     if args.seq_length > config.max_position_embeddings:
         p.error(f"--seq-length exceeds the model's {config.max_position_embeddings} positions")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -215,7 +215,7 @@ def pipeline_args(corpus, cache_dir, *flags):
 @pytest.mark.parametrize(
     "world, flags, message",
     [
-        (2, ("--pp", "3"), "--pp 3 does not divide the number of processes (2)"),
+        (2, ("--pp", "3"), "--pp 3 x --tp 1 does not divide the number of processes (2)"),
         (4, ("--pp", "2", "--schedule", "interleaved", "--stages-per-rank", "3"),
          "the model has 4 layers, fewer than the 6 pipeline stages"),
         (2, ("--pp", "2", "--model", "1b"), "ties lm_head to the token embeddings"),
