@@ -141,7 +141,20 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tok
     common.check_resumable(train_state, config, args, tokenizer)  # before changing anything
     model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=path)  # in place, into the tensors of `state`
+    try:
+        dcp.load(state, checkpoint_id=path)  # in place, into the tensors of `state`
+    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - every rank fails alike
+        # CheckpointException derives from BaseException, so it is named. The train state was
+        # fine, so the shards are damaged (a disk error), or of a train_fsdp.py from before
+        # optimizer state was keyed per parameter: say which directory, and what to do.
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (error, trace)}
+        cause = next(iter(failures.values()))[0] if failures else e
+        reason = (str(cause).strip() or type(cause).__name__).splitlines()[0].split(". ")[0]
+        raise ValueError(
+            f"could not load the sharded checkpoint {path}: {reason}; it "
+            f"is damaged or from an older version of this script. Resume from another one "
+            f"(--resume {os.path.dirname(path)}/step_...), or start fresh in another --out-dir"
+        ) from e
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         options=STATE_DICT_OPTIONS,

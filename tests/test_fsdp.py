@@ -201,6 +201,18 @@ def test_fsdp_refuses_a_ddp_checkpoint_clearly(trained, corpus, cache_dir, tmp_p
     assert "not a train_fsdp.py checkpoint" in proc.stderr, proc.stderr
 
 
+def test_fsdp_refuses_a_damaged_shard_clearly(launched, corpus, cache_dir, tmp_path):
+    # The train state reads fine, but a shard file is cut short (a disk error, a copy that
+    # stopped): one message naming the checkpoint, exit code 2, no traceback.
+    out = tmp_path / "out"
+    checkpoint = copy_sharded_checkpoint(launched(FSDP, 2, *ZERO3), 4, out)
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = run_script(FSDP, cli(corpus, cache_dir, out, resume=str(checkpoint)), expect_rc=2)
+    assert f"could not load the sharded checkpoint {checkpoint}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_plan_flag_prints_the_memory_plan(corpus, cache_dir, tmp_path):
     proc = run_script(FSDP, cli(corpus, cache_dir, tmp_path / "out", max_steps=1) + ["--plan"])
     assert "zero3" in proc.stdout and "memory per GPU" in proc.stdout
