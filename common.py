@@ -317,6 +317,17 @@ def build_datasets(args) -> tuple[data.PretrainingDataset, data.PretrainingDatas
     return train, val, tokenizer
 
 
+def steps_per_epoch(train_ds, args) -> int:
+    """Optimizer steps in one pass over the training split; ValueError if not even one."""
+    steps = len(train_ds) // args.batch_size
+    if steps == 0:
+        raise ValueError(
+            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
+            f"({args.batch_size}); use more data or a smaller batch"
+        )
+    return steps
+
+
 def step_batches(
     dataset,
     order_for_epoch: Callable[[int], list[int]],
@@ -996,6 +1007,20 @@ def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, to
     atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+
+
+def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
+    """The end of a run, on the process that writes files: model.pt, config.json and
+    tokenizer.json; with --plan on a GPU, the measured peak to hold against the plan printed at
+    start-up; and the sample of the trained model (--sample-tokens)."""
+    save_final(args.out_dir, model, config, tokenizer)
+    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+    if args.plan and device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
+    if args.sample_tokens:
+        text = sample_text(model.to(device), tokenizer, args.sample_prompt, args.sample_tokens)
+        print(f"sample:\n{text}")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -116,12 +116,7 @@ def main():
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = common.build_datasets(args)
-    steps_per_epoch = len(train_ds) // args.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
-            f"({args.batch_size}); use more data or a smaller batch"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_ds, args)
     # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
     # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
     # train_dp.py draws, whatever the number of ranks.
@@ -294,11 +289,7 @@ def main():
     # ---- outputs -------------------------------------------------------------------------------
     if is_main:
         # model, not ddp_model: the plain weights, with no `module.` prefix on every name.
-        common.save_final(args.out_dir, model, config, tokenizer)
-        print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
-        if args.sample_tokens:
-            text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
-            print(f"sample:\n{text}")
+        common.finish_run(args, model, config, tokenizer, device)
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     # Release DDP's reducer (it holds the process group from C++) while the group still exists:
     # were the group destroyed by it at exit, gloo's destructor would wait for its worker

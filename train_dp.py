@@ -55,12 +55,7 @@ def main():
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = common.build_datasets(args)
-    steps_per_epoch = len(train_ds) // args.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
-            f"({args.batch_size}); use more data or a smaller batch"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_ds, args)
 
     def order_for_epoch(epoch: int) -> list[int]:
         # A new shuffle each epoch, seeded by seed + epoch: a resumed run draws the same order,
@@ -185,11 +180,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model, not dp_model: the plain weights, with no `module.model.` prefix on every name.
-    common.save_final(args.out_dir, model, config, tokenizer)
-    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
-    if args.sample_tokens:
-        text = common.sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
-        print(f"sample:\n{text}")
+    common.finish_run(args, model, config, tokenizer, device)
 
 
 if __name__ == "__main__":

@@ -415,12 +415,7 @@ def main():
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = common.build_datasets(args)
-    steps_per_epoch = len(train_ds) // args.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
-            f"({args.batch_size}); use more data or a smaller batch"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_ds, args)
     # The shards are per pipeline (dp rank), not per process: every stage of one pipeline reads
     # the same samples. The first stage needs the tokens, the last the targets, and all of them
     # the target count and the attention mask; reading a batch of token ids costs nothing next to
@@ -634,13 +629,7 @@ def main():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=final_checkpoint, no_dist=True)
         plain.load_state_dict(state["model"])
-        common.save_final(args.out_dir, plain, config, tokenizer)
-        print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
-        if args.sample_tokens:
-            text = common.sample_text(
-                plain.to(device), tokenizer, args.sample_prompt, args.sample_tokens
-            )
-            print(f"sample:\n{text}")
+        common.finish_run(args, plain, config, tokenizer, device)
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()
 

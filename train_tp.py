@@ -256,12 +256,7 @@ def main():
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = common.build_datasets(args)
-    steps_per_epoch = len(train_ds) // args.batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
-            f"({args.batch_size}); use more data or a smaller batch"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_ds, args)
     # Each dp group reads every dp-th sample of one shared shuffle. Over the groups, step s covers
     # exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that train_dp.py
     # draws, whatever the grid. All tp ranks of a group pass the same dp_rank: the same samples.
@@ -446,17 +441,7 @@ def main():
     if is_main:
         plain = LlamaForPretraining(config)
         plain.load_state_dict(full_state)
-        common.save_final(args.out_dir, plain, config, tokenizer)
-        print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
-        if args.plan and device.type == "cuda":
-            # What the plan printed at start-up estimated, against what this GPU really needed.
-            peak = torch.cuda.max_memory_allocated(device) / 1e9
-            print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
-        if args.sample_tokens:
-            text = common.sample_text(
-                plain.to(device), tokenizer, args.sample_prompt, args.sample_tokens
-            )
-            print(f"sample:\n{text}")
+        common.finish_run(args, plain, config, tokenizer, device)
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()
 
