@@ -50,7 +50,7 @@ LAYOUTS = {
     ),
     # 4 stages of one layer on 2 ranks (rank 0: stages 0 and 2), and 2 pipelines: each stage is
     # also sharded with FSDP over the 2 data-parallel ranks (a 2 x 2 mesh; 2 micro-batches each).
-    "interleaved-dp2": (4, ("--pp", "2", "--schedule", "interleaved", *MICRO)),
+    "interleaved-dp2": (4, ("--pp", "2", "--schedule", "interleaved", "--plan", *MICRO)),
     # The third dimension: train_tp.py's tensor parallelism inside the (single) stage, so that
     # with the two layouts above each 2-way split of pp x dp x tp runs through this script.
     "tp2-in-stage": (2, ("--pp", "1", "--tp", "2", "--schedule", "gpipe", *MICRO)),
@@ -109,6 +109,9 @@ def test_start_up_reports_the_schedule_and_its_bubble(launched):
     assert "m = 2 micro-batches of 2 sequences per pipeline, 2 data-parallel pipelines" in stdout
     # p = 2 ranks, v = 2 stages per rank, m = 2: (p-1)/(v*m+p-1) = 1/5.
     assert "bubble (p-1)/(v*m+p-1) = 20.0%" in stdout, stdout
+    # --plan: memory_plan.py's estimate for this very layout, the same bubble included.
+    assert "memory per GPU" in stdout and "(dp 2 x tp 1 x pp 2, interleaved schedule" in stdout
+    assert "2 micro-batches: bubble 20% of a step" in stdout, stdout
 
 
 # -------------------------------------------------------------------------------------------------

@@ -48,7 +48,9 @@ TP = "train_tp.py"
 def tp_run(tmp_path_factory, corpus, cache_dir) -> Path:
     """--tp 2 on 2 ranks: one tensor-parallel group (dp 1). Tests must not write into it."""
     out = tmp_path_factory.mktemp("train_tp")
-    run_script(TP, cli(corpus, cache_dir, out) + ["--tp", "2"], world=2)
+    proc = run_script(TP, cli(corpus, cache_dir, out) + ["--tp", "2", "--plan"], world=2)
+    # --plan: memory_plan.py's estimate for this layout, with its tensor-parallel traffic.
+    assert "(dp 1 x tp 2 x pp 1)" in proc.stdout and "tensor parallel" in proc.stdout, proc.stdout
     return out
 
 
