@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 import data
 from generate import OUT_DIR_FILES, generate_text, load_config, load_model
@@ -717,6 +718,13 @@ class Metrics:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        """An evaluation's record, also printed above the progress bar (where enabled)."""
+        ppl = perplexity(val_loss)
+        self.log(step=step, val_loss=val_loss, val_ppl=ppl)
+        if self.enabled:
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}, perplexity {ppl:.1f}")
 
 
 class NonFiniteGuard:

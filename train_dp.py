@@ -165,11 +165,7 @@ def main():
                 dp_model, val_loader, device, precision, args, tokenizer
             )
             val_loss = (val_sum / val_tokens).item()
-            metrics.log(step=done, val_loss=val_loss, val_ppl=common.perplexity(val_loss))
-            tqdm.write(
-                f"step {done}: val loss {val_loss:.4f}, "
-                f"perplexity {common.perplexity(val_loss):.1f}"
-            )
+            metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
             state = common.checkpoint_state(

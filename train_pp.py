@@ -601,12 +601,7 @@ def main():
                         val_sum += torch.stack(losses).sum()
                         val_tokens += (vy != IGNORE_INDEX).sum().to(device)
             val_loss = (sum_over_mesh(val_sum, mesh) / sum_over_mesh(val_tokens, mesh)).item()
-            metrics.log(step=done, val_loss=val_loss, val_ppl=common.perplexity(val_loss))
-            if is_main:
-                tqdm.write(
-                    f"step {done}: val loss {val_loss:.4f}, "
-                    f"perplexity {common.perplexity(val_loss):.1f}"
-                )
+            metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
             # Every rank writes its own stages' parameters and AdamW state, under the full

@@ -417,12 +417,7 @@ def main():
             dist.all_reduce(val_sum, group=dp_group)
             dist.all_reduce(val_tokens, group=dp_group)
             val_loss = (val_sum / val_tokens).item()
-            metrics.log(step=done, val_loss=val_loss, val_ppl=common.perplexity(val_loss))
-            if is_main:
-                tqdm.write(
-                    f"step {done}: val loss {val_loss:.4f}, "
-                    f"perplexity {common.perplexity(val_loss):.1f}"
-                )
+            metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
             # Every rank: each writes its own shards (a collective, never inside is_main).

@@ -349,6 +349,8 @@ def test_short_run_writes_outputs_and_loss_falls(corpus, cache_dir, tmp_path, sc
         assert (out / name).is_file(), name
     assert sorted(os.listdir(out / "checkpoints")) == ["step_0000010.pt", "step_0000020.pt"]
     assert "sample:" in proc.stdout
+    # Each evaluation is printed above the progress bar, as well as logged.
+    assert "step 10: val loss " in proc.stdout and "step 20: val loss " in proc.stdout
 
     train, evals = read_metrics(out)
     assert [r["step"] for r in train] == list(range(1, 21))
