@@ -402,11 +402,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
 
 
-def compile_layers(model: LlamaForPretraining) -> None:
+def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
     """Compile each decoder layer in place: a short compile (one layer's graph, reused), and the
-    parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected."""
+    parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected.
+
+    loss: also compile model.loss (final norm, lm_head, cross-entropy), which fuses the upcast
+    and log-softmax of the (B, T, vocab) logits instead of writing them out three times. Off
+    under tensor parallelism, whose loss runs on vocabulary shards inside loss_parallel().
+    """
     for layer in decoder_layers(model):
         layer.compile()
+    if loss:
+        model.loss = torch.compile(model.loss)
 
 
 def apply_activation_checkpointing(model: LlamaForPretraining) -> None:

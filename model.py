@@ -344,9 +344,16 @@ class LlamaForPretraining(nn.Module):
         x = self.tok_embeddings(input_ids)  # (B, T, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, kv_caches[i] if kv_caches is not None else None)
-        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         if targets is None:
-            return logits
+            return self.lm_head(self.norm(x))  # (B, T, vocab)
+        return self.loss(x, targets)
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, num_tokens) of the last hidden states x (B, T, d): final norm, lm_head and
+        cross-entropy. A method of its own so that --compile can fuse it into a few kernels
+        (common.compile_layers): eagerly, the (B, T, vocab) logits are written once in bf16,
+        again upcast to fp32 and again as log-probabilities, forward and backward."""
+        logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )  # logits (B*T, vocab) against targets (B*T,)

@@ -437,7 +437,7 @@ def main():
     if args.activation_checkpointing:
         common.apply_activation_checkpointing(model)
     if args.compile:
-        common.compile_layers(model)
+        common.compile_layers(model, loss=False)  # the last stage runs pipeline_loss
     stage_models = build_stages(model, pp_rank, pp, v, device, precision)
     del model  # the layers of the other ranks' stages are freed with it
     if args.tp > 1:

@@ -284,7 +284,7 @@ def main():
     if args.activation_checkpointing:
         common.apply_activation_checkpointing(model)
     if args.compile:
-        common.compile_layers(model)
+        common.compile_layers(model, loss=False)  # loss_parallel(): see compile_layers
     if dp > 1:
         # bf16: weights are all-gathered in bf16 (half the traffic and memory of fp32) and
         # gradients reduce-scattered in fp32 into fp32 shards, which stay the master weights
