@@ -119,13 +119,18 @@ def run_ddp_sh_env(**extra) -> dict:
 
 
 def run_script(
-    script: str, argv: list[str], world: int = 1, expect_rc: int | None = 0
+    script: str,
+    argv: list[str],
+    world: int = 1,
+    expect_rc: int | None = 0,
+    torchrun: bool | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `script` as a user would: `python script` for world 1, torchrun for more ranks.
+    """Run `script` as a user would: `python script` for world 1, torchrun for more ranks (or
+    for one, with torchrun=True).
 
     Asserts the exit code (unless expect_rc is None) and shows the run's output if it differs.
     """
-    if world == 1:
+    if not (world > 1 if torchrun is None else torchrun):
         cmd = [sys.executable, str(REPO / script), *argv]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -31,6 +31,7 @@ from harness import (
     read_metrics,
     run_script,
 )
+from test_bad_input import assert_refused
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model import LlamaConfig, LlamaForPretraining
@@ -216,3 +217,10 @@ def test_fsdp_refuses_a_damaged_shard_clearly(launched, corpus, cache_dir, tmp_p
 def test_plan_flag_prints_the_memory_plan(corpus, cache_dir, tmp_path):
     proc = run_script(FSDP, cli(corpus, cache_dir, tmp_path / "out", max_steps=1) + ["--plan"])
     assert "zero3" in proc.stdout and "memory per GPU" in proc.stdout
+
+
+def test_fsdp_refuses_fp16_in_one_line(corpus, cache_dir, tmp_path):
+    out = tmp_path / "out"
+    argv = cli(corpus, cache_dir, out, precision="fp16")
+    assert_refused(FSDP, argv, "supports --precision bf16 or fp32", out, cache_dir)
+    assert not out.exists(), "nothing is written before the flags are checked"
