@@ -195,7 +195,21 @@ def compiled_flex_attention():
 
 
 def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd)."""
+    """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd).
+
+    CUDA only. On a CPU, torch 2.13's compiled flex_attention gives wrong logits wherever
+    Inductor generates AVX2 code (CPUs without AVX-512): NaN, or errors of ~0.2 that change from
+    run to run, in a row that starts mid-document. A wrong result must never come out, so the
+    kernel is refused rather than trusted on some CPUs; CUDA is where tests/gpu/ proves it equals
+    SDPA. No silent fallback to SDPA either: the dense mask costs the (T, T) memory this path
+    exists to avoid, and the caller should choose that (common.resolve_attention does on CPU).
+    """
+    if q.device.type != "cuda":
+        raise ValueError(
+            f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch 2.13 "
+            f"computes it wrongly without AVX-512): pass the dense mask "
+            f"masks.create_causal_mask(T) + masks.create_document_mask(ids) instead of a BlockMask"
+        )
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
     return attend(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
@@ -320,7 +334,8 @@ class LlamaForPretraining(nn.Module):
         attn_mask: None for plain causal attention (the fast path), or a mask from masks.py that
             broadcasts to (B, heads, T, T): additive floats (0 = attend, -inf = blocked) or bools
             (True = attend), run by SDPA; or a FlexAttention BlockMask, run by flex_attention
-            (training and evaluation; generation uses no mask). It must include causality itself.
+            on CUDA only (training and evaluation; generation uses no mask; on other devices,
+            ValueError). It must include causality itself.
         targets: (B, T) next-token ids; positions equal to IGNORE_INDEX (padding) do not count.
 
         Returns the logits (B, T, vocab_size) when targets is None. With targets, returns
