@@ -70,7 +70,14 @@ def tiny_tokenizer(cache_dir):
     return data.get_tokenizer(datasets.Dataset.from_dict({"text": TEXTS}), 300, str(cache_dir))
 
 
-def tiny_model(vocab_size: int, tie: bool = False, seed: int = 0) -> LlamaForPretraining:
+def tiny_model(
+    vocab_size: int,
+    tie: bool = False,
+    seed: int = 0,
+    width: int = 32,
+    context: int = 64,
+    std: float = 0.3,
+) -> LlamaForPretraining:
     """A 2-layer model whose every parameter, norms included, is random and large.
 
     Large weights make the next token depend strongly on every earlier token and position (a
@@ -78,8 +85,9 @@ def tiny_model(vocab_size: int, tie: bool = False, seed: int = 0) -> LlamaForPre
     attention_norm / ffn_norm visible in any comparison.
     """
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=context,
         rope_theta=500000.0, tie_word_embeddings=tie,
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -87,7 +95,7 @@ def tiny_model(vocab_size: int, tie: bool = False, seed: int = 0) -> LlamaForPre
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 2:
-                parameter.normal_(std=0.3)
+                parameter.normal_(std=std)
             else:  # RMSNorm gains
                 parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
     return model.eval()

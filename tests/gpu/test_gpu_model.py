@@ -8,35 +8,22 @@ summation order: the relative difference of logits and of every gradient, as a n
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import masks
-from model import LlamaConfig, LlamaForPretraining
+from model import LlamaForPretraining
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FP32_REL = 1e-5
 BOT = 1
-
-
 T = 128
 
 
 def random_model(seed: int) -> LlamaForPretraining:
-    """2 layers, 4 query and 2 key/value heads of width 32 (FlexAttention's kernels want >= 16),
-    every weight random and large so that each logit depends strongly on what attention sees."""
-    config = LlamaConfig(
-        vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForPretraining(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                parameter.normal_(std=0.1)
-            else:  # RMSNorm gains
-                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
-    return model.cuda()
+    """conftest's tiny model (2 layers, 4 query and 2 key/value heads, every weight random and
+    large), with heads of width 32: FlexAttention's kernels want at least 16."""
+    return tiny_model(320, seed=seed, width=128, context=T, std=0.1).train().cuda()
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
