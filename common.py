@@ -10,12 +10,18 @@ distributed changes alone.
 
 import argparse
 import contextlib
+import errno
+import fcntl
 import functools
 import hashlib
 import json
 import math
 import os
 import re
+import shlex
+import shutil
+import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,8 +44,12 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag raises ValueError instead of printing and exiting at once.
 
     `run` then prints it once (on global rank 0) and exits with 2, like argparse would: under
-    torchrun that is one message instead of one usage message per process.
+    torchrun that is one message instead of one usage message per process. Flags are never
+    abbreviated: argparse would otherwise read a mistyped --mode as --model.
     """
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def error(self, message: str):
         raise ValueError(f"{message} (see --help)")
@@ -126,12 +136,19 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument(
         "--min-lr-ratio", type=float, default=0.1, help="the cosine schedule decays to lr * this"
     )
-    g.add_argument("--warmup-steps", type=int, default=20, help="linear warmup from lr/warmup")
+    g.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=20,
+        help="linear warmup from lr/warmup to --lr. More than --max-steps is only warned about "
+        "(a short test run with the default warmup is fine), but the lr then never reaches --lr",
+    )
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     g.add_argument(
         "--skip-nonfinite",
         action="store_true",
-        help="skip the update of a step whose loss or gradient is NaN/inf, instead of stopping",
+        help="skip the update of a step whose loss or gradient is NaN/inf, instead of stopping; "
+        f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} such steps in a row still stop the run",
     )
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
     g.add_argument("--seed", type=int, default=1337, help="seed of weights and data order")
@@ -186,6 +203,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         action="store_true",
         help="print memory_plan.py's per-GPU memory estimate for this run at start-up",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the flags and exit without running (as WORLD_SIZE processes would): "
+        "run_ddp.sh does this first, because torchrun would restart a run that fails on them",
+    )
     return p
 
 
@@ -221,6 +244,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.lr <= 0 or args.warmup_steps < 0 or args.num_workers < 0 or args.sample_tokens < 0:
         parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
+    if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
+        # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
+        print(
+            f"warning: --warmup-steps {args.warmup_steps} is more than --max-steps "
+            f"{args.max_steps}: the learning rate rises for the whole run and never reaches "
+            f"--lr {args.lr}",
+            file=sys.stderr,
+        )
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
     auto = args.micro_batch_size == "auto"
@@ -278,6 +309,14 @@ class TrainingError(Exception):
     """The run cannot go on (a non-finite loss, ...); nothing bad was saved."""
 
 
+class Stopped(Exception):
+    """A training loop stopped on a signal (StopRequest), with a checkpoint at `step`."""
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(step, signum)
+        self.step, self.signum = step, signum
+
+
 def run(main: Callable[[], None]) -> None:
     """Call a script's main(); a known failure ends in one line on stderr, not a traceback.
 
@@ -285,13 +324,142 @@ def run(main: Callable[[], None]) -> None:
     of another model, ...), exit code 2, and TrainingError when training itself fails, exit code
     1; a traceback would only bury the message. Under torchrun every rank meets the same
     failure, so only global rank 0 prints it.
+
+    A run stopped by a signal (Stopped) ends in one line too, and exits with 128 + the signal's
+    number: 130 after Ctrl-C (SIGINT), 143 after SIGTERM, what a shell reports for a process
+    that signal killed. Whatever watches the run (a script, torchrun, Slurm) then sees "cut
+    short, not finished": 0 would say the run is complete (model.pt written, nothing to resume)
+    and 1 that it failed. A Ctrl-C that interrupts at once (before training, or a second one)
+    exits with 130 as well.
     """
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    code = 0
     try:
-        main()
+        stopped = None
+        try:
+            main()
+        except Stopped as e:
+            stopped = e.step, e.signum  # not e: its traceback would keep main's frames alive
+        if stopped is not None:
+            if dist.is_initialized():
+                # Here, not in the loop: main's frames (DDP's reducer, the DataLoader workers)
+                # are gone. The barrier keeps every rank until rank 0 has written its files:
+                # torchrun stops the other workers when one exits with an error.
+                dist.barrier()
+                dist.destroy_process_group()
+            if is_main:
+                print(f"stopped at step {stopped[0]}, checkpoint saved; run the same command to "
+                      f"resume")  # fmt: skip
+            code = 128 + stopped[1]
     except (ValueError, TrainingError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_main:
             print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ValueError) else 1)
+        code = 2 if isinstance(e, ValueError) else 1
+    except KeyboardInterrupt:
+        if is_main:
+            print("interrupted: stopped at once, without saving; the checkpoints in --out-dir are "
+                  "intact: run the same command to resume", file=sys.stderr)  # fmt: skip
+        code = 128 + signal.SIGINT
+    finally:
+        release_out_dir()
+    if code:
+        sys.exit(code)
+
+
+# -------------------------------------------------------------------------------------------------
+# Interruptions: Ctrl-C (SIGINT), SIGTERM (kill, a scheduler's preemption) and SIGUSR1 (the early
+# warning that slurm_ddp.sbatch asks Slurm for, before the time limit)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# torchrun passes the signals it receives on to its workers, which a Ctrl-C in the terminal (or
+# Slurm, which signals every process of a job step) has reached already: each worker gets the
+# same signal twice, milliseconds apart. A repeat within this many seconds is that echo.
+ECHO_SECONDS = 2.0
+
+
+class StopRequest:
+    """A STOP_SIGNALS signal stops the run cleanly: after the step in flight, with a checkpoint
+    there, on every rank at the same step.
+
+    The signal handler only notes the signal; the training loop asks agreed() after each step.
+    Ranks receive a signal at slightly different moments (or only some of them do), and a rank
+    that left the loop alone would leave the others waiting forever in their next collective.
+    So every rank all-reduces (MAX) the signal it has received, every step, and reads the
+    result one step later: all ranks see the same value after the same step, and stop there
+    together. Read a step late, the result costs no wait for the GPU: its all-reduce was queued
+    behind the previous step, which has finished by then.
+
+    A second signal (other than the echo above) raises KeyboardInterrupt at once, saving or
+    not: every file is written under a temporary name and renamed once complete, so what is cut
+    short is never visible (the next start removes it), and the newest checkpoint is the one
+    before. One process alone (train_dp.py) stops right after the step in flight.
+    """
+
+    def __init__(self, device: torch.device):
+        self.signal = 0  # the signal all ranks agreed to stop on (0: none)
+        self._received, self._received_at = 0, 0.0  # this process's first signal, and when
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self._flag = torch.zeros((), dtype=torch.int64, device=device)
+        # On a GPU the result is copied to pinned host memory behind the all-reduce, and an
+        # event marks that point of the stream; on CPU, gloo runs the all-reduce in its own
+        # threads while the next step computes.
+        self._cuda = self._flag.is_cuda
+        self._result = torch.zeros((), dtype=torch.int64, pin_memory=True) if self._cuda else None
+        self._event = torch.cuda.Event() if self._cuda else None
+        self._wait = None  # waits for the all-reduce in flight (None: none yet)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._received:
+            if now - self._received_at > ECHO_SECONDS:
+                raise KeyboardInterrupt  # asked again: stop at once (common.run says so)
+            return
+        self._received, self._received_at = signum, now
+        if int(os.environ.get("RANK", "0")) == 0:
+            note = (
+                f"\n{signal.Signals(signum).name}: stopping after this step, with a "
+                f"checkpoint (the same signal again stops at once, without saving)\n"
+            )
+            # os.write, not print: a handler may run in the middle of a print to stderr.
+            os.write(sys.stderr.fileno(), note.encode())
+
+    def agreed(self) -> int:
+        """Every rank, after every step: the signal to stop on after this step, the same on all
+        ranks; 0: go on."""
+        if not self._distributed:
+            self.signal = self._received
+            return self.signal
+        if self._wait is not None:
+            self._wait()  # the all-reduce issued after the previous step
+            self.signal = int(self._result if self._cuda else self._flag)
+            if self.signal:
+                return self.signal
+        self._flag.fill_(self._received)
+        if self._cuda:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)  # queued on the stream
+            self._result.copy_(self._flag, non_blocking=True)
+            self._event.record()
+            self._wait = self._event.synchronize  # waits for the stream up to here, no further
+        else:
+            work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+            self._wait = work.wait
+        return 0
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGUSR1, which a terminal's Ctrl-C and Slurm send
+    to every process of a job, workers included: the training process still reads batches
+    until it stops, then ends its workers itself.
+
+    Not SIGTERM: that is how multiprocessing ends a worker, and one deaf to it could hang the
+    training process's exit. So a SIGTERM sent to every process (Slurm's scancel or preemption)
+    kills the workers, and the training process then fails on their loss rather than stopping
+    cleanly; with --num-workers 0 there are none.
+    """
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -357,6 +525,7 @@ def step_batches(
             num_workers=num_workers,
             pin_memory=pin_memory,
             drop_last=True,
+            worker_init_fn=ignore_stop_signals,
         )
         batches = iter(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
@@ -705,9 +874,10 @@ class Metrics:
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled = enabled
         if enabled and os.path.exists(self.path):
-            # A run killed after its last checkpoint (or before its first: resume_step 0) logged
-            # steps that this run will log again, and a kill in the middle of a write can leave
-            # half a line. Keep the whole lines up to the step this run starts from.
+            # A run killed after its last checkpoint logged steps that this run will log again
+            # (one killed before its first: see start_fresh), and a kill in the middle of a
+            # write can leave half a line. Keep the whole lines up to the step this run starts
+            # from.
             kept = []
             with open(self.path) as f:
                 for line in f:
@@ -742,11 +912,16 @@ class NonFiniteGuard:
     state. Between checks this costs no wait for the GPU: the step is recorded on the device.
     With --skip-nonfinite, such a step's update is skipped instead (its data counts as used);
     deciding that needs the value at every step, so each step then waits for the GPU once.
+    MAX_SKIPPED_IN_A_ROW skipped steps in a row still stop the run: a run that stays broken
+    (weights already damaged, a bad learning rate) would otherwise "train" on to --max-steps.
     """
+
+    MAX_SKIPPED_IN_A_ROW = 10
 
     def __init__(self, device: torch.device, skip: bool):
         self.skip = skip
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
+        self.skipped_in_a_row = 0
 
     def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         """Record step's loss and gradient norm (None: not checked); False: skip its update."""
@@ -755,7 +930,16 @@ class NonFiniteGuard:
             finite &= torch.isfinite(grad_norm)
         if self.skip:
             if bool(finite):
+                self.skipped_in_a_row = 0
                 return True
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
+                raise TrainingError(
+                    f"the loss or the gradient was NaN/infinite at {self.skipped_in_a_row} steps "
+                    f"in a row ({step - self.skipped_in_a_row + 1} to {step}): the run is not "
+                    f"recovering, so it stopped (--skip-nonfinite skipped their updates, so "
+                    f"nothing saved holds NaN/inf). Try a lower --lr or --grad-clip."
+                )
             print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
                   file=sys.stderr)  # fmt: skip
             return False
@@ -825,16 +1009,29 @@ def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
 # kill at any moment leaves either the old file or the new one, never half of one.
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
+# train_fsdp.py's (and train_tp.py's, train_pp.py's): a DCP directory per step, step_0000100/
+CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
 TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
 
 
 def atomic_save(obj, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        # A full disk, say: remove the partial file (whose space is needed back); `path` is
+        # untouched, so a previous file of that name stays as it was.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
+            # torch.save's zip writer reports a write that failed midway as a RuntimeError
+            # ("unexpected pos") raised while closing the file: the OSError is the news.
+            raise e.__context__ from e
+        raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -860,11 +1057,25 @@ def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[
 
 def save_checkpoint(out_dir: str, step: int, state: dict, keep: int) -> str:
     path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_save(state, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_save(state, path)
+    except OSError as e:  # the disk is full, ...: say so in one line, not a traceback
+        raise save_failed(path, e) from e
     for old in list_checkpoints(out_dir)[:-keep]:
         os.remove(old)
     return path
+
+
+def save_failed(path: str, error: BaseException) -> TrainingError:
+    """The error for a checkpoint that could not be written (its partial files are removed)."""
+    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
+        reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
+    return TrainingError(
+        f"could not save the checkpoint {path}: {reason}. The checkpoints before it are intact: "
+        f"if the disk is full, make room, then run the same command again to resume"
+    )
 
 
 def load_checkpoint(path: str) -> dict:
@@ -878,11 +1089,72 @@ def load_checkpoint(path: str) -> dict:
         raise ValueError(f"cannot read checkpoint {path}: {e}") from e
 
 
+# One run per --out-dir: two runs in one would mix their metrics.jsonl and overwrite each other's
+# checkpoints. The process that writes files holds a lock on this file for its whole life, and
+# writes into it who it is, for the message of a run it keeps out.
+LOCK_FILE = ".lock"
+_held_locks: dict[str, object] = {}  # out-dir -> its open lock file, in the process holding it
+
+
+def lock_out_dir(out_dir: str) -> None:
+    """Take --out-dir for this process, or raise ValueError naming the live run that holds it.
+
+    A POSIX record lock (fcntl.lockf): the kernel releases it when its process ends, however it
+    ends (kill -9, a crash), so a dead run never blocks the rerun. Not flock(): a forked child
+    shares its parent's flock, and a DataLoader worker outliving a killed training process by
+    a few seconds would keep out torchrun's restart of it; a record lock is one process's own.
+    """
+    path = os.path.join(out_dir, LOCK_FILE)
+    if path in _held_locks:
+        return
+    f = open(path, "a+")  # never truncated before the lock is ours: it names the holder
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read()
+        f.close()
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
+            print(f"warning: cannot lock {path} ({e.strerror}): nothing keeps a second run out "
+                  f"of this --out-dir", file=sys.stderr)  # fmt: skip
+            return
+        try:
+            h = json.loads(holder)
+            who = f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+        except (ValueError, KeyError, TypeError):
+            who = "it is starting"
+        raise ValueError(
+            f"--out-dir {out_dir} is in use by another run ({who}); wait for it to end or stop "
+            f"it, or choose another --out-dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started,
+          "command": shlex.join(sys.argv)}  # fmt: skip
+    f.write(json.dumps(me) + "\n")
+    f.flush()
+    _held_locks[path] = f
+
+
+def release_out_dir() -> None:
+    """At the end of the process: empty the lock file (nobody holds it), then release it.
+
+    An empty file rather than none: deleting it could let two runs lock two different files of
+    the same name. And a refused or finished run leaves the out-dir byte-identical."""
+    for f in _held_locks.values():
+        f.truncate(0)
+        f.close()
+    _held_locks.clear()
+
+
 def make_out_dir(args) -> None:
-    """Create --out-dir (ValueError if it cannot be written) and clear a killed run's debris.
+    """Create --out-dir (ValueError if it cannot be written), take its lock (ValueError if a
+    live run holds it) and clear a killed run's debris.
 
     Called by the one process that writes files. The temporary files of a process killed while
-    writing never replaced a real file, so removing them loses nothing.
+    writing never replaced a real file, so removing them loses nothing; and with the lock held,
+    they cannot be a live run's.
     """
     try:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -891,6 +1163,7 @@ def make_out_dir(args) -> None:
         os.remove(probe)
     except OSError as e:
         raise ValueError(f"--out-dir {args.out_dir} cannot be created or written: {e}") from e
+    lock_out_dir(args.out_dir)
     for folder in (args.out_dir, os.path.join(args.out_dir, "checkpoints")):
         if os.path.isdir(folder):
             for name in os.listdir(folder):
@@ -918,19 +1191,67 @@ def newest_readable(paths: list[str], state_file=lambda path: path) -> str | Non
     return None
 
 
+def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
+    """ValueError if --out-dir holds the other kind of checkpoint than this script's: .pt files
+    (train_dp.py, train_ddp.py) or DCP directories (train_fsdp.py, train_tp.py, train_pp.py).
+
+    Neither kind resumes in the other's scripts, and a run that started at step 0 beside them
+    would replace that run's model.pt and metrics, whatever --resume says.
+    """
+    if sharded:
+        pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py (.pt files)"
+    else:
+        pattern, writers = CHECKPOINT_DIR_RE, "train_fsdp.py/train_tp.py/train_pp.py (directories)"
+    if list_checkpoints(out_dir, pattern):
+        raise ValueError(
+            f"{out_dir} holds checkpoints of {writers}, which {os.path.basename(sys.argv[0])} can "
+            f"neither resume nor write beside; choose another --out-dir (a finished run's out-dir "
+            f"starts any script with --init-from)"
+        )
+
+
+def start_fresh(out_dir: str) -> None:
+    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl moves aside, to
+    metrics.jsonl.1 (.2, ...), and one printed line says what there was.
+
+    That is a run killed before its first checkpoint (run again, or restarted by torchrun), or
+    an out-dir whose checkpoints are gone: the steps it logged are not this run's, and neither
+    appending to them nor dropping them silently would be what anyone wants.
+    """
+    found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
+    if not found:
+        return
+    note = f"note: {out_dir} has {' and '.join(found)} but no checkpoint: starting at step 0"
+    if "metrics.jsonl" in found:
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        n = 1
+        while os.path.exists(f"{metrics}.{n}"):
+            n += 1
+        os.replace(metrics, f"{metrics}.{n}")
+        note += f"; its metrics.jsonl is now metrics.jsonl.{n}"
+    if "model.pt" in found:
+        note += "; model.pt will be replaced when this run ends"
+    print(note)
+
+
 def prepare_out_dir(args) -> str | None:
     """make_out_dir, then choose the checkpoint to resume from (None: start fresh)."""
     make_out_dir(args)
     if args.resume == "never":
         if list_checkpoints(args.out_dir):
             raise resume_never_error(args.out_dir)
-        return None
-    if args.resume != "auto":
+        resume = None
+    elif args.resume != "auto":
         if not os.path.isfile(args.resume):
             raise ValueError(f"--resume: no checkpoint file at {args.resume}")
         load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
-        return args.resume
-    return newest_readable(list_checkpoints(args.out_dir))
+        resume = args.resume
+    else:
+        resume = newest_readable(list_checkpoints(args.out_dir))
+    refuse_other_checkpoints(args.out_dir, sharded=False)
+    if resume is None:
+        start_fresh(args.out_dir)
+    return resume
 
 
 def rng_state() -> dict:

@@ -21,13 +21,14 @@ the first under torchrun, see `main_process_first`) starts in seconds:
 Measure how fast the DataLoader delivers tokens (no training code lives here):
 
     python data.py --bench
-    python data.py --bench --data 'corpus/*.jsonl' --mode pad --num-workers 2
+    python data.py --bench --data 'corpus/*.jsonl' --data-mode pad --num-workers 2
 """
 
 import argparse
 import contextlib
 import hashlib
 import itertools
+import json
 import os
 import sysconfig
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.parquet
 import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -74,15 +76,22 @@ def load_corpus(
     """
     datasets_cache = os.path.join(cache_dir, "datasets")
     if spec == "stdlib":
-        ds = _load_files(_stdlib_files(), "text", datasets_cache)
+        ds = _load_files(_stdlib_files(), "text", datasets_cache, spec)
     elif os.path.exists(spec) or _is_glob(spec) or _looks_like_path(spec):
         files, builder = _find_files(spec)
-        ds = _load_files(files, builder, datasets_cache)
+        ds = _load_files(files, builder, datasets_cache, spec)
         if builder != "text":
             ds = _select_text_column(ds, text_column, spec)
     else:
         # Not a local path: a dataset on the Hugging Face hub (needs the network the first time).
-        ds = datasets.load_dataset(spec, split="train", cache_dir=datasets_cache)
+        try:
+            ds = datasets.load_dataset(spec, split="train", cache_dir=datasets_cache)
+        except OSError as e:  # offline and not cached (ConnectionError), or no such dataset
+            raise ValueError(
+                f"--data {spec!r} is not a local path, and no hub dataset of that name could be "
+                f"reached or found ({_first_line(e)}); --data takes stdlib, a "
+                f"{'/'.join(BUILDERS)} file, glob or directory, or a hub dataset name"
+            ) from e
         ds = _select_text_column(ds, text_column, spec)
 
     ds = ds.filter(_is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
@@ -138,19 +147,93 @@ def _find_files(spec: str) -> tuple[list[str], str]:
             f"--data {spec!r} mixes file types {suffixes}; use a glob that matches one type, "
             f"e.g. '{spec.rstrip('/')}/**/*{suffixes[0]}'"
         )
-    return files, builders.pop()
+    # An empty file holds no document (and datasets' json reader cannot even start on one).
+    nonempty = [f for f in files if os.path.getsize(f) > 0]
+    if not nonempty:
+        what = "the file is" if len(files) == 1 else f"all {len(files)} files are"
+        raise ValueError(f"--data {spec!r}: {what} empty")
+    return nonempty, builders.pop()
 
 
-def _load_files(files: list[str], builder: str, cache_dir: str) -> datasets.Dataset:
-    if builder == "text":
-        # One row per file. A few stdlib files are deliberately not UTF-8 (encoding tests), so
-        # undecodable bytes become U+FFFD instead of aborting the whole corpus.
-        options = {"sample_by": "document", "encoding_errors": "replace"}
-    else:
-        options = {}
-    return datasets.load_dataset(
-        builder, data_files=files, split="train", cache_dir=cache_dir, **options
-    )
+def _load_files(files: list[str], builder: str, cache_dir: str, spec: str) -> datasets.Dataset:
+    # One row per .txt file. A few stdlib files are deliberately not UTF-8 (encoding tests), so
+    # there undecodable bytes become U+FFFD; a user's file that is not UTF-8 (a binary file, or
+    # another encoding) is refused below, naming it, rather than trained on as garbage.
+    options = {"sample_by": "document"} if builder == "text" else {}
+    if spec == "stdlib":
+        options["encoding_errors"] = "replace"
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
+    try:
+        return datasets.load_dataset(
+            builder, data_files=files, split="train", cache_dir=cache_dir, **options
+        )
+    except Exception as e:  # datasets wraps a bad file in many exception types
+        # datasets says what failed deep inside pyarrow or json, but rarely in which file: find
+        # the file and line ourselves (this reads the files again, but only after a failure).
+        where = _find_unreadable(files, builder)
+        raise ValueError(f"--data {spec!r}: {where or 'cannot be read: ' + _first_line(e)}") from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def _find_unreadable(files: list[str], builder: str) -> str | None:
+    """Where the first unreadable file goes wrong ("FILE line 3: why"), or None if none does."""
+    any_document = False
+    for path in files:
+        if builder == "parquet":
+            try:
+                pyarrow.parquet.read_schema(path)
+            except Exception as e:  # ArrowInvalid, OSError, ...
+                return f"{path} is not a Parquet file ({_first_line(e)})"
+            continue
+        if path.endswith(".json") and _is_one_json_document(path):
+            any_document = True  # a .json file may also be one document, e.g. a list of objects
+            continue
+        with open(path, "rb") as f:
+            offset = 0
+            for number, line in enumerate(f, start=1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return (
+                        f"{path} line {number} (byte {offset + e.start}) is not UTF-8 text: a "
+                        f"binary file, or another encoding (convert it to UTF-8, e.g. with iconv)"
+                    )
+                offset += len(line)
+                if builder == "json" and text.strip():
+                    any_document = True
+                    if error := _json_line_error(text):
+                        return f"{path} line {number}: {error}"
+    if builder == "json" and not any_document:
+        return "its files hold no JSON documents, only blank lines"
+    return None
+
+
+def _is_one_json_document(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            json.load(f)
+        return True
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError: the line by line check says where
+        return False
+
+
+def _json_line_error(text: str) -> str | None:
+    """Why one line of a JSON-lines file is not a document (None: it is one)."""
+    try:
+        row = json.loads(text.strip())
+    except json.JSONDecodeError as e:
+        return f"invalid JSON at column {e.colno} ({e.msg})"
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object (one document per line: {{...}})"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type if it has none."""
+    message = str(error).strip()
+    return message.splitlines()[0] if message else type(error).__name__
 
 
 def _select_text_column(ds: datasets.Dataset, text_column: str, spec: str) -> datasets.Dataset:
@@ -422,7 +505,8 @@ class PretrainingDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"the tokenized dataset has {n_tokens} tokens, too few for one window: "
                 f"pack mode needs at least {window} (seq_length + 1) tokens within one batch of "
-                f"{PACK_BATCH_DOCS} documents; use more data, a smaller --seq-length or --mode pad"
+                f"{PACK_BATCH_DOCS} documents; use more data, a smaller --seq-length or "
+                f"--data-mode pad"
             )
         self.rows = windows.with_format("numpy")
 
@@ -480,7 +564,7 @@ def benchmark_loader(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--bench", action="store_true", help="measure DataLoader tokens/s")
     parser.add_argument(
         "--data", default="stdlib", help="corpus: stdlib, file, glob, dir, hub name"
@@ -491,7 +575,9 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=256, help="tokens per example")
     parser.add_argument("--batch-size", type=int, default=32, help="examples per batch")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    parser.add_argument("--mode", choices=["pack", "pad"], default="pack", help="example layout")
+    parser.add_argument(
+        "--data-mode", choices=["pack", "pad"], default="pack", help="example layout"
+    )
     parser.add_argument("--cache-dir", default=".cache", help="where datasets and tokenizers cache")
     parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     args = parser.parse_args()
@@ -509,8 +595,8 @@ def main() -> None:
     tokens = tokenize(train, tokenizer)
     print(f"tokenize: {len(tokens)} docs in {time.perf_counter() - start:.1f}s")
     start = time.perf_counter()
-    dataset = PretrainingDataset(tokens, args.seq_length, args.mode)
-    print(f"{args.mode}: {len(dataset)} examples in {time.perf_counter() - start:.1f}s")
+    dataset = PretrainingDataset(tokens, args.seq_length, args.data_mode)
+    print(f"{args.data_mode}: {len(dataset)} examples in {time.perf_counter() - start:.1f}s")
     speed = benchmark_loader(dataset, args.batch_size, args.num_workers)
     print(f"DataLoader: {speed:,.0f} tokens/s")
 

@@ -279,6 +279,7 @@ def import_hf(hf_dir: str, out_dir: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(
         description="Export a run's --out-dir to the Hugging Face Llama format, or back.",
+        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("src", help="a training run's --out-dir (or, with --from-hf, a HF directory)")
     p.add_argument("dst", help="the HF directory to write (or, with --from-hf, an out-dir)")

@@ -133,6 +133,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description="Continue a prompt with a trained model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--out-dir", default="out", help="a training run's --out-dir (model.pt, ...)")
     p.add_argument("--prompt", default="def ", help="text to continue")

@@ -445,6 +445,7 @@ def main() -> None:
         "states, activations), and which strategies fit. The formulas and their assumptions "
         "are in this file's docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default: 7b)")
     p.add_argument(

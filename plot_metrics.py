@@ -106,7 +106,9 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Plot loss, lr, tokens/s and MFU of training runs.")
+    p = argparse.ArgumentParser(
+        description="Plot loss, lr, tokens/s and MFU of training runs.", allow_abbrev=False
+    )
     p.add_argument("out_dirs", nargs="+", help="one or more runs' --out-dir (with metrics.jsonl)")
     p.add_argument(
         "--output",

@@ -212,6 +212,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description="Profile train_dp.py's training step and time it against a lean reference.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--model", default="tiny", help="preset, as in train_dp.py")
     p.add_argument("--vocab-size", type=int, default=default("vocab_size"), help="vocabulary")

@@ -11,7 +11,8 @@
 #
 # Environment (defaults in brackets): NPROC_PER_NODE [GPUs on this node, or 2 without GPUs],
 # NNODES [1], NODE_RANK [0], MASTER_ADDR [127.0.0.1], MASTER_PORT [29500], MAX_RESTARTS [3],
-# RDZV_ID [llama] (the same on every node of one job), SCRIPT [train_ddp.py].
+# RDZV_ID [llama] (the same on every node of one job), SCRIPT [train_ddp.py], SHUTDOWN_TIMEOUT
+# [120] (seconds torchrun gives its workers to stop on a signal, see below).
 #
 # After a failure torchrun restarts every worker (up to MAX_RESTARTS times); the script then
 # resumes from the latest checkpoint in --out-dir by itself (--resume auto is the default).
@@ -40,6 +41,16 @@ if [[ "$NNODES" == 1 ]]; then
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$loopback}
 fi
 
+# Check the flags once, first: torchrun restarts the workers whatever made them fail, so a typo
+# would fail MAX_RESTARTS + 1 times over. One process (no RANK), told the job's world size as
+# torchrun will tell the workers; a mistake ends here with its one-line message and exit code 2.
+env -u RANK -u LOCAL_RANK WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \
+  LOCAL_WORLD_SIZE="$NPROC_PER_NODE" python "${SCRIPT:-train_ddp.py}" "$@" --check >/dev/null
+
+# On SIGTERM, SIGINT or SIGUSR1 (slurm_ddp.sbatch's early warning; without this flag it would
+# kill torchrun) torchrun passes the signal to its workers, which finish their step, save a
+# checkpoint and exit; it SIGKILLs them after --shutdown-timeout, so that must cover a step and a
+# save. (It also gives the survivors of a failed worker that long to stop before a restart.)
 set -x
 exec torchrun \
   --nnodes="$NNODES" \
@@ -49,4 +60,6 @@ exec torchrun \
   --rdzv-id="${RDZV_ID:-llama}" \
   --rdzv-conf="is_host=$is_host" \
   --max-restarts="${MAX_RESTARTS:-3}" \
+  --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  --shutdown-timeout="${SHUTDOWN_TIMEOUT:-120}" \
   "${SCRIPT:-train_ddp.py}" "$@"

@@ -40,6 +40,7 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
     """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
@@ -73,22 +74,24 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
     return rank, local_rank, world_size, device
 
 
-def from_rank0(fn, is_main: bool):
-    """Run fn() on global rank 0 alone; every rank gets its result, or raises its ValueError.
+def from_rank0(fn, is_main: bool, *args):
+    """Run fn(*args) on global rank 0 alone; every rank gets its result, or raises its error
+    (a ValueError or common.TrainingError).
 
     For the work only the writing rank may do (creating --out-dir, choosing the checkpoint to
-    resume from): without this broadcast, the other ranks would learn of a failure on rank 0
-    only by waiting forever in the next collective, and each might choose a different checkpoint.
+    resume from, saving one): without this broadcast, the other ranks would learn of a failure
+    on rank 0 only by waiting forever in the next collective (or failing in it), and each might
+    choose a different checkpoint.
     """
-    box = [None, None]  # [result, error message]
+    box = [None, None]  # [result, error]
     if is_main:
         try:
-            box[0] = fn()
-        except ValueError as e:
-            box[1] = str(e)
+            box[0] = fn(*args)
+        except (ValueError, common.TrainingError) as e:
+            box[1] = e
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise ValueError(box[1])
+        raise box[1]
     return box[0]
 
 
@@ -112,6 +115,9 @@ def main():
     accumulation = common.check_args(parser, args, devices=world_size)
     precision = common.resolve_precision(args.precision, device)
     args.attention = common.resolve_attention(args, device)
+    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+        return
     resume_path = from_rank0(lambda: common.prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -193,6 +199,7 @@ def main():
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
+    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(
         range(start_step, args.max_steps),
         initial=start_step,
@@ -243,10 +250,13 @@ def main():
         throughput.step()
         done = step + 1
         last = done == args.max_steps
+        # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
+        stop = stop_request.agreed() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
         )
+        do_save = do_save or stop  # saved once, if this step saves anyway
         if do_log or do_eval or do_save:
             guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
@@ -274,12 +284,19 @@ def main():
                 # it is called here by all ranks, never inside the rank-0-only branch below.
                 # The checkpoint then holds the full, unsharded state: any world size loads it.
                 optimizer.consolidate_state_dict(to=0)
+            state = None
             if is_main:  # no collective in here: the other ranks are not in this branch
                 state = common.checkpoint_state(
                     model, optimizer, scheduler, scaler, done, config, args, tokenizer
                 )
-                common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
+            # Rank 0 writes it, and every rank learns whether it could: if not (a full disk),
+            # all stop with its message, instead of the others failing in the next collective.
+            from_rank0(
+                common.save_checkpoint, is_main, args.out_dir, done, state, args.keep_checkpoints
+            )
             throughput.restart()
+        if stop:
+            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     if is_main:

@@ -51,6 +51,9 @@ def main():
     accumulation = common.check_args(parser, args, devices=devices)
     precision = common.resolve_precision(args.precision, device)
     args.attention = common.resolve_attention(args, device, replicas=devices)
+    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+        return
     resume_path = common.prepare_out_dir(args)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -109,6 +112,7 @@ def main():
     metrics = common.Metrics(args.out_dir, True, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput(config, args, device, devices)  # tokens/s, MFU, ...
+    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(
         range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="train"
     )
@@ -146,10 +150,13 @@ def main():
         throughput.step()
         done = step + 1
         last = done == args.max_steps
+        # After Ctrl-C or SIGTERM, the run stops after this step, with a checkpoint there.
+        stop = stop_request.agreed() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
         )
+        do_save = do_save or stop  # saved once, if this step saves anyway
         if do_log or do_eval or do_save:
             guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
@@ -173,6 +180,8 @@ def main():
             )
             common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
             throughput.restart()
+        if stop:
+            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # model, not dp_model: the plain weights, with no `module.model.` prefix on every name.

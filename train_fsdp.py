@@ -30,7 +30,6 @@ What this changes in train_ddp.py (`diff train_ddp.py train_fsdp.py` shows exact
 
 import math
 import os
-import re
 import shutil
 
 import torch
@@ -48,6 +47,7 @@ from tqdm import tqdm
 
 import common
 import memory_plan
+import safe_dcp
 from model import IGNORE_INDEX, LlamaForPretraining
 from train_ddp import from_rank0, setup_distributed  # the same setup: nothing changes there
 
@@ -55,7 +55,7 @@ from train_ddp import from_rank0, setup_distributed  # the same setup: nothing c
 # Sharded checkpoints: checkpoints/step_NNNNNNN/ holds DCP's files (one per rank, plus the
 # .metadata that maps every tensor's pieces) and train_state.pt (schedule, RNG, step, config).
 
-CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
+CHECKPOINT_DIR_RE = common.CHECKPOINT_DIR_RE  # step_0000100/
 TRAIN_STATE = "train_state.pt"
 # AdamW's state keyed per parameter ("state.layers.3.attention.wq.weight.exp_avg",
 # "param_groups.layers.3.attention.wq.weight.lr"), not as one list of param_groups: a checkpoint
@@ -78,40 +78,55 @@ def prepare_out_dir(args, script: str = "train_fsdp.py") -> str | None:
         for name in os.listdir(ckpt_dir):
             if name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(ckpt_dir, name))
-    others = common.list_checkpoints(args.out_dir)  # train_dp.py / train_ddp.py .pt files
     if args.resume == "never":
-        if common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE) or others:
+        if common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE):
             raise common.resume_never_error(args.out_dir)
-        return None
-    if args.resume != "auto":
+        resume = None
+    elif args.resume != "auto":
         if not os.path.isfile(os.path.join(args.resume, TRAIN_STATE)):
             raise ValueError(
                 f"--resume: {args.resume} is not a {script} checkpoint directory (the .pt "
                 f"checkpoints of train_dp.py/train_ddp.py do not resume here; see the README)"
             )
-        return args.resume
-    found = common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
-    if not found and others:
-        raise ValueError(
-            f"{args.out_dir} holds checkpoints of train_dp.py/train_ddp.py, which do not resume "
-            f"in {script}; choose another --out-dir (model.pt loads everywhere)"
-        )
-    # A directory is checked through its train state, the file this script loads first.
-    return common.newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
+        resume = args.resume
+    else:
+        found = common.list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
+        # A directory is checked through its train state, the file this script loads first.
+        resume = common.newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
+    common.refuse_other_checkpoints(args.out_dir, sharded=True)  # .pt files: train_dp/ddp's
+    if resume is None:
+        common.start_fresh(args.out_dir)
+    return resume
 
 
 def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tokenizer, is_main):
     """A collective: every rank calls it and writes only its own shards (no gather)."""
     path = os.path.join(args.out_dir, "checkpoints", f"step_{step:07d}")
     tmp = f"{path}.tmp"
-    if is_main:
+
+    def start() -> None:  # rank 0's part
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed mid-save
-        os.makedirs(tmp)
-    dist.barrier()  # the directory exists before anyone writes into it
+        try:
+            os.makedirs(tmp)
+        except OSError as e:  # a full disk
+            raise common.save_failed(path, e) from e
+
+    # from_rank0's broadcast: the directory exists before anyone writes into it (or all stop).
+    from_rank0(start, is_main)
     # get_state_dict: the model's and AdamW's state keyed by parameter name, as sharded DTensors.
     model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-    if is_main:
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    except dcp.api.CheckpointException as e:  # raised on every rank if any rank's write failed
+        # (a full disk): the partial directory goes, the previous checkpoints stay as they were.
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # failures: {rank: (error, traceback)}. Sent between ranks without its context, a full
+        # disk shows as torch.save's RuntimeError ("unexpected pos"), not as the OSError.
+        cause = next(iter(e.failures.values()))[0]
+        raise common.save_failed(path, cause) from e
+
+    def finish() -> None:  # rank 0's part: the train state, then the rename that completes it
         train_state = {
             "scheduler": scheduler.state_dict(),
             "rng": common.rng_state(),
@@ -120,7 +135,11 @@ def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tok
             "tokenizer_sha256": common.tokenizer_digest(tokenizer),
             "args": vars(args),
         }
-        common.atomic_save(train_state, os.path.join(tmp, TRAIN_STATE))
+        try:
+            common.atomic_save(train_state, os.path.join(tmp, TRAIN_STATE))
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise common.save_failed(path, e) from e
         # Atomic as common.save_checkpoint's files: a directory is complete once renamed.
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
@@ -128,7 +147,10 @@ def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tok
             : -args.keep_checkpoints
         ]:
             shutil.rmtree(old)
-    dist.barrier()  # on return, the checkpoint is complete for every rank
+
+    # On return, the checkpoint is complete for every rank; if rank 0's part failed, every rank
+    # raises its error (from_rank0's broadcast), instead of the others waiting for rank 0.
+    from_rank0(finish, is_main)
 
 
 def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tokenizer) -> int:
@@ -142,17 +164,19 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tok
     model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state}
     try:
-        dcp.load(state, checkpoint_id=path)  # in place, into the tensors of `state`
+        # dcp.load, minus the pickles that could run code (a crafted checkpoint): see safe_dcp.py.
+        safe_dcp.load(state, path)  # in place, into the tensors of `state`
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - every rank fails alike
         # CheckpointException derives from BaseException, so it is named. The train state was
-        # fine, so the shards are damaged (a disk error), or of a train_fsdp.py from before
-        # optimizer state was keyed per parameter: say which directory, and what to do.
+        # fine, so the shards are damaged (a disk error), hold what safe_dcp refuses to unpickle,
+        # or are of a train_fsdp.py from before optimizer state was keyed per parameter: say
+        # which directory, and what to do (rather than resume silently from an older one).
         failures = getattr(e, "failures", None)  # CheckpointException: {rank: (error, trace)}
         cause = next(iter(failures.values()))[0] if failures else e
         reason = (str(cause).strip() or type(cause).__name__).splitlines()[0].split(". ")[0]
         raise ValueError(
             f"could not load the sharded checkpoint {path}: {reason}; it "
-            f"is damaged or from an older version of this script. Resume from another one "
+            f"is damaged, unsafe or from an older version of this script. Resume from another one "
             f"(--resume {os.path.dirname(path)}/step_...), or start fresh in another --out-dir"
         ) from e
     set_state_dict(
@@ -199,6 +223,9 @@ def main():
             "train_fsdp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
         )
+    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+        return
     resume_path = from_rank0(lambda: prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
@@ -287,6 +314,7 @@ def main():
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
+    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(
         range(start_step, args.max_steps),
         initial=start_step,
@@ -337,10 +365,13 @@ def main():
         throughput.step()
         done = step + 1
         last = done == args.max_steps
+        # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
+        stop = stop_request.agreed() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
         )
+        do_save = do_save or stop  # saved once, if this step saves anyway
         if do_log or do_eval or do_save:
             guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
@@ -368,6 +399,8 @@ def main():
                 args, done, model, optimizer, scheduler, config, tokenizer, is_main
             )
             throughput.restart()
+        if stop:
+            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # Gather the full weights: a collective, so every rank calls it; with cpu_offload=True only

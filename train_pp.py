@@ -62,7 +62,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -80,6 +79,7 @@ from tqdm import tqdm
 import common
 import data
 import memory_plan
+import safe_dcp
 from model import IGNORE_INDEX, LlamaForPretraining
 from train_ddp import from_rank0, setup_distributed
 from train_fsdp import (  # the same checkpoint directories as train_fsdp.py
@@ -402,6 +402,9 @@ def main():
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     dp, microbatches = check_pipeline_args(parser, args, world_size)
     precision = common.resolve_precision(args.precision, device)
+    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+        return
     pp, v = args.pp, args.stages_per_rank
     num_stages = pp * v
     # The 3D mesh: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The last dimension varies
@@ -515,6 +518,7 @@ def main():
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
+    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     final_checkpoint = resume_path  # model.pt is read back from the last checkpoint
     bar = tqdm(
         range(start_step, args.max_steps),
@@ -573,10 +577,13 @@ def main():
         throughput.step()
         done = step + 1
         last = done == args.max_steps
+        # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
+        stop = stop_request.agreed() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
         )
+        do_save = do_save or stop  # saved once, if this step saves anyway
         if do_log or do_eval or do_save:
             guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
@@ -611,6 +618,8 @@ def main():
             )
             final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
             throughput.restart()
+        if stop:
+            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # The last checkpoint already holds every tensor of the model, under its full name, whatever
@@ -622,7 +631,7 @@ def main():
         state = {"model": plain.state_dict()}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=final_checkpoint, no_dist=True)
+            safe_dcp.load(state, final_checkpoint, no_dist=True)
         plain.load_state_dict(state["model"])
         common.finish_run(args, plain, config, tokenizer, device)
     dist.barrier()  # the run is over when rank 0's files are written, for every rank

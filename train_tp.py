@@ -247,6 +247,9 @@ def main():
             "train_tp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
         )
+    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+        return
     # The grid of ranks: rank = dp_rank * tp + tp_rank. mesh["tp"] is this rank's TP group (tp
     # consecutive ranks), mesh["dp"] the ranks that hold the same shard in the other groups.
     mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -337,6 +340,7 @@ def main():
     metrics = common.Metrics(args.out_dir, is_main, start_step)
     guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
+    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     # The cross-entropy of vocab-sharded logits, forward and backward, runs under loss_parallel.
     vocab_parallel = loss_parallel if args.tp > 1 else contextlib.nullcontext
     bar = tqdm(
@@ -392,10 +396,13 @@ def main():
         throughput.step()
         done = step + 1
         last = done == args.max_steps
+        # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
+        stop = stop_request.agreed() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
         )
+        do_save = do_save or stop  # saved once, if this step saves anyway
         if do_log or do_eval or do_save:
             guard.check(args.out_dir)  # never log, evaluate or save a NaN state
 
@@ -425,6 +432,8 @@ def main():
                 args, done, model, optimizer, scheduler, config, tokenizer, is_main
             )
             throughput.restart()
+        if stop:
+            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # Gather the full weights from their TP (and FSDP) shards: a collective, so every rank calls

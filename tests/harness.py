@@ -5,10 +5,13 @@ test_training.py's docstring."""
 import json
 import os
 import random
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,11 +127,13 @@ def run_script(
     world: int = 1,
     expect_rc: int | None = 0,
     torchrun: bool | None = None,
+    preexec_fn=None,
 ) -> subprocess.CompletedProcess:
     """Run `script` as a user would: `python script` for world 1, torchrun for more ranks (or
     for one, with torchrun=True).
 
     Asserts the exit code (unless expect_rc is None) and shows the run's output if it differs.
+    preexec_fn: run in the child before the script starts (subprocess.run's), e.g. to set limits.
     """
     if not (world > 1 if torchrun is None else torchrun):
         cmd = [sys.executable, str(REPO / script), *argv]
@@ -136,11 +141,27 @@ def run_script(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
     proc = subprocess.run(
-        cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
+        cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+        preexec_fn=preexec_fn,
+    )  # fmt: skip
     if expect_rc is not None:
         assert proc.returncode == expect_rc, describe(proc, f"expected exit code {expect_rc}")
     return proc
+
+
+def file_size_limit(max_bytes: int):
+    """A preexec_fn for run_script: no file the run writes may grow past max_bytes.
+
+    A write beyond it fails with EFBIG ("File too large"), as one on a full disk fails with
+    ENOSPC: the same OSError, without root or a real full disk. (Python ignores SIGXFSZ, so the
+    write returns the error instead of the signal killing the process.)
+    """
+
+    def limit() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, hard))
+
+    return limit
 
 
 def describe(proc: subprocess.CompletedProcess, what: str) -> str:
@@ -245,3 +266,44 @@ def assert_train_dp_starts_from(source: Path, data_dir: Path, cache_dir: Path, o
     assert_state_dicts_close(load_weights(out), load_weights(source), atol=1e-7, rtol=0)
     for name in ("config.json", "tokenizer.json"):
         assert (out / name).read_text() == (source / name).read_text(), name
+
+
+def start(script: str, argv: list[str], world: int = 1) -> subprocess.Popen:
+    """Start `script` as run_script runs it, without waiting: in a session (and process group)
+    of its own, so that a test can signal the group as a terminal or Slurm would, and clean up."""
+    if world == 1:
+        cmd = [sys.executable, str(REPO / script), *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen) -> None:
+    """Wait until the run has logged `step` in metrics.jsonl; fail (killing it) if it never does."""
+    metrics, deadline = out_dir / "metrics.jsonl", time.monotonic() + LAUNCH_TIMEOUT
+    while True:
+        steps = []
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                try:
+                    steps.append(json.loads(line)["step"])
+                except ValueError:
+                    pass  # a line being written
+        if steps and max(steps) >= step:
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_group(proc)
+            raise AssertionError(f"step {step} was never logged:\n{proc.communicate()[0][-6000:]}")
+        time.sleep(0.02)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of a start()ed run's process group (its workers included)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # every process of it has exited

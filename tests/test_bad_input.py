@@ -6,14 +6,19 @@ Each test points a script at a copy of a finished run's out-dir (`existing_run`)
 cache, makes one mistake, and checks all of that.
 """
 
+import argparse
+import importlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
-from harness import DDP, DP, cli, run_script, snapshot
+from harness import DDP, DP, build_args, cli, run_script, snapshot
 
+import data
 import train_ddp
 
 
@@ -57,6 +62,55 @@ def test_empty_data_is_refused(existing_run, corpus, cache_dir, tmp_path):
     (empty / "blank.txt").write_text("   \n\n")
     argv = cli(empty, cache_dir, existing_run)
     assert_refused(DP, argv, "has no non-empty documents", existing_run, cache_dir)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_empty_data_file_is_refused(existing_run, cache_dir, tmp_path, world):
+    # datasets' json reader cannot even start on an empty file (a StopIteration traceback).
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    argv = cli(empty, cache_dir, existing_run)
+    assert_refused(DP if world == 1 else DDP, argv, "the file is empty", existing_run, cache_dir,
+                   world)  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_malformed_json_line_is_refused_naming_the_file_and_line(
+    existing_run, cache_dir, tmp_path, world
+):
+    jsonl = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(8)]
+    lines[5] = lines[5][:-2]  # cut off its closing quote and brace
+    jsonl.write_text("\n".join(lines) + "\n")
+    argv = cli(jsonl, cache_dir, existing_run)
+    assert_refused(DP if world == 1 else DDP, argv, f"{jsonl} line 6: invalid JSON", existing_run,
+                   cache_dir, world)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "binary.jsonl"])
+def test_a_file_that_is_not_utf8_is_refused_naming_the_file_line_and_byte(
+    existing_run, cache_dir, tmp_path, name
+):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / f"a{Path(name).suffix}").write_text('{"text": "fine"}\n' * 4)  # read first, fine
+    bad = corpus / name
+    if name.endswith(".txt"):
+        bad.write_bytes("line one\ncaf\u00e9 in Latin-1\n".encode("latin-1"))
+        expect = f"{bad} line 2 (byte 12) is not UTF-8 text"
+    else:
+        bad.write_bytes(b'{"text": "ok"}\n\x89PNG\r\n\x1a\n' + bytes(range(256)))  # an image
+        expect = f"{bad} line 2 (byte 15) is not UTF-8 text"
+    argv = cli(corpus, cache_dir, existing_run)
+    assert_refused(DP, argv, expect, existing_run, cache_dir)
+
+
+def test_an_unreachable_hub_dataset_is_refused_saying_what_data_takes(existing_run, cache_dir):
+    # The tests run offline (HF_HUB_OFFLINE=1): a name that is no local path goes to the hub.
+    argv = cli("someone/no-such-dataset", cache_dir, existing_run)
+    proc = assert_refused(DP, argv, "no hub dataset of that name could be reached or found",
+                          existing_run, cache_dir)  # fmt: skip
+    assert "--data takes stdlib, a .txt/.jsonl/.json/.parquet file" in proc.stderr
 
 
 def test_missing_text_column_is_refused_naming_the_columns(existing_run, cache_dir, tmp_path):
@@ -113,6 +167,46 @@ def test_non_positive_sizes_steps_and_rates_are_refused(
 ):
     argv = cli(corpus, cache_dir, existing_run, **{flag: value})
     assert_refused(DP, argv, f"--{flag.replace('_', '-')}", existing_run, cache_dir)
+
+
+def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, corpus, cache_dir):
+    # argparse's prefix matching would read --mode (no such flag) as --model.
+    argv = cli(corpus, cache_dir, existing_run) + ["--mode", "pad"]
+    assert_refused(DP, argv, "unrecognized arguments: --mode pad", existing_run, cache_dir)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["train_dp", "train_ddp", "train_fsdp", "train_tp", "train_pp", "bench", "data", "generate",
+     "export_hf", "memory_plan", "plot_metrics", "profile_step", "gpu_proof"],
+)  # fmt: skip
+def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, module):
+    class Parsed(Exception):
+        pass
+
+    def parse_args(parser, *args, **kwargs):  # stop main() at its parser, before any work
+        raise Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(sys, "argv", [f"{module}.py"])
+    with pytest.raises(Parsed) as parsed:
+        importlib.import_module(module).main()
+    assert parsed.value.args[0].allow_abbrev is False
+
+
+def test_too_little_data_for_pack_mode_names_the_flag_that_exists():
+    tokens = datasets.Dataset.from_dict({"input_ids": [[1, 5, 2]]})
+    with pytest.raises(ValueError, match="too few for one window") as error:
+        data.PretrainingDataset(tokens, seq_length=32, mode="pack")
+    assert "--data-mode pad" in str(error.value)
+
+
+def test_warmup_beyond_max_steps_is_warned_about(corpus, cache_dir, capsys):
+    # Warned, not refused: a quick `--max-steps 10` with the default warmup (20) is fine.
+    build_args(corpus, cache_dir, max_steps=4, warmup_steps=10)
+    assert "warning: --warmup-steps 10 is more than --max-steps 4" in capsys.readouterr().err
+    build_args(corpus, cache_dir, max_steps=4, warmup_steps=4)
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_unknown_choice_is_one_message_not_a_usage_dump(existing_run, corpus, cache_dir):

@@ -25,6 +25,8 @@ from harness import (
     assert_state_dicts_close,
     cli,
     copy_checkpoint,
+    describe,
+    file_size_limit,
     free_port,
     load_weights,
     read_metrics,
@@ -32,6 +34,8 @@ from harness import (
     run_script,
     snapshot,
 )
+
+import common
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
@@ -185,6 +189,19 @@ def test_a_torn_last_line_in_metrics_jsonl_does_not_stop_the_resume(
     assert_weights_equal(load_weights(out), load_weights(reference))
 
 
+def test_a_usage_error_under_run_ddp_sh_ends_the_job_at_once_without_restarts(
+    corpus, cache_dir, tmp_path
+):
+    # torchrun restarts failed workers whatever their exit code (and then exits 1 itself):
+    # run_ddp.sh checks the flags first, for the job's 2 processes (8 does not divide by 3).
+    out = tmp_path / "out"
+    rc, output = finish(launch(cli(corpus, cache_dir, out, micro_batch_size=3)))
+    expect = "--batch-size 8 must be a multiple of --micro-batch-size (3) x devices (2)"
+    assert rc == 2 and output.count("error: ") == 1 and expect in output, output[-6000:]
+    assert "--max-restarts" not in output, "torchrun was started"
+    assert not out.exists()
+
+
 def test_resume_path_to_a_corrupt_file_is_refused_and_nothing_changes(
     trained, corpus, cache_dir, tmp_path
 ):
@@ -230,6 +247,54 @@ def test_skip_nonfinite_skips_bad_updates_and_finishes_with_finite_weights(
     assert "step 2 has a non-finite loss or gradient; its update is skipped" in proc.stderr
     weights = load_weights(out)
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_skip_nonfinite_stops_after_too_many_skipped_steps_in_a_row(corpus, cache_dir, tmp_path):
+    # Every step after the first is non-finite here: skipping cannot save this run.
+    out, limit = tmp_path / "out", common.NonFiniteGuard.MAX_SKIPPED_IN_A_ROW
+    run = {**NAN_RUN, "max_steps": limit + 4, "save_interval": 4}
+    proc = run_script(DP, cli(corpus, cache_dir, out, **run) + ["--skip-nonfinite"], expect_rc=1)
+    assert (
+        f"error: the loss or the gradient was NaN/infinite at {limit} steps in a row "
+        f"(2 to {limit + 1}): the run is not recovering" in proc.stderr
+    )
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr
+    assert not (out / "model.pt").exists()
+    checkpoints = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in checkpoints] == ["step_0000004.pt", "step_0000008.pt"]
+    for path in checkpoints:  # skipped updates: nothing saved holds NaN/inf
+        ckpt = torch.load(path, weights_only=True)
+        assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+# -------------------------------------------------------------------------------------------------
+# A full disk
+
+# Past this size a write fails (see harness.file_size_limit): metrics.jsonl stays far below, a
+# checkpoint (~20 MB for these runs) far above.
+FILE_SIZE_LIMIT = 2**20
+
+
+@pytest.mark.parametrize("script, world", [(DP, 1), (DDP, 2)])
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_keeping_the_last(
+    trained, corpus, cache_dir, tmp_path, script, world
+):
+    out = tmp_path / "out"
+    copy_checkpoint(trained(script, world=world), 4, out)  # resumes there, saves step 8
+    before = snapshot(out)
+    proc = run_script(script, cli(corpus, cache_dir, out), world, expect_rc=None,
+                      preexec_fn=file_size_limit(FILE_SIZE_LIMIT))  # fmt: skip
+    assert proc.returncode == 1 if world == 1 else proc.returncode != 0, describe(proc, "failure")
+    path = out / "checkpoints" / "step_0000008.pt"
+    assert f"error: could not save the checkpoint {path}: File too large (" in proc.stderr
+    assert proc.stderr.count("error: ") == 1, proc.stderr[-4000:]
+    # No traceback from any rank (torchrun's own report of the failed worker comes after).
+    assert "Traceback" not in proc.stderr.split("error: ")[0], proc.stderr[-4000:]
+    assert f'{script}", line' not in proc.stderr, proc.stderr[-4000:]
+    # The previous checkpoint intact, no partial file left behind, no model.pt.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004.pt"]
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == before
+    assert not (out / "model.pt").exists()
 
 
 # -------------------------------------------------------------------------------------------------

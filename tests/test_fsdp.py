@@ -11,7 +11,9 @@ FSDP differs by at most ~1e-7 (its reduce-scatter adds the two ranks' gradients 
 order), far inside ATOL.
 """
 
+import dataclasses
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -25,14 +27,17 @@ from harness import (
     assert_state_dicts_equal,
     cli,
     copy_checkpoint,
+    file_size_limit,
     flatten,
     load_checkpoint,
     load_weights,
     read_metrics,
     run_script,
+    snapshot,
 )
 from test_bad_input import assert_refused
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from model import LlamaConfig, LlamaForPretraining
 
@@ -174,6 +179,27 @@ def test_fsdp_checkpoint_resumes_on_a_different_number_of_ranks(
     assert_same_losses(out, fsdp_run)
 
 
+def test_a_sharded_checkpoint_that_cannot_be_written_stops_the_run_keeping_the_last(
+    fsdp_run, corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    copy_sharded_checkpoint(fsdp_run, 4, out)  # resumes there, saves step 8
+    before = snapshot(out)
+    # No file may grow past 1 MB (a full disk, as test_faults.py's .pt checkpoints meet it): the
+    # ~10 MB shards of step 8 cannot be written.
+    proc = run_script(FSDP, cli(corpus, cache_dir, out), world=2, expect_rc=None,
+                      preexec_fn=file_size_limit(2**20))  # fmt: skip
+    assert proc.returncode != 0
+    path = out / "checkpoints" / "step_0000008"
+    assert f"error: could not save the checkpoint {path}: " in proc.stderr  # DCP's own words
+    assert proc.stderr.count("error: ") == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr.split("error: ")[0], proc.stderr[-4000:]
+    assert f'{FSDP}", line' not in proc.stderr, "a worker's traceback"
+    # The previous checkpoint intact, the partial directory (step_0000008.tmp) removed.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004"]
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == before
+
+
 # -------------------------------------------------------------------------------------------------
 # Outputs
 
@@ -212,6 +238,74 @@ def test_fsdp_refuses_a_damaged_shard_clearly(launched, corpus, cache_dir, tmp_p
     proc = run_script(FSDP, cli(corpus, cache_dir, out, resume=str(checkpoint)), expect_rc=2)
     assert f"could not load the sharded checkpoint {checkpoint}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+class Touch:
+    """Unpickled, it creates `marker`: what a crafted checkpoint could do (or anything worse)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def code_running_pickle(marker: Path) -> bytes:
+    """A pickle of Touch(marker), proven live: unpickling it creates the marker. DCP's plain
+    pickle.load and torch.load(weights_only=False) both run it."""
+    payload = pickle.dumps(Touch(marker))
+    pickle.loads(payload)
+    assert marker.exists(), "precondition: the payload runs code when unpickled"
+    marker.unlink()
+    return payload
+
+
+def assert_refused_without_running_code(proc, marker: Path, names: str) -> None:
+    assert not marker.exists(), "resuming ran code from the checkpoint"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and names in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_fsdp_resume_runs_no_code_from_a_crafted_metadata_file(
+    launched, corpus, cache_dir, tmp_path
+):
+    # DCP reads .metadata with plain pickle.load, which calls whatever the file names. The run
+    # resumes (--resume auto) into the checkpoint and must refuse it, not run it or skip it.
+    out = tmp_path / "out"
+    checkpoint = copy_sharded_checkpoint(launched(FSDP, 2, *ZERO3), 4, out)
+    marker = tmp_path / "code_ran"
+    (checkpoint / ".metadata").write_bytes(code_running_pickle(marker))
+    proc = run_script(FSDP, cli(corpus, cache_dir, out), expect_rc=2)
+    assert_refused_without_running_code(proc, marker, f"cannot read {checkpoint}/.metadata")
+
+
+def test_fsdp_resume_runs_no_code_from_a_crafted_optimizer_value(
+    launched, corpus, cache_dir, tmp_path
+):
+    # A .metadata of DCP's own types only, but one value that is not a tensor (AdamW's weight
+    # decay of one parameter) points at a pickle that runs code: DCP's default planner reads
+    # such values with torch.load(weights_only=False).
+    out = tmp_path / "out"
+    checkpoint = copy_sharded_checkpoint(launched(FSDP, 2, *ZERO3), 4, out)
+    marker = tmp_path / "code_ran"
+    payload = code_running_pickle(marker)
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # written by this suite
+    fqn = next(
+        name for name, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, BytesStorageMetadata)
+    )  # fmt: skip
+    where = metadata.storage_data[MetadataIndex(fqn)]
+    shard = checkpoint / where.relative_path
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(payload)
+    metadata.storage_data[MetadataIndex(fqn)] = dataclasses.replace(
+        where, offset=offset, length=len(payload)
+    )
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    proc = run_script(FSDP, cli(corpus, cache_dir, out), expect_rc=2)
+    assert_refused_without_running_code(proc, marker, f"the value of {fqn}")
 
 
 def test_plan_flag_prints_the_memory_plan(corpus, cache_dir, tmp_path):

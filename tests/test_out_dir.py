@@ -1,0 +1,105 @@
+"""Specification of --out-dir ownership: one run at a time, one kind of checkpoint, and nothing
+of an earlier run silently lost.
+
+A second run into the out-dir of a live one is refused at once, naming the live one; the lock of
+a killed run does not block the rerun. A script refuses an out-dir holding the other family's
+checkpoints (.pt files of train_dp.py/train_ddp.py, DCP directories of train_fsdp.py,
+train_tp.py and train_pp.py). A fresh start in an out-dir with outputs but no checkpoint says
+so, and keeps the old metrics.jsonl as metrics.jsonl.1.
+"""
+
+import os
+import shutil
+import signal
+import socket
+
+import pytest
+from harness import DDP, DP, cli, read_metrics, run_script, start, stop_group, wait_for_step
+from test_bad_input import assert_refused
+
+FSDP = "train_fsdp.py"
+
+
+def test_a_live_runs_out_dir_is_refused_naming_it_and_a_killed_runs_is_not(
+    corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    # A run that goes on until killed, with a DataLoader worker (a child process of its own).
+    forever = {"max_steps": 10**6, "save_interval": 10**6, "eval_interval": 10**6}
+    holder = start(DP, cli(corpus, cache_dir, out, **forever, num_workers=1))
+    try:
+        wait_for_step(out, 1, holder)
+        expect = f"is in use by another run (pid {holder.pid} on {socket.gethostname()}, started "
+        for script, world in [(DP, 1), (DDP, 2)]:  # under torchrun: every rank stops, one says so
+            proc = run_script(script, cli(corpus, cache_dir, out), world, expect_rc=None)
+            output = proc.stdout + proc.stderr
+            assert proc.returncode == 2 if world == 1 else proc.returncode != 0, output[-4000:]
+            assert expect in proc.stderr and "train_dp.py --data" in proc.stderr, output[-4000:]
+            assert proc.stderr.count("error: ") == 1, proc.stderr[-4000:]
+            assert "Traceback" not in proc.stderr.split("error: ")[0], output[-4000:]
+            assert "model:" not in proc.stdout, "it prepared the run before refusing"
+
+        # kill -9 of the training process alone: its DataLoader worker outlives it for a while
+        # (a lock that children share, like flock's, would still be held by it).
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        killed_metrics = (out / "metrics.jsonl").read_text()
+        proc = run_script(DP, cli(corpus, cache_dir, out))  # the default 8 steps
+    finally:
+        stop_group(holder)
+    assert "has metrics.jsonl but no checkpoint: starting at step 0" in proc.stdout, proc.stdout
+    assert (out / "metrics.jsonl.1").read_text() == killed_metrics
+    assert [r["step"] for r in read_metrics(out)[0]] == list(range(1, 9))
+
+
+def test_a_fresh_start_over_old_outputs_says_so_and_keeps_the_old_metrics(
+    trained, corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    shutil.copytree(trained(DP), out)
+    shutil.rmtree(out / "checkpoints")  # outputs, but nothing to resume from
+    old_metrics = (out / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl.1").write_text("an older run's\n")  # taken: the next number is used
+
+    proc = run_script(DP, cli(corpus, cache_dir, out, max_steps=2))
+    note = [line for line in proc.stdout.splitlines() if line.startswith("note: ")]
+    assert note == [
+        f"note: {out} has metrics.jsonl and model.pt but no checkpoint: starting at step 0; its "
+        f"metrics.jsonl is now metrics.jsonl.2; model.pt will be replaced when this run ends"
+    ], proc.stdout
+    assert (out / "metrics.jsonl.2").read_text() == old_metrics
+    assert (out / "metrics.jsonl.1").read_text() == "an older run's\n"
+    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
+
+
+@pytest.fixture
+def fsdp_out_dir(trained, tmp_path):
+    """What train_fsdp.py leaves in an out-dir: model.pt, metrics.jsonl, config.json,
+    tokenizer.json and checkpoints/step_NNNNNNN/ directories (whose content no refusal reads)."""
+    out = tmp_path / "fsdp_out"
+    shutil.copytree(trained(DP), out)
+    for checkpoint in (out / "checkpoints").glob("*.pt"):
+        checkpoint.unlink()
+        checkpoint.with_suffix("").mkdir()
+        (checkpoint.with_suffix("") / "train_state.pt").write_bytes(b"...")
+    return out
+
+
+@pytest.mark.parametrize("script, world, resume", [(DP, 1, "auto"), (DDP, 2, "never")])
+def test_train_dp_and_ddp_refuse_an_out_dir_of_sharded_checkpoints(
+    fsdp_out_dir, corpus, cache_dir, script, world, resume
+):
+    # Before: they started at step 0 beside those checkpoints and replaced that run's model.pt.
+    argv = cli(corpus, cache_dir, fsdp_out_dir, resume=resume)
+    expect = "holds checkpoints of train_fsdp.py/train_tp.py/train_pp.py (directories)"
+    assert_refused(script, argv, expect, fsdp_out_dir, cache_dir, world)
+
+
+def test_train_fsdp_refuses_an_out_dir_of_pt_checkpoints_even_with_resume_never(
+    trained, corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    shutil.copytree(trained(DP), out)
+    argv = cli(corpus, cache_dir, out, resume="never")
+    expect = f"holds checkpoints of train_dp.py/train_ddp.py (.pt files), which {FSDP} can"
+    assert_refused(FSDP, argv, expect, out, cache_dir)

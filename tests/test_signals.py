@@ -1,0 +1,118 @@
+"""Specification of interruptions: Ctrl-C (SIGINT) and SIGTERM stop a run cleanly.
+
+After the step in flight (the same step on every rank), the run saves a checkpoint there, prints
+one line saying so and exits with 128 + the signal's number, without a traceback; the same
+command then resumes, and ends with exactly the weights of a run never interrupted (on CPU, bit
+for bit). Each test signals a real run the way a terminal, `kill` or Slurm would.
+"""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from harness import DDP, DP, cli, load_weights, read_metrics, run_script, start, wait_for_step
+from test_faults import FAULT_RUN, assert_weights_equal, finish
+
+import common
+
+FSDP = "train_fsdp.py"
+STOPPED = re.compile(r"stopped at step (\d+), checkpoint saved; run the same command to resume")
+
+
+def assert_stopped_cleanly(output: str, out, max_steps: int, sharded: bool = False) -> int:
+    """The one line of a clean stop (once: rank 0 alone), its checkpoint, no model.pt; the step."""
+    stops = STOPPED.findall(output)
+    assert len(stops) == 1, output[-6000:]
+    step = int(stops[0])
+    assert 1 <= step < max_steps, output[-6000:]
+    name = f"step_{step:07d}" if sharded else f"step_{step:07d}.pt"
+    assert (out / "checkpoints" / name).exists(), sorted(os.listdir(out / "checkpoints"))
+    assert not (out / "model.pt").exists(), "a stopped run wrote model.pt"
+    assert "stopping after this step" in output  # said at once, before the step ends
+    return step
+
+
+def assert_resumes_to(reference, script, argv, world, step, out) -> None:
+    """The same command again: it resumes at `step` and ends bit-identical to `reference`."""
+    proc = run_script(script, argv, world)
+    assert f"at step {step}" in proc.stdout, proc.stdout[-4000:]
+    assert_weights_equal(load_weights(out), load_weights(reference))
+    train_steps = [r["step"] for r in read_metrics(out)[0]]
+    assert train_steps == list(range(1, len(train_steps) + 1)), "steps repeated or missing"
+
+
+def test_ctrl_c_stops_train_dp_cleanly_and_the_same_command_resumes_bit_identically(
+    trained, corpus, cache_dir, tmp_path
+):
+    run = {**FAULT_RUN, "max_steps": 64}  # ~20 ms a step here: room for the signal to land
+    reference = trained(DP, **run)
+    out = tmp_path / "out"
+    # A DataLoader worker: the terminal's Ctrl-C reaches it too, and it must keep serving.
+    argv = cli(corpus, cache_dir, out, **run, num_workers=1)
+    proc = start(DP, argv)
+    wait_for_step(out, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole process group
+    rc, output = finish(proc)
+
+    assert rc == 128 + signal.SIGINT, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+    step = assert_stopped_cleanly(output, out, run["max_steps"])
+    assert_resumes_to(reference, DP, argv, 1, step, out)
+
+
+def test_sigterm_to_torchrun_stops_every_ddp_rank_at_one_step_and_the_run_resumes(
+    trained, corpus, cache_dir, tmp_path
+):
+    reference = trained(DDP, world=2, **FAULT_RUN)
+    out = tmp_path / "out"
+    argv = cli(corpus, cache_dir, out, **FAULT_RUN)
+    proc = start(DDP, argv, world=2)
+    wait_for_step(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)  # to torchrun alone, as `kill` would: it signals its workers
+    rc, output = finish(proc)
+
+    # The workers exit with 143; torchrun, signalled itself, ends with a traceback of its own
+    # (SignalException) and exit code 1, as it would without them.
+    assert rc != 0, output[-6000:]
+    assert output.count("Traceback") == output.count("got signal: 15") == 1, output[-6000:]
+    step = assert_stopped_cleanly(output, out, FAULT_RUN["max_steps"])
+    assert_resumes_to(reference, DDP, argv, 2, step, out)
+
+
+def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_resumes(
+    trained, corpus, cache_dir, tmp_path
+):
+    reference = trained(FSDP, world=2, **FAULT_RUN)
+    out = tmp_path / "out"
+    argv = cli(corpus, cache_dir, out, **FAULT_RUN)
+    proc = start(FSDP, argv, world=2)
+    wait_for_step(out, 2, proc)
+    # To torchrun and its workers at once, as Slurm signals a job step: each worker gets the
+    # signal twice (torchrun passes it on), and must take the echo for the same request.
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc, output = finish(proc)
+
+    assert rc != 0, output[-6000:]
+    assert output.count("Traceback") == output.count("got signal: 15") == 1, output[-6000:]
+    step = assert_stopped_cleanly(output, out, FAULT_RUN["max_steps"], sharded=True)
+    assert (out / "checkpoints" / f"step_{step:07d}" / "train_state.pt").is_file()
+    assert_resumes_to(reference, FSDP, argv, 2, step, out)
+
+
+def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeypatch):
+    handlers = {signum: signal.getsignal(signum) for signum in common.STOP_SIGNALS}
+    try:
+        request = common.StopRequest(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
+        assert request.agreed() == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's echo, milliseconds later: ignored
+        monkeypatch.setattr(common, "ECHO_SECONDS", 0.0)  # as if seconds had passed
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)  # (the handler interrupts this)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
