@@ -357,7 +357,7 @@ def run(main: Callable[[], None]) -> None:
         code = 2 if isinstance(e, ValueError) else 1
     except KeyboardInterrupt:
         if is_main:
-            print("interrupted: stopped at once, without saving; the checkpoints in --out-dir are "
+            print("interrupted: stopped at once, without saving; any checkpoints in --out-dir are "
                   "intact: run the same command to resume", file=sys.stderr)  # fmt: skip
         code = 128 + signal.SIGINT
     finally:

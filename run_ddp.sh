@@ -17,7 +17,9 @@
 # After a failure torchrun restarts every worker (up to MAX_RESTARTS times); the script then
 # resumes from the latest checkpoint in --out-dir by itself (--resume auto is the default).
 set -euo pipefail
-cd "$(dirname "$0")"
+# The script from this folder; relative paths in the flags (--data, --out-dir, --cache-dir) from
+# wherever this is run, as for any other command.
+script="$(cd "$(dirname "$0")" && pwd)/${SCRIPT:-train_ddp.py}"
 
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   gpus=$(python -c "import torch; print(torch.cuda.device_count())")
@@ -45,7 +47,7 @@ fi
 # would fail MAX_RESTARTS + 1 times over. One process (no RANK), told the job's world size as
 # torchrun will tell the workers; a mistake ends here with its one-line message and exit code 2.
 env -u RANK -u LOCAL_RANK WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \
-  LOCAL_WORLD_SIZE="$NPROC_PER_NODE" python "${SCRIPT:-train_ddp.py}" "$@" --check >/dev/null
+  LOCAL_WORLD_SIZE="$NPROC_PER_NODE" python "$script" "$@" --check >/dev/null
 
 # On SIGTERM, SIGINT or SIGUSR1 (slurm_ddp.sbatch's early warning; without this flag it would
 # kill torchrun) torchrun passes the signal to its workers, which finish their step, save a
@@ -62,4 +64,4 @@ exec torchrun \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --shutdown-timeout="${SHUTDOWN_TIMEOUT:-120}" \
-  "${SCRIPT:-train_ddp.py}" "$@"
+  "$script" "$@"

@@ -41,10 +41,10 @@ import common
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
 
 
-def launch(argv: list[str], **env) -> subprocess.Popen:
+def launch(argv: list[str], cwd: Path = REPO, **env) -> subprocess.Popen:
     """Start run_ddp.sh (2 CPU processes under torchrun) in a process group of its own."""
     return subprocess.Popen(
-        ["bash", str(REPO / "run_ddp.sh"), *argv], cwd=REPO, env=run_ddp_sh_env(**env),
+        ["bash", str(REPO / "run_ddp.sh"), *argv], cwd=cwd, env=run_ddp_sh_env(**env),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
 
@@ -200,6 +200,14 @@ def test_a_usage_error_under_run_ddp_sh_ends_the_job_at_once_without_restarts(
     assert rc == 2 and output.count("error: ") == 1 and expect in output, output[-6000:]
     assert "--max-restarts" not in output, "torchrun was started"
     assert not out.exists()
+
+
+def test_run_ddp_sh_reads_relative_paths_from_where_it_is_run(trained, corpus, cache_dir, tmp_path):
+    # As any command: --out-dir run means ./run here, not a folder beside run_ddp.sh.
+    rc, output = finish(launch(cli(corpus, cache_dir, "run"), cwd=tmp_path))
+    assert rc == 0, output[-6000:]
+    assert_weights_equal(load_weights(tmp_path / "run"), load_weights(trained(DDP, world=2)))
+    assert not (REPO / "run").exists()
 
 
 def test_resume_path_to_a_corrupt_file_is_refused_and_nothing_changes(
