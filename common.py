@@ -449,16 +449,14 @@ class StopRequest:
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker ignores SIGINT and SIGUSR1, which a terminal's Ctrl-C and Slurm send
-    to every process of a job, workers included: the training process still reads batches
-    until it stops, then ends its workers itself.
-
-    Not SIGTERM: that is how multiprocessing ends a worker, and one deaf to it could hang the
-    training process's exit. So a SIGTERM sent to every process (Slurm's scancel or preemption)
-    kills the workers, and the training process then fails on their loss rather than stopping
-    cleanly; with --num-workers 0 there are none.
+    """A DataLoader worker ignores STOP_SIGNALS, which a terminal's Ctrl-C and Slurm (its
+    warning, scancel, a preemption) send to every process of a job, workers included: the
+    training process still reads batches until it stops, then ends its workers itself, through
+    the DataLoader (they leave when told, or when their parent is gone). A worker killed by the
+    signal instead would fail the step in flight, and the run would lose everything since its
+    last checkpoint.
     """
-    for signum in (signal.SIGINT, signal.SIGUSR1):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 

@@ -87,7 +87,7 @@ def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_re
 ):
     reference = trained(FSDP, world=2, **FAULT_RUN)
     out = tmp_path / "out"
-    argv = cli(corpus, cache_dir, out, **FAULT_RUN)
+    argv = cli(corpus, cache_dir, out, **FAULT_RUN, num_workers=1)  # workers get it too
     proc = start(FSDP, argv, world=2)
     wait_for_step(out, 2, proc)
     # To torchrun and its workers at once, as Slurm signals a job step: each worker gets the
