@@ -121,6 +121,16 @@ def run_ddp_sh_env(**extra) -> dict:
     return env
 
 
+def script_command(
+    script: str, argv: list[str], world: int = 1, torchrun: bool | None = None
+) -> list[str]:
+    """`python script` for world 1, torchrun for more ranks (or for one, with torchrun=True)."""
+    if not (world > 1 if torchrun is None else torchrun):
+        return [sys.executable, str(REPO / script), *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
+
+
 def run_script(
     script: str,
     argv: list[str],
@@ -135,14 +145,9 @@ def run_script(
     Asserts the exit code (unless expect_rc is None) and shows the run's output if it differs.
     preexec_fn: run in the child before the script starts (subprocess.run's), e.g. to set limits.
     """
-    if not (world > 1 if torchrun is None else torchrun):
-        cmd = [sys.executable, str(REPO / script), *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
     proc = subprocess.run(
-        cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-        preexec_fn=preexec_fn,
+        script_command(script, argv, world, torchrun), cwd=REPO, env=launch_env(),
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, preexec_fn=preexec_fn,
     )  # fmt: skip
     if expect_rc is not None:
         assert proc.returncode == expect_rc, describe(proc, f"expected exit code {expect_rc}")
@@ -271,14 +276,9 @@ def assert_train_dp_starts_from(source: Path, data_dir: Path, cache_dir: Path, o
 def start(script: str, argv: list[str], world: int = 1) -> subprocess.Popen:
     """Start `script` as run_script runs it, without waiting: in a session (and process group)
     of its own, so that a test can signal the group as a terminal or Slurm would, and clean up."""
-    if world == 1:
-        cmd = [sys.executable, str(REPO / script), *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
     return subprocess.Popen(
-        cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
+        script_command(script, argv, world), cwd=REPO, env=launch_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
 
 
