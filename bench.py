@@ -9,7 +9,7 @@
 Each strategy trains a fresh model (the same initial weights every time) on random tokens of
 the shape --micro-batch-size x --seq-length: --warmup untimed steps first (compilation, the
 allocator's first requests), then --steps timed ones. A step is the training scripts' own: their
-model and wrapping, common.build_optimizer, common.autocast, loss = loss_sum / tokens, clipping,
+model and wrapping, training.build_optimizer, training.autocast, loss = loss_sum / tokens, clipping,
 optimizer step, zero_grad, and the distributed scripts' two small all-reduces (the token count
 and the logged loss). Only the bookkeeping of a few scalars (NaN guard, LR schedule) is left
 out. The GPU is waited for (cuda synchronize, then a barrier) before and after the timed steps,
@@ -19,7 +19,7 @@ never between them: in between, the queue stays as full as in training.
           with no communication at all.
   dp      nn.DataParallel over every local GPU (train_dp.py): without torchrun, >1 GPU only.
   ddp     DistributedDataParallel (train_ddp.py).
-  zero1   DDP + ZeroRedundancyOptimizer (train_ddp.py --zero1).
+  zero1   DDP + ZeroRedundancyOptimizer (train_zero1.py).
   fsdp    FSDP2: fully_shard on each decoder layer, then the root (train_fsdp.py, ZeRO-3).
 
 "vs single" is a strategy's tokens/s per device over single's. Started with `python`, ddp, zero1
@@ -27,7 +27,7 @@ and fsdp run in a process group of one: the ratio is what the wrapper costs when
 to communicate (the target: no more than 3%). Under torchrun it is the scaling efficiency: 1.0
 means N devices train N times as fast as one.
 
-The last line times the real data pipeline (common.build_datasets, cached after its first run)
+The last line times the real data pipeline (training.build_datasets, cached after its first run)
 through a DataLoader of the same batch shape, against the tokens/s the fastest step consumes: a
 loader less than 10x ahead of the step would leave the GPU waiting for data.
 """
@@ -49,11 +49,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
+import checkpoints
+import cli
 import data
+import metrics
+import stopping
+import training
+from distributed import setup_distributed  # the scripts' own setup: a group of one without torchrun
 from model import IGNORE_INDEX, LlamaConfig, count_parameters
-from train_ddp import setup_distributed  # the scripts' own setup: a group of one without torchrun
-from train_dp import Replica
+from replica import Replica
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "fsdp")
 # What each measured strategy reports (per device; see the module docstring).
@@ -68,7 +72,7 @@ AHEAD = 10  # the data loader should deliver at least this many times what the s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = common.ArgumentParser(
+    p = cli.ArgumentParser(
         description="Time the training step of every parallel strategy.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -153,7 +157,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
 
 def check_precision(precision: str, device: torch.device) -> str:
     """'auto' resolved as the scripts resolve it; ValueError if the device cannot do bf16."""
-    precision = common.resolve_precision(precision, device)
+    precision = cli.resolve_precision(precision, device)
     if precision != "bf16":
         return precision
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -176,11 +180,13 @@ def check_precision(precision: str, device: torch.device) -> str:
 
 def build(strategy: str, args, vocab_size: int, device, precision: str):
     """A fresh model set up as `strategy`'s training script sets it up; (module, optimizer)."""
-    model, _ = common.build_model(args, vocab_size)  # seeded: the same weights every time
+    model, _ = training.build_model(
+        args, args.model, vocab_size
+    )  # seeded: the same weights every time
     if args.activation_checkpointing:
-        common.apply_activation_checkpointing(model)
+        training.apply_activation_checkpointing(model)
     if args.compile:
-        common.compile_layers(model)
+        training.compile_layers(model)
     model.to(device)
     if strategy == "fsdp":
         # train_fsdp.py's sharding: under bf16, weights gathered in bf16 and gradients reduced
@@ -193,8 +199,8 @@ def build(strategy: str, args, vocab_size: int, device, precision: str):
         for layer in model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
-        return model, common.build_optimizer(model, args, device.type)
-    optimizer = common.build_optimizer(model, args, device.type)
+        return model, training.build_optimizer(model, args, device.type)
+    optimizer = training.build_optimizer(model, args, device.type)
     if strategy == "single":
         return model, optimizer
     if strategy == "dp":
@@ -219,7 +225,7 @@ def train_step(model, optimizer, x, y, device, precision, grad_clip, distributed
     if distributed:
         dist.all_reduce(global_tokens)
         world_size = dist.get_world_size()
-    with common.autocast(device, precision):
+    with training.autocast(device, precision):
         loss_sum, _ = model(x, y)
     loss_sum = loss_sum.sum()  # a no-op, except under DataParallel: one sum per GPU
     # DDP and FSDP average gradients over ranks; the factor world_size undoes that, as in the
@@ -274,7 +280,7 @@ def time_strategy(strategy, args, vocab_size, device, precision, rows) -> tuple[
     wait_for_all(device)
     seconds = over_ranks(time.perf_counter() - start, dist.ReduceOp.MAX, device)
     # This process's GPU: under dp, GPU 0, which holds the model and gathers the outputs.
-    peak = over_ranks(common.peak_memory_gb(device), dist.ReduceOp.MAX, device)
+    peak = over_ranks(metrics.peak_memory_gb(device), dist.ReduceOp.MAX, device)
     del model, optimizer, step  # DDP's reducer goes before the process group does
     gc.collect()
     return seconds, peak
@@ -386,14 +392,14 @@ def main():
     strategies = check_args(parser, args)
     # Everything the bench does not vary (weight decay, grad clip, seed, validation split, ...)
     # takes the training scripts' defaults: it builds exactly their model, optimizer and data.
-    args = argparse.Namespace(**{**vars(common.build_parser("").parse_args([])), **vars(args)})
+    args = argparse.Namespace(**{**vars(cli.build_parser("").parse_args([])), **vars(args)})
     under_torchrun = "RANK" in os.environ
     rank, _, world_size, device = setup_distributed(backend=None)
     is_main = rank == 0
     precision = check_precision(args.precision, device)
 
     # ---- data pipeline: the real one, timed alone ----------------------------------------------
-    train_ds, _, tokenizer = common.build_datasets(args)
+    train_ds, _, tokenizer = training.build_datasets(args, args.tokenizer)
     if len(train_ds) < args.micro_batch_size:
         raise ValueError(
             f"the training split has {len(train_ds)} sequences of {args.seq_length} tokens, "
@@ -408,8 +414,8 @@ def main():
     # ---- every strategy -------------------------------------------------------------------------
     vocab_size = tokenizer.get_vocab_size()
     config = LlamaConfig.from_preset(args.model, vocab_size=vocab_size)
-    flops_per_token = common.flops_per_token(config, args.seq_length)
-    peak_flops = common.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+    flops_per_token = metrics.flops_per_token(config, args.seq_length)
+    peak_flops = metrics.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
     tokens_per_device = args.steps * args.micro_batch_size * args.seq_length
     results = []
     for strategy in strategies:
@@ -432,7 +438,7 @@ def main():
             devices_per_process=devices,
             tokens_per_sec=rate,
             step_ms=1000 * seconds / args.steps,
-            mfu=common.mfu(rate, flops_per_token, peak_flops, 1),
+            mfu=metrics.mfu(rate, flops_per_token, peak_flops, 1),
             peak_memory_gb=peak,
             vs_single=rate / single_rate,
         )
@@ -475,10 +481,10 @@ def main():
     if is_main:
         print(format_report(report))
         if args.json:
-            common.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+            checkpoints.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    common.run(main)
+    stopping.run(main)

@@ -13,7 +13,7 @@ The flow, top to bottom of this file:
                                  packed windows over the token stream or one padded document each.
 
 Every expensive step is cached on disk under --cache-dir, so the second run (and every rank but
-the first under torchrun, see `main_process_first`) starts in seconds:
+the first under torchrun, see `distributed.main_process_first`) starts in seconds:
   - datasets' own cache (keyed on the input files, the function and its arguments) holds the
     loaded corpus, the tokenized documents and the packed windows;
   - trained tokenizers live in <cache_dir>/tokenizers/<sha256 of vocab size and texts>/.
@@ -25,14 +25,12 @@ Measure how fast the DataLoader delivers tokens (no training code lives here):
 """
 
 import argparse
-import contextlib
 import hashlib
 import itertools
 import json
 import os
 import sysconfig
 import time
-from collections.abc import Iterator
 from glob import glob
 from pathlib import Path
 
@@ -40,7 +38,6 @@ import datasets
 import numpy as np
 import pyarrow.parquet
 import torch
-import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
@@ -414,31 +411,6 @@ def _encode_batch(texts: list[str], tokenizer: Tokenizer) -> dict[str, list[list
     bot_id, eot_id = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
     encodings = tokenizer.encode_batch(texts)  # parallel across CPU cores inside tokenizers
     return {"input_ids": [[bot_id, *encoding.ids, eot_id] for encoding in encodings]}
-
-
-@contextlib.contextmanager
-def main_process_first() -> Iterator[None]:
-    """Run the body on each node's LOCAL_RANK 0 first, then on the other ranks.
-
-    The first process fills the caches (tokenizer, tokenized dataset); the others wait at a
-    barrier and then find everything cached instead of all computing it at once. The barrier
-    is collective: every rank must enter this block. Without torch.distributed it just runs.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        yield
-        return
-    # LOCAL_RANK (set by torchrun) rather than the global rank: with a cache on each node's
-    # local disk, every node needs its own first process.
-    is_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    if not is_first:
-        dist.barrier()  # wait until the first processes are done
-    try:
-        yield
-    finally:
-        # Release the others even if the body raised: they then hit the same error and exit
-        # cleanly, instead of waiting at the barrier forever.
-        if is_first:
-            dist.barrier()
 
 
 # -----------------------------------------------------------------------------

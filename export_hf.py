@@ -28,9 +28,10 @@ import sys
 
 import torch
 
-import common
+import checkpoints
+import stopping
+from checkpoints import load_model
 from data import BOT, EOT, PAD, load_tokenizer
-from generate import load_model
 from model import LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 
 
 def write_json(path: str, obj: dict) -> None:
-    common.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+    checkpoints.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def export(out_dir: str, hf_dir: str) -> None:
@@ -224,7 +225,7 @@ def export(out_dir: str, hf_dir: str) -> None:
     tokenizer.post_processor = TemplateProcessing(
         single=f"{BOT} $A", pair=f"{BOT} $A {BOT} $B", special_tokens=[(BOT, bot_id)]
     )
-    common.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), tokenizer.to_str())
+    checkpoints.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), tokenizer.to_str())
     special = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}  # byte-level: no unk
     write_json(os.path.join(hf_dir, "special_tokens_map.json"), special)
     write_json(
@@ -273,7 +274,7 @@ def import_hf(hf_dir: str, out_dir: str) -> None:
     except RuntimeError as e:
         raise ValueError(f"{hf_dir}'s tensors do not fit its config.json ({e})") from e
     os.makedirs(out_dir, exist_ok=True)
-    common.save_final(out_dir, model, config, tokenizer)
+    checkpoints.save_final(out_dir, model, config, tokenizer)
 
 
 def main() -> None:
@@ -299,4 +300,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    common.run(main)
+    stopping.run(main)

@@ -16,7 +16,7 @@ Models") removes their redundancy across the N data-parallel ranks in three stag
 
     strategy         weights        gradients      optimizer state   script
     DDP              P * w          P * g          P * o             train_ddp.py
-    ZeRO-1 (P_os)    P * w          P * g          P * o / N         train_ddp.py --zero1
+    ZeRO-1 (P_os)    P * w          P * g          P * o / N         train_zero1.py
     ZeRO-2 (P_os+g)  P * w          P * g / N      P * o / N         train_fsdp.py --zero-stage 2
     ZeRO-3 (+P_p)    P * w / N      P * g / N      P * o / N         train_fsdp.py --zero-stage 3
 
@@ -81,8 +81,10 @@ the ZeRO strategies then apply across the remaining D = N / (T * P) data-paralle
 Communication per GPU and optimizer step (bytes sent, ring algorithms: an all-reduce of n bytes
 over k ranks sends 2n(k-1)/k, an all-gather or reduce-scatter n(k-1)/k), for m micro-batches:
 
-  DDP, ZeRO-1     all-reduce the fp32 gradients once (ZeRO-1: reduce-scatter them, all-gather
-                  the updated weights: the same bytes)
+  DDP             all-reduce the fp32 gradients once
+  ZeRO-1          the same, then each rank broadcasts its updated fp32 weights to the others (an
+                  all-gather's bytes): train_zero1.py's ZeroRedundancyOptimizer keeps DDP's
+                  all-reduce, where the ZeRO paper reduce-scatters (DDP's bytes in all)
   ZeRO-2 (FSDP)   all-gather the weights for every micro-batch's forward (in the compute dtype),
                   reduce-scatter fp32 gradients once
   ZeRO-3 (FSDP)   all-gather them for every forward and again for every backward
@@ -243,7 +245,7 @@ def communication_bytes(
     m = micro_batches
     data_parallel = {
         "ddp": 2 * ring * grads,
-        "zero1": 2 * ring * grads,
+        "zero1": 2 * ring * grads + ring * local_params * 4,  # + the fp32 weights broadcast
         "zero2": ring * (m * weights + grads),
         "zero3": ring * (2 * m * weights + grads),
     }
@@ -416,25 +418,33 @@ def format_plan(p: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_for_run(args, config: LlamaConfig, world_size: int, precision: str) -> str:
-    """The plan of a training run, as the train scripts print it with --plan."""
-    tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
-    dp = world_size // (tp * pp)
+def plan_for_run(
+    args,
+    run_plan,
+    config: LlamaConfig,
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+) -> str:
+    """The plan of a training run, as the train scripts print it with --plan; run_plan is the
+    run's cli.RunPlan (micro-batch, accumulation, precision, attention kernel)."""
     p = plan(
         count_parameters(config),
         world_size,
-        precision,
+        run_plan.precision,
         config,
-        args.micro_batch_size,
+        run_plan.micro_batch_size,
         args.seq_length,
         # SDPA with a dense mask falls back to kernels that store the (s, s) scores; FlexAttention
         # (--attention flex) is a fused kernel like flash attention.
-        attention="math" if args.document_mask and args.attention != "flex" else "flash",
+        attention="math" if args.document_mask and run_plan.attention != "flex" else "flash",
         tp=tp,
         pp=pp,
-        micro_batches=args.batch_size // (args.micro_batch_size * dp),
-        schedule=getattr(args, "schedule", "1f1b"),
-        stages_per_rank=getattr(args, "stages_per_rank", 2),
+        micro_batches=run_plan.accumulation,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
     )
     return format_plan(p)
 

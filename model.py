@@ -202,7 +202,7 @@ def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> to
     run to run, in a row that starts mid-document. A wrong result must never come out, so the
     kernel is refused rather than trusted on some CPUs; CUDA is where tests/gpu/ proves it equals
     SDPA. No silent fallback to SDPA either: the dense mask costs the (T, T) memory this path
-    exists to avoid, and the caller should choose that (common.resolve_attention does on CPU).
+    exists to avoid, and the caller should choose that (cli.resolve_attention does on CPU).
     """
     if q.device.type != "cuda":
         raise ValueError(
@@ -366,7 +366,7 @@ class LlamaForPretraining(nn.Module):
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_sum, num_tokens) of the last hidden states x (B, T, d): final norm, lm_head and
         cross-entropy. A method of its own so that --compile can fuse it into a few kernels
-        (common.compile_layers): eagerly, the (B, T, vocab) logits are written once in bf16,
+        (training.compile_layers): eagerly, the (B, T, vocab) logits are written once in bf16,
         again upcast to fp32 and again as log-probabilities, forward and backward."""
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum = F.cross_entropy(

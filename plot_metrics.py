@@ -131,7 +131,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # As common.run, without importing torch: bad input is one line on stderr, exit code 2.
+    # As stopping.run, without importing torch: bad input is one line on stderr, exit code 2.
     try:
         main()
     except ValueError as e:

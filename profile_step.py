@@ -17,7 +17,7 @@ It prints
      eager step's time next to the compiled one's.
 
 Our step is train_dp.py's: nn.DataParallel(Replica(model)), the loss normalised by the batch's
-tokens, gradient clipping, the non-finite guard, AdamW (common.build_optimizer), the schedule. The
+tokens, gradient clipping, the non-finite guard, AdamW (training.build_optimizer), the schedule. The
 data is random tokens, the same batch every step: a step's time does not depend on the text.
 """
 
@@ -30,9 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-import common
+import cli
+import metrics
+import training
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
-from train_dp import Replica
+from replica import Replica
 
 # -------------------------------------------------------------------------------------------------
 # Our step: train_dp.py's loop body
@@ -46,12 +48,12 @@ def our_step(args, config: LlamaConfig, device, precision: str, compile: bool):
     """step(micro_batches) -> None: one optimizer step of train_dp.py (model, optimizer, ...)."""
     torch.manual_seed(0)
     model = LlamaForPretraining(config).to(device)
-    optimizer = common.build_optimizer(model, args, device.type)
-    scheduler = common.build_scheduler(optimizer, args)
+    optimizer = training.build_optimizer(model, args, device.type)
+    scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    guard = common.NonFiniteGuard(device, skip=False)
+    guard = metrics.NonFiniteGuard(device, skip=False)
     if compile:
-        common.compile_layers(model)
+        training.compile_layers(model)
     # One GPU, like the reference (train_dp.py itself takes every visible GPU).
     dp_model = nn.DataParallel(Replica(model, device, precision), device_ids=gpu_ids(device))
 
@@ -156,7 +158,7 @@ def reference_step(args, config: LlamaConfig, device, precision: str, compile: b
     def step(micro_batches) -> None:
         global_tokens = sum(y.numel() for _, y in micro_batches)
         for x, y in micro_batches:
-            with common.autocast(device, precision):
+            with training.autocast(device, precision):
                 loss_sum = reference_loss(params, x, y, config, cos, sin, layer_fn)
             (loss_sum / global_tokens).backward()
         torch.nn.utils.clip_grad_norm_(flat, args.grad_clip)
@@ -207,7 +209,7 @@ def profile_table(step, micro_batches, device, steps: int, rows: int) -> str:
 
 
 def main() -> None:
-    defaults = common.build_parser("defaults")  # train_dp.py's defaults, kept in step with it
+    defaults = cli.build_parser("defaults")  # train_dp.py's defaults, kept in step with it
     default = defaults.get_default
     p = argparse.ArgumentParser(
         description="Profile train_dp.py's training step and time it against a lean reference.",
@@ -241,8 +243,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     # The optimizer's and the schedule's settings: train_dp.py's defaults.
-    for name in ("lr", "weight_decay", "grad_clip", "warmup_steps", "max_steps", "min_lr_ratio"):
-        setattr(args, name, default(name))
+    names = ("lr", "weight_decay", "grad_clip", "warmup_steps", "max_steps", "min_lr_ratio")
+    args = argparse.Namespace(**vars(args), **{name: default(name) for name in names})
     try:
         config = LlamaConfig.from_preset(args.model, vocab_size=args.vocab_size)
     except ValueError as e:
@@ -250,7 +252,7 @@ def main() -> None:
     if args.seq_length > config.max_position_embeddings:
         p.error(f"--seq-length exceeds the model's {config.max_position_embeddings} positions")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    precision = common.resolve_precision(args.precision, device)
+    precision = cli.resolve_precision(args.precision, device)
 
     tokens = torch.randint(
         config.vocab_size, (args.batch_size, args.seq_length + 1),

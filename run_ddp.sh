@@ -35,8 +35,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 if [[ "$NODE_RANK" == 0 ]]; then is_host=true; else is_host=false; fi
 
 # One node: keep the collectives' own connections on the loopback interface. (torch's TCPStore,
-# which the rendezvous uses, listens on every interface whatever MASTER_ADDR says: see the
-# README's security note.)
+# which the rendezvous uses, listens on every interface whatever MASTER_ADDR says: see
+# docs/running.md's security note.)
 if [[ "$NNODES" == 1 ]]; then
   loopback=lo; [[ "$(uname)" == Darwin ]] && loopback=lo0
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$loopback}

@@ -18,47 +18,34 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
-import common
+import checkpoints
+import cli
 import memory_plan
+import out_dir
+import stopping
+import training
+from auto_batch import auto_micro_batch_size
+from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX
-
-
-class Replica(nn.Module):
-    """What DataParallel copies onto each GPU: the model's forward, under autocast, with the loss.
-
-    DataParallel runs each replica in a thread of its own, and autocast's state is per thread, so
-    autocast is entered here, inside the replica. The loss is computed here too: each replica
-    returns its loss sum and token count (two numbers) instead of its logits, because gathering
-    every replica's (batch, T, vocab) logits onto GPU 0 is the classic recipe's memory hot spot.
-    """
-
-    def __init__(self, model: nn.Module, device: torch.device, precision: str):
-        super().__init__()
-        self.model, self.device, self.precision = model, device, precision
-
-    def forward(self, x, y, attn_mask=None):
-        with common.autocast(self.device, self.precision):
-            loss_sum, num_tokens = self.model(x, y, attn_mask)
-        return loss_sum[None], num_tokens[None]  # (1,) each: DataParallel concatenates them
+from replica import Replica
 
 
 def main():
-    parser = common.build_parser("Pretrain a Llama in one process with nn.DataParallel.")
+    parser = cli.build_parser("Pretrain a Llama in one process with nn.DataParallel.")
     args = parser.parse_args()
     num_gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if num_gpus else torch.device("cpu")
     devices = max(num_gpus, 1)  # how many devices share each batch
-    accumulation = common.check_args(parser, args, devices=devices)
-    precision = common.resolve_precision(args.precision, device)
-    args.attention = common.resolve_attention(args, device, replicas=devices)
+    plan = cli.plan_run(parser, args, devices, device, replicas=devices)  # micro-batch, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    resume_path = common.prepare_out_dir(args)
+    resume_path = out_dir.prepare_out_dir(args)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = common.build_datasets(args)
-    steps_per_epoch = common.steps_per_epoch(train_ds, args)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    steps_per_epoch = training.steps_per_epoch(train_ds, args)
+    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
 
     def order_for_epoch(epoch: int) -> list[int]:
         # A new shuffle each epoch, seeded by seed + epoch: a resumed run draws the same order,
@@ -69,52 +56,55 @@ def main():
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = common.build_model(args, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
     model.to(device)
-    optimizer = common.build_optimizer(model, args, device.type)
-    scheduler = common.build_scheduler(optimizer, args)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    optimizer = training.build_optimizer(model, args, device.type)
+    scheduler = training.build_scheduler(optimizer, args)
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
     start_step = 0
     if resume_path:
-        ckpt = common.load_checkpoint(resume_path)
-        start_step = common.restore_checkpoint(
+        ckpt = checkpoints.load_checkpoint(resume_path)
+        start_step = checkpoints.restore_checkpoint(
             ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
         )
         print(f"resumed from {resume_path} at step {start_step}")
     if args.activation_checkpointing:
-        common.apply_activation_checkpointing(model)
+        training.apply_activation_checkpointing(model)
     if args.compile:
-        common.compile_layers(model)
+        training.compile_layers(model)
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.
-    dp_model = nn.DataParallel(Replica(model, device, precision))
+    dp_model = nn.DataParallel(Replica(model, device, plan.precision))
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        accumulation = common.auto_micro_batch_size(
-            args, dp_model, tokenizer, optimizer, device, precision, devices, replicas=devices
+        plan = auto_micro_batch_size(
+            args, plan, dp_model, attn_mask, optimizer, config.vocab_size, device, devices
         )
     # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
-    val_loader = DataLoader(val_set, batch_size=args.micro_batch_size * devices)
-    print(common.describe_run(args, config, accumulation, devices, device, precision))
+    val_loader = DataLoader(val_set, batch_size=plan.micro_batch_size * devices)
+    print(cli.describe_run(args, plan, config, device))
     if args.plan:
-        print(memory_plan.plan_for_run(args, config, devices, precision))
+        print(memory_plan.plan_for_run(args, plan, config, devices))
 
     # ---- training loop -------------------------------------------------------------------------
-    batches = common.step_batches(
+    batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        args.micro_batch_size * devices,
-        accumulation,
+        plan.micro_batch_size * devices,
+        plan.accumulation,
         steps_per_epoch,
         start_step,
         args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    metrics = common.Metrics(args.out_dir, True, start_step)
-    guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
-    throughput = common.Throughput(config, args, device, devices)  # tokens/s, MFU, ...
-    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    metrics = Metrics(args.out_dir, True, start_step)
+    guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
+    throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
+    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(
-        range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="train"
+        range(start_step, args.max_steps),
+        initial=start_step,
+        total=args.max_steps,
+        desc="train",
     )
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
@@ -132,7 +122,7 @@ def main():
         step_loss = torch.zeros((), device=device)
         for x, y in micro_batches:
             # One loss sum per replica: a vector of length `devices`, gathered on GPU 0.
-            loss_sum, _ = dp_model(x, y, common.build_attn_mask(x, args, tokenizer))
+            loss_sum, _ = dp_model(x, y, attn_mask(x))
             loss_sum = loss_sum.sum()
             loss = loss_sum / global_tokens
             scaler.scale(loss).backward()
@@ -165,28 +155,28 @@ def main():
             # keeps the GPU queue full in between.
             loss = (step_loss / global_tokens).item()
             figures = throughput.figures()
-            bar.set_postfix(common.bar_postfix(loss, lr, figures))
+            bar.set_postfix(bar_postfix(loss, lr, figures))
             metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
         if do_eval:
-            val_sum, val_tokens = common.evaluate(
-                dp_model, val_loader, device, precision, args, tokenizer
+            val_sum, val_tokens = training.evaluate(
+                dp_model, val_loader, device, plan.precision, attn_mask
             )
             val_loss = (val_sum / val_tokens).item()
             metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
-            state = common.checkpoint_state(
+            state = checkpoints.checkpoint_state(
                 model, optimizer, scheduler, scaler, done, config, args, tokenizer
             )
-            common.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
+            checkpoints.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
             throughput.restart()
         if stop:
-            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
+            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # model, not dp_model: the plain weights, with no `module.model.` prefix on every name.
-    common.finish_run(args, model, config, tokenizer, device)
+    training.finish_run(args, model, config, tokenizer, device)
 
 
 if __name__ == "__main__":
-    common.run(main)
+    stopping.run(main)

@@ -11,15 +11,16 @@ go with the first stage, the final norm and lm_head with the last. Each rank run
 only and passes activations forward (and their gradients backward) to its neighbours with
 point-to-point sends. torch.distributed.pipelining does the scheduling and the sends.
 
-What changes against train_ddp.py / train_fsdp.py:
+What changes against train_fsdp.py / train_tp.py:
   1. One DeviceMesh of shape (pp, dp, tp): dp = world_size / (pp x tp) pipelines each train on
      their own 1/dp of the global batch. With dp > 1 every stage is sharded over its dp group
      with FSDP2 (fully_shard), as train_fsdp.py does for the whole model; with --tp > 1 every
      stage's matrices are also split over tp ranks exactly as train_tp.py splits them (its
-     apply_tensor_parallel): 3D parallelism, as used for BLOOM-176B.
-  2. No rank holds the whole model: build_stages() keeps this rank's layers, under the full
-     model's parameter names (layers.<original index>), so the stages' state dicts together are
-     exactly the full model's, and checkpoints are the same DCP directories as train_fsdp.py's.
+     apply_tensor_parallel, tensor_parallel.py): 3D parallelism, as used for BLOOM-176B.
+  2. No rank holds the whole model: build_stages() (pipeline.py) keeps this rank's layers, under
+     the full model's parameter names (layers.<original index>), so the stages' state dicts
+     together are exactly the full model's, and checkpoints are the same DCP directories as
+     train_fsdp.py's.
   3. Gradient accumulation *is* the pipeline: the rank's share of the batch is cut into m
      micro-batches, and the schedule streams them through the stages, so that every stage is
      busy with a different micro-batch. The loop calls schedule.step() once per optimizer step;
@@ -56,233 +57,76 @@ implemented); bf16 autocast works as everywhere else. With --tp, lm_head's logit
 on the last stage (train_tp.py's vocabulary-parallel loss is not used across the pipeline).
 """
 
+import dataclasses
 import math
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
-from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.distributed.pipelining import PipelineStage
+from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import common
+import cli
 import data
 import memory_plan
 import safe_dcp
+import stopping
+import training
+from distributed import from_rank0, setup_distributed
+from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX, LlamaForPretraining
-from train_ddp import from_rank0, setup_distributed
-from train_fsdp import (  # the same checkpoint directories as train_fsdp.py
-    load_sharded_checkpoint,
-    prepare_out_dir,
-    save_sharded_checkpoint,
+from pipeline import (
+    SCHEDULES,
+    RankModel,
+    build_stages,
+    clip_grad_norm_over_pipeline,
+    pipeline_loss,
+    split_layers,
+    stage_ids_of_rank,
+    sum_over_mesh,
+    tied_embeddings_error,
+    validation_batches,
 )
-from train_tp import apply_tensor_parallel, check_tensor_parallel
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-
-# -------------------------------------------------------------------------------------------------
-# Stages
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Consecutive layer indices of each stage, as even as possible.
-
-    When the layers do not divide, the first `num_layers % num_stages` stages get one layer more
-    (as numpy.array_split does): the last stage never does, because it also runs the final norm,
-    lm_head and the loss, the heaviest work outside the layers (the first stage's embedding is a
-    lookup, nearly free).
-    """
-    if num_layers < num_stages:
-        raise ValueError(
-            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
-            f"(--pp x --stages-per-rank); use a smaller --pp or --stages-per-rank, or a deeper "
-            f"--model"
-        )
-    base, extra = divmod(num_layers, num_stages)
-    start = lambda stage: stage * base + min(stage, extra)  # the `extra` stages before it: +1 each
-    return [range(start(stage), start(stage + 1)) for stage in range(num_stages)]
-
-
-class StageModel(nn.Module):
-    """One pipeline stage: a run of consecutive decoder layers, plus the embedding on the first
-    stage and the final norm and lm_head on the last (None elsewhere, as torchtitan does).
-
-    It holds the full model's own submodules under the full model's names (the layers in a
-    ModuleDict keyed by their original index), so its state_dict keys are exactly the full
-    model's: `layers.5.attention.wq.weight` is the same name on every layout.
-
-    Input: token ids (B, T) on the first stage, hidden states (B, T, d) elsewhere. Output: hidden
-    states, or logits (B, T, vocab) on the last stage; the schedule's loss function takes them.
-    """
-
-    def __init__(self, model: LlamaForPretraining, layer_ids: range, first: bool, last: bool,
-                 precision: str = "fp32"):  # fmt: skip
-        super().__init__()
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        # Each stage needs the RoPE tables (every layer rotates q and k). They are the model's
-        # own buffers, a function of the config: referenced, not recomputed; not persistent,
-        # so not in the state_dict, as in the model.
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        self.precision = precision
-
-    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        # autocast here, inside the stage: the schedule calls the stages itself, and the stage is
-        # what FSDP wraps, so there is no outer forward to put it around.
-        with common.autocast(h.device, self.precision):
-            if self.tok_embeddings is not None:
-                h = self.tok_embeddings(h)  # (B, T) ids -> (B, T, d)
-            T = h.size(1)
-            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim)
-            for layer in self.layers.values():  # in the model's order: keys were added ascending
-                h = layer(h, cos, sin, attn_mask)
-            if self.norm is not None:
-                h = self.norm(h)
-            if self.lm_head is not None:
-                h = self.lm_head(h)  # (B, T, d) -> (B, T, vocab)
-        return h
-
-
-def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
-    """The stages a rank runs: rank r holds stages r, r + pp, r + 2 pp, ... ("looped" order, the
-    one the interleaved schedule expects). With one stage per rank, simply stage r."""
-    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
-
-
-def build_stages(
-    model: LlamaForPretraining,
-    pp_rank: int,
-    pp_size: int,
-    stages_per_rank: int,
-    device: torch.device,
-    precision: str = "fp32",
-) -> list[StageModel]:
-    """This rank's stage modules, moved to `device`, in stage order.
-
-    Every rank builds the same full model (same seed, same weights), then keeps only its own
-    layers: the rest is freed with `model`. ValueError if the layers do not go round.
-    """
-    num_stages = pp_size * stages_per_rank
-    layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
-    if model.config.tie_word_embeddings and num_stages > 1:
-        raise tied_embeddings_error(num_stages)
-    return [
-        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision).to(device)
-        for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
-    ]
-
-
-def tied_embeddings_error(num_stages: int) -> ValueError:
-    return ValueError(
-        f"the model ties lm_head to the token embeddings (tie_word_embeddings), but with "
-        f"{num_stages} pipeline stages they live on different ranks, and one tensor cannot; "
-        f"use --pp 1 (with --schedule gpipe or 1f1b), train_fsdp.py, or an untied --model"
-    )
-
-
-class RankModel(nn.Module):
-    """Every parameter this rank holds, once, under the full model's names: what the optimizer,
-    the gradient norm and the checkpoints see. The stages run the computation; this module only
-    refers to their submodules (with several stages per rank, their layers side by side)."""
-
-    def __init__(self, stages: list[StageModel]):
-        super().__init__()
-        self.tok_embeddings = next(
-            (s.tok_embeddings for s in stages if s.tok_embeddings is not None), None
-        )
-        self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
-        self.norm = next((s.norm for s in stages if s.norm is not None), None)
-        self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)
-
-
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, scale) -> torch.Tensor:
-    """The last stage's loss for one micro-batch: summed cross-entropy x `scale`.
-
-    Training passes scale = dp / (targets in the global batch): the same normalisation as every
-    other script (see the loop), so the schedule must not rescale (scale_grads=False).
-    Evaluation passes 1: plain sums, added up and divided once.
-    """
-    loss_sum = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets (B*T,)
-    return loss_sum * scale
-
-
-# -------------------------------------------------------------------------------------------------
-# Reductions over the mesh
-
-
-def sum_over_mesh(value: torch.Tensor, mesh) -> torch.Tensor:
-    """Sum over the pipeline (the last stage's value, zeros elsewhere), then over data parallel:
-    every rank gets the global total, so every rank takes the same decisions about it."""
-    dist.all_reduce(value, group=mesh["pp"].get_group())
-    dist.all_reduce(value, group=mesh["dp"].get_group())
-    return value
-
-
-def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch.Tensor:
-    """clip_grad_norm_ for a model split over the pipeline: measure the whole model's norm.
-
-    Each rank holds the gradients of its own stages only, so torch's clip_grad_norm_ would
-    measure (and clip by) a different, partial norm on every rank. The squared norms add up over
-    disjoint sets of parameters: all-reduce them over the pp group, take the root, then clip
-    every stage by the same global norm. (With FSDP the per-rank norm is a DTensor over the dp
-    shards: full_tensor() adds those up first, as train_fsdp.py's clipping does.)
-    """
-    parameters = list(parameters)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    squared = norm.square()
-    dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return total
-
+from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
+from tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 # -------------------------------------------------------------------------------------------------
 # Flags
 
 
-def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
-    """Validate the pipeline flags; returns (dp, micro-batches per step). ValueError if wrong.
+def check_pipeline_args(
+    parser, args, world_size: int, device: torch.device
+) -> tuple[cli.RunPlan, int, int, int]:
+    """Validate the pipeline flags; returns (plan, pp, stages per rank, dp): the run plan's
+    accumulation is the number of micro-batches m per step. ValueError if wrong.
 
     Called before any data is read: a mistake costs seconds, not a tokenized corpus.
     """
     schedule = args.schedule
-    if args.stages_per_rank is None:
-        args.stages_per_rank = 2 if schedule == "interleaved" else 1
-    if schedule == "interleaved" and args.stages_per_rank < 2:
+    v = args.stages_per_rank or (2 if schedule == "interleaved" else 1)
+    if args.stages_per_rank is not None and args.stages_per_rank < 1:
+        parser.error(f"--stages-per-rank must be positive, got {args.stages_per_rank}")
+    if schedule == "interleaved" and v < 2:
         parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
-    if schedule != "interleaved" and args.stages_per_rank != 1:
+    if schedule != "interleaved" and v != 1:
         parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
     if args.tp < 1:
         parser.error(f"--tp must be positive, got {args.tp}")
-    if args.pp is None:
-        args.pp = max(1, world_size // args.tp)  # one pipeline over all ranks (of a tp rank)
-    if args.pp < 1:
-        parser.error(f"--pp must be positive, got {args.pp}")
-    if world_size % (args.pp * args.tp):
+    # Default: one pipeline over all ranks (of a tp rank).
+    pp = max(1, world_size // args.tp) if args.pp is None else args.pp
+    if pp < 1:
+        parser.error(f"--pp must be positive, got {pp}")
+    if world_size % (pp * args.tp):
         parser.error(
-            f"--pp {args.pp} x --tp {args.tp} does not divide the number of processes "
+            f"--pp {pp} x --tp {args.tp} does not divide the number of processes "
             f"({world_size}): the mesh is pp x dp x tp, so launch a multiple of "
-            f"{args.pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
+            f"{pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
         )
-    dp = world_size // (args.pp * args.tp)
+    dp = world_size // (pp * args.tp)
     if args.micro_batch_size == "auto":
         parser.error(
             "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
@@ -292,15 +136,14 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
         # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
         # micro-batch would get the whole batch's mask.
         parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
-    args.attention = "sdpa"
-    if args.micro_batch_size is None:
-        # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
-        # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
-        args.micro_batch_size = 1
-    microbatches = common.check_args(parser, args, devices=dp)  # and the model's flags
-    config = common.model_shape(args)
+    # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
+    # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
+    plan = cli.plan_run(parser, args, dp, device, default_micro_batch_size=1)
+    plan = dataclasses.replace(plan, attention="sdpa")  # --attention auto: never flex here
+    microbatches = plan.accumulation
+    config = cli.model_shape(args)
     check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
-    num_stages = args.pp * args.stages_per_rank
+    num_stages = pp * v
     split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
     if config.tie_word_embeddings and num_stages > 1:
         raise tied_embeddings_error(num_stages)
@@ -309,54 +152,26 @@ def check_pipeline_args(parser, args, world_size: int) -> tuple[int, int]:
             "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
             "inf checks span every stage, which this script does not implement"
         )
-    if schedule == "1f1b" and microbatches < args.pp:
+    if schedule == "1f1b" and microbatches < pp:
         parser.error(
-            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {args.pp}; "
+            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {pp}; "
             f"lower --micro-batch-size or raise --batch-size"
         )
-    rounds = max(1, microbatches // args.pp)
+    rounds = max(1, microbatches // pp)
     if schedule == "interleaved" and microbatches % rounds:
         parser.error(
             f"interleaved needs the micro-batches ({microbatches}) to be a multiple of "
             f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
         )
-    return dp, microbatches
-
-
-# -------------------------------------------------------------------------------------------------
-# Validation data
-
-
-def validation_batches(val_set, dp_rank: int, dp: int, rows: int, pad_id: int):
-    """This dp rank's share of the validation set, in (x, y) batches of exactly `rows` rows.
-
-    A pipeline runs one fixed shape: every batch must split into the schedule's m micro-batches
-    of the training shape. The last batch is topped up with rows of padding whose targets are
-    all IGNORE_INDEX: they add nothing to the loss sum or the token count. Every dp rank gets the
-    same number of batches (FSDP's all-gathers need every rank in every forward).
-    """
-    shard = Subset(val_set, range(dp_rank, len(val_set), dp))
-    num_batches = math.ceil(math.ceil(len(val_set) / dp) / rows)
-    batches = []
-    for x, y in DataLoader(shard, batch_size=rows):
-        missing = rows - x.size(0)
-        x = torch.cat([x, x.new_full((missing, x.size(1)), pad_id)])  # (rows, T)
-        y = torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)])  # (rows, T)
-        batches.append((x, y))
-    T = val_set[0][0].size(0) if len(val_set) else 1
-    while len(batches) < num_batches:  # a rank whose shard is shorter: all padding
-        batches.append((torch.full((rows, T), pad_id), torch.full((rows, T), IGNORE_INDEX)))
-    return batches
-
-
-# -------------------------------------------------------------------------------------------------
+    return plan, pp, v, dp
 
 
 def build_parser():
-    parser = common.build_parser(
+    parser = cli.build_parser(
         "Pretrain a Llama with torchrun + pipeline parallelism (GPipe, 1F1B or interleaved "
         "1F1B), optionally with FSDP across pipelines. Here --micro-batch-size defaults to 1: "
-        "many micro-batches, a small pipeline bubble."
+        "many micro-batches, a small pipeline bubble.",
+        distributed=True,
     )
     parser.add_argument(
         "--pp",
@@ -386,12 +201,6 @@ def build_parser():
         default=None,
         help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
     )
-    parser.add_argument(
-        "--backend",
-        choices=["nccl", "gloo"],
-        default=None,
-        help="process group backend (default: nccl on GPU, gloo on CPU)",
-    )
     return parser
 
 
@@ -400,12 +209,11 @@ def main():
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup_distributed(args.backend)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    dp, microbatches = check_pipeline_args(parser, args, world_size)
-    precision = common.resolve_precision(args.precision, device)
+    plan, pp, v, dp = check_pipeline_args(parser, args, world_size, device)
+    microbatches = plan.accumulation  # m: the micro-batches the schedule streams per step
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    pp, v = args.pp, args.stages_per_rank
     num_stages = pp * v
     # The 3D mesh: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The last dimension varies
     # fastest: a tensor-parallel group is tp consecutive ranks, on one node (its all-reduces, in
@@ -414,11 +222,12 @@ def main():
     # activation per micro-batch between neighbours, is the lightest). torchtitan's order.
     mesh = init_device_mesh(device.type, (pp, dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
     dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
-    resume_path = from_rank0(lambda: prepare_out_dir(args, script="train_pp.py"), is_main)
+    resume_path = from_rank0(lambda: prepare_out_dir(args, "train_pp.py"), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = common.build_datasets(args)
-    steps_per_epoch = common.steps_per_epoch(train_ds, args)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    steps_per_epoch = training.steps_per_epoch(train_ds, args)
+    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
     # The shards are per pipeline (dp rank), not per process: every stage of one pipeline reads
     # the same samples. The first stage needs the tokens, the last the targets, and all of them
     # the target count and the attention mask; reading a batch of token ids costs nothing next to
@@ -431,17 +240,17 @@ def main():
         return list(sampler)
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-    rows = microbatches * args.micro_batch_size  # sequences per pipeline per step
+    rows = microbatches * plan.micro_batch_size  # sequences per pipeline per step
     val_batches = validation_batches(val_set, dp_rank, dp, rows, tokenizer.token_to_id(data.PAD))
 
     # ---- model, stages, data parallelism, optimizer, resume ------------------------------------
-    model, config = common.build_model(args, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
     # Applied to the whole model's layers before the split: the stages hold these same layers.
     if args.activation_checkpointing:
-        common.apply_activation_checkpointing(model)
+        training.apply_activation_checkpointing(model)
     if args.compile:
-        common.compile_layers(model, loss=False)  # the last stage runs pipeline_loss
-    stage_models = build_stages(model, pp_rank, pp, v, device, precision)
+        training.compile_layers(model, loss=False)  # the last stage runs pipeline_loss
+    stage_models = build_stages(model, pp_rank, pp, v, device, plan.precision)
     del model  # the layers of the other ranks' stages are freed with it
     if args.tp > 1:
         # Tensor parallelism inside each stage: train_tp.py's split of every matrix over the tp
@@ -463,8 +272,8 @@ def main():
                 fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
             fully_shard(stage_model, mesh=mesh["dp"], reshard_after_forward=False)
     rank_model = RankModel(stage_models)
-    optimizer = common.build_optimizer(rank_model, args, device.type)
-    scheduler = common.build_scheduler(optimizer, args)
+    optimizer = training.build_optimizer(rank_model, args, device.type)
+    scheduler = training.build_scheduler(optimizer, args)
     start_step = 0
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
         start_step = load_sharded_checkpoint(
@@ -490,42 +299,46 @@ def main():
     is_first = any(stage.is_first for stage in stages)  # this rank feeds the tokens in
     is_last = any(stage.is_last for stage in stages)  # this rank computes the loss
     if is_main:
-        print(common.describe_run(args, config, microbatches, dp, device, precision))
+        print(cli.describe_run(args, plan, config, device))
         layers = [len(r) for r in split_layers(config.num_hidden_layers, num_stages)]
         bubble = memory_plan.bubble_fraction(args.schedule, pp, microbatches, v)
         formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
         print(
             f"pipeline: {args.schedule} schedule, {num_stages} stages on {pp} ranks "
             f"({v} per rank), layers per stage {layers}, m = {microbatches} micro-batches of "
-            f"{args.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines, "
+            f"{plan.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines, "
             f"tensor parallel {args.tp} inside each stage; "
             f"bubble {formula} = {bubble:.1%}"
         )
         if args.plan:
-            print(memory_plan.plan_for_run(args, config, world_size, precision))
+            print(
+                memory_plan.plan_for_run(
+                    args, plan, config, world_size, args.tp, pp, args.schedule, v
+                )
+            )
 
     # ---- training loop -------------------------------------------------------------------------
-    batches = common.step_batches(
+    batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        args.micro_batch_size,
+        plan.micro_batch_size,
         microbatches,
         steps_per_epoch,
         start_step,
         args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    metrics = common.Metrics(args.out_dir, is_main, start_step)
-    guard = common.NonFiniteGuard(device, skip=args.skip_nonfinite)
-    throughput = common.Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = common.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    metrics = Metrics(args.out_dir, is_main, start_step)
+    guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
+    throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
+    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     final_checkpoint = resume_path  # model.pt is read back from the last checkpoint
     bar = tqdm(
         range(start_step, args.max_steps),
         initial=start_step,
         total=args.max_steps,
-        disable=not is_main,
         desc="train",
+        disable=not is_main,
     )
 
     def run_pipeline(x, y, scale, losses, train: bool):
@@ -536,7 +349,7 @@ def main():
         rank of the pipeline has read.
         """
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        mask = common.build_attn_mask(x, args, tokenizer)
+        mask = attn_mask(x)
         run = schedule.step if train else schedule.eval
         run(
             *((x,) if is_first else ()),
@@ -590,7 +403,7 @@ def main():
         if do_log:
             loss = step_loss.item()
             figures = throughput.figures()
-            bar.set_postfix(common.bar_postfix(loss, lr, figures))
+            bar.set_postfix(bar_postfix(loss, lr, figures))
             metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
         if do_eval:
             # Forward only, through the same pipeline: the schedule's eval() runs the forwards
@@ -619,7 +432,7 @@ def main():
             final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
             throughput.restart()
         if stop:
-            raise common.Stopped(done, stop_request.signal)  # common.run says so and exits
+            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # The last checkpoint already holds every tensor of the model, under its full name, whatever
@@ -633,10 +446,10 @@ def main():
             warnings.simplefilter("ignore", UserWarning)
             safe_dcp.load(state, final_checkpoint, no_dist=True)
         plain.load_state_dict(state["model"])
-        common.finish_run(args, plain, config, tokenizer, device)
+        training.finish_run(args, plain, config, tokenizer, device)
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    common.run(main)
+    stopping.run(main)

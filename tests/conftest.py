@@ -3,7 +3,7 @@
 The training tests share one corpus, one cache and the reference runs that several of them
 compare against (`trained`: each run made once per session). The tests of what reads a run's
 outputs (generate.py, export_hf.py) need no training: an out-dir is model.pt + config.json +
-tokenizer.json, and `common.save_final` writes exactly what the training scripts write
+tokenizer.json, and `checkpoints.save_final` writes exactly what the training scripts write
 (`make_out_dir`, `out_dir`, built in-process in well under a second).
 """
 
@@ -12,10 +12,11 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from harness import build_args, cli, run_script, write_corpus
+from harness import build_args, cmd, run_script, write_corpus
 
-import common
+import checkpoints
 import data
+import training
 from model import LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
@@ -32,7 +33,8 @@ def cache_dir(tmp_path_factory, corpus) -> Path:
     """The tokenizer and tokenized-data cache, filled once here for both data modes."""
     cache = tmp_path_factory.mktemp("cache")
     for mode in ("pack", "pad"):
-        common.build_datasets(build_args(corpus, cache, data_mode=mode))
+        args, plan = build_args(corpus, cache, data_mode=mode)
+        training.build_datasets(args, plan.tokenizer)
     return cache
 
 
@@ -48,7 +50,7 @@ def trained(tmp_path_factory, corpus, cache_dir):
         key = (script, world, tuple(sorted(overrides.items())))
         if key not in runs:
             out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{world}")
-            run_script(script, cli(corpus, cache_dir, out, **overrides), world)
+            run_script(script, cmd(corpus, cache_dir, out, **overrides), world)
             runs[key] = out
         return runs[key]
 
@@ -110,7 +112,7 @@ def make_out_dir(tmp_path_factory):
         out = tmp_path_factory.mktemp("out_tied" if tie else "out")
         tokenizer = tiny_tokenizer(cache)
         model = tiny_model(tokenizer.get_vocab_size(), tie=tie)
-        common.save_final(str(out), model, model.config, tokenizer)
+        checkpoints.save_final(str(out), model, model.config, tokenizer)
         return out
 
     return make

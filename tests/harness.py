@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+from cli import build_parser, plan_run
 
 REPO = Path(__file__).resolve().parents[1]
 
-DP, DDP = "train_dp.py", "train_ddp.py"
+DP, DDP, ZERO1 = "train_dp.py", "train_ddp.py", "train_zero1.py"
+# Every lesson, in the order the README reads them.
+LESSONS = [DP, DDP, ZERO1, "train_fsdp.py", "train_tp.py", "train_pp.py"]
 
 # The weights of two runs that split the same global batch differently (see the module docstring).
 ATOL, RTOL = 2e-5, 1e-4
@@ -89,7 +91,7 @@ def write_corpus(root: Path, num_docs: int = NUM_DOCS) -> Path:
     return root
 
 
-def cli(data_dir: Path, cache_dir: Path, out_dir, **overrides) -> list[str]:
+def cmd(data_dir: Path, cache_dir: Path, out_dir, **overrides) -> list[str]:
     """The command-line arguments for BASE updated with `overrides` (None drops a flag)."""
     settings = {**BASE, **overrides}
     argv = ["--data", str(data_dir), "--cache-dir", str(cache_dir), "--out-dir", str(out_dir)]
@@ -170,9 +172,9 @@ def file_size_limit(max_bytes: int):
 
 
 def describe(proc: subprocess.CompletedProcess, what: str) -> str:
-    cmd = " ".join(str(part) for part in proc.args)
+    command = " ".join(str(part) for part in proc.args)
     return (
-        f"{what}, got {proc.returncode} from: {cmd}\n"
+        f"{what}, got {proc.returncode} from: {command}\n"
         f"--- stdout (tail) ---\n{proc.stdout[-4000:]}\n"
         f"--- stderr (tail) ---\n{proc.stderr[-6000:]}"
     )
@@ -235,11 +237,10 @@ def assert_same_losses(actual_dir: Path, expected_dir: Path) -> None:
 
 
 def build_args(data_dir: Path, cache_dir: Path, devices: int = 1, **overrides):
-    """The scripts' own argument namespace for these settings, checked as they check it."""
-    parser = common.build_parser("test")
-    args = parser.parse_args(cli(data_dir, cache_dir, "unused", **overrides))
-    common.check_args(parser, args, devices)
-    return args
+    """The scripts' own (args, plan) for these settings, checked as they check them (on CPU)."""
+    parser = build_parser("test")
+    args = parser.parse_args(cmd(data_dir, cache_dir, "unused", **overrides))
+    return args, plan_run(parser, args, devices, torch.device("cpu"))
 
 
 def copy_checkpoint(src_dir: Path, step: int, dst_dir: Path) -> Path:
@@ -266,7 +267,7 @@ def assert_train_dp_starts_from(source: Path, data_dir: Path, cache_dir: Path, o
     One step at a negligible learning rate: the weights that come out are the ones that went in,
     to within ~1e-9, while freshly initialised weights would differ by ~0.02.
     """
-    argv = cli(data_dir, cache_dir, out, model=None, max_steps=1, lr=1e-9, warmup_steps=0)
+    argv = cmd(data_dir, cache_dir, out, model=None, max_steps=1, lr=1e-9, warmup_steps=0)
     run_script(DP, argv + ["--init-from", str(source)])
     assert_state_dicts_close(load_weights(out), load_weights(source), atol=1e-7, rtol=0)
     for name in ("config.json", "tokenizer.json"):

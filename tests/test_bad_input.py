@@ -16,10 +16,10 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from harness import DDP, DP, build_args, cli, run_script, snapshot
+from harness import DDP, DP, build_args, cmd, run_script, snapshot
 
 import data
-import train_ddp
+import distributed
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def assert_refused(script, argv, expect, out, cache_dir, world=1):
 
 
 def test_missing_data_is_refused(existing_run, corpus, cache_dir, tmp_path):
-    argv = cli(corpus, cache_dir, existing_run)
+    argv = cmd(corpus, cache_dir, existing_run)
     argv[argv.index("--data") + 1] = str(tmp_path / "no-such-corpus" / "*.txt")
     assert_refused(DP, argv, "no .txt/.jsonl/.json/.parquet files found", existing_run, cache_dir)
 
@@ -60,7 +60,7 @@ def test_empty_data_is_refused(existing_run, corpus, cache_dir, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("   \n\n")
-    argv = cli(empty, cache_dir, existing_run)
+    argv = cmd(empty, cache_dir, existing_run)
     assert_refused(DP, argv, "has no non-empty documents", existing_run, cache_dir)
 
 
@@ -69,7 +69,7 @@ def test_an_empty_data_file_is_refused(existing_run, cache_dir, tmp_path, world)
     # datasets' json reader cannot even start on an empty file (a StopIteration traceback).
     empty = tmp_path / "empty.jsonl"
     empty.touch()
-    argv = cli(empty, cache_dir, existing_run)
+    argv = cmd(empty, cache_dir, existing_run)
     assert_refused(DP if world == 1 else DDP, argv, "the file is empty", existing_run, cache_dir,
                    world)  # fmt: skip
 
@@ -82,7 +82,7 @@ def test_a_malformed_json_line_is_refused_naming_the_file_and_line(
     lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(8)]
     lines[5] = lines[5][:-2]  # cut off its closing quote and brace
     jsonl.write_text("\n".join(lines) + "\n")
-    argv = cli(jsonl, cache_dir, existing_run)
+    argv = cmd(jsonl, cache_dir, existing_run)
     assert_refused(DP if world == 1 else DDP, argv, f"{jsonl} line 6: invalid JSON", existing_run,
                    cache_dir, world)  # fmt: skip
 
@@ -101,13 +101,13 @@ def test_a_file_that_is_not_utf8_is_refused_naming_the_file_line_and_byte(
     else:
         bad.write_bytes(b'{"text": "ok"}\n\x89PNG\r\n\x1a\n' + bytes(range(256)))  # an image
         expect = f"{bad} line 2 (byte 15) is not UTF-8 text"
-    argv = cli(corpus, cache_dir, existing_run)
+    argv = cmd(corpus, cache_dir, existing_run)
     assert_refused(DP, argv, expect, existing_run, cache_dir)
 
 
 def test_an_unreachable_hub_dataset_is_refused_saying_what_data_takes(existing_run, cache_dir):
     # The tests run offline (HF_HUB_OFFLINE=1): a name that is no local path goes to the hub.
-    argv = cli("someone/no-such-dataset", cache_dir, existing_run)
+    argv = cmd("someone/no-such-dataset", cache_dir, existing_run)
     proc = assert_refused(DP, argv, "no hub dataset of that name could be reached or found",
                           existing_run, cache_dir)  # fmt: skip
     assert "--data takes stdlib, a .txt/.jsonl/.json/.parquet file" in proc.stderr
@@ -116,7 +116,7 @@ def test_an_unreachable_hub_dataset_is_refused_saying_what_data_takes(existing_r
 def test_missing_text_column_is_refused_naming_the_columns(existing_run, cache_dir, tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"content": f"doc {i}"}) + "\n" for i in range(8)))
-    argv = cli(jsonl, cache_dir, existing_run)
+    argv = cmd(jsonl, cache_dir, existing_run)
     assert_refused(DP, argv, "has no column 'text'; its columns are ['content']", existing_run,
                    cache_dir)  # fmt: skip
 
@@ -124,7 +124,7 @@ def test_missing_text_column_is_refused_naming_the_columns(existing_run, cache_d
 def test_broken_tokenizer_json_is_refused(existing_run, corpus, cache_dir, tmp_path):
     broken = tmp_path / "tokenizer.json"
     broken.write_text('{"version": "1.0", "model": ')
-    argv = cli(corpus, cache_dir, existing_run) + ["--tokenizer", str(broken)]
+    argv = cmd(corpus, cache_dir, existing_run) + ["--tokenizer", str(broken)]
     assert_refused(DP, argv, "could not read", existing_run, cache_dir)
 
 
@@ -133,12 +133,12 @@ def test_broken_tokenizer_json_is_refused(existing_run, corpus, cache_dir, tmp_p
 
 
 def test_unknown_preset_is_refused_listing_the_valid_ones(existing_run, corpus, cache_dir):
-    argv = cli(corpus, cache_dir, existing_run, model="huge")
+    argv = cmd(corpus, cache_dir, existing_run, model="huge")
     assert_refused(DP, argv, "choose one of: tiny, small", existing_run, cache_dir)
 
 
 def test_seq_length_beyond_the_models_positions_is_refused(existing_run, corpus, cache_dir):
-    argv = cli(corpus, cache_dir, existing_run, seq_length=4096)
+    argv = cmd(corpus, cache_dir, existing_run, seq_length=4096)
     assert_refused(DP, argv, "exceeds the tiny model's max_position_embeddings", existing_run,
                    cache_dir)  # fmt: skip
 
@@ -146,14 +146,14 @@ def test_seq_length_beyond_the_models_positions_is_refused(existing_run, corpus,
 def test_init_from_a_directory_without_a_finished_run_is_refused(
     existing_run, corpus, cache_dir, tmp_path
 ):
-    argv = cli(corpus, cache_dir, existing_run, model=None) + ["--init-from", str(tmp_path)]
+    argv = cmd(corpus, cache_dir, existing_run, model=None) + ["--init-from", str(tmp_path)]
     assert_refused(DP, argv, "no model.pt, config.json, tokenizer.json there", existing_run,
                    cache_dir)  # fmt: skip
 
 
 def test_init_from_with_a_model_preset_is_refused(existing_run, trained, corpus, cache_dir):
     # The architecture comes from the finished run: a preset as well would contradict it.
-    argv = cli(corpus, cache_dir, existing_run) + ["--init-from", str(trained(DP))]
+    argv = cmd(corpus, cache_dir, existing_run) + ["--init-from", str(trained(DP))]
     assert_refused(DP, argv, "leave out --model and --tokenizer", existing_run, cache_dir)
 
 
@@ -165,20 +165,20 @@ def test_init_from_with_a_model_preset_is_refused(existing_run, trained, corpus,
 def test_non_positive_sizes_steps_and_rates_are_refused(
     existing_run, corpus, cache_dir, flag, value
 ):
-    argv = cli(corpus, cache_dir, existing_run, **{flag: value})
+    argv = cmd(corpus, cache_dir, existing_run, **{flag: value})
     assert_refused(DP, argv, f"--{flag.replace('_', '-')}", existing_run, cache_dir)
 
 
 def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, corpus, cache_dir):
     # argparse's prefix matching would read --mode (no such flag) as --model.
-    argv = cli(corpus, cache_dir, existing_run) + ["--mode", "pad"]
+    argv = cmd(corpus, cache_dir, existing_run) + ["--mode", "pad"]
     assert_refused(DP, argv, "unrecognized arguments: --mode pad", existing_run, cache_dir)
 
 
 @pytest.mark.parametrize(
     "module",
-    ["train_dp", "train_ddp", "train_fsdp", "train_tp", "train_pp", "bench", "data", "generate",
-     "export_hf", "memory_plan", "plot_metrics", "profile_step", "gpu_proof"],
+    ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "bench", "data",
+     "generate", "export_hf", "memory_plan", "plot_metrics", "profile_step", "gpu_proof"],
 )  # fmt: skip
 def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, module):
     class Parsed(Exception):
@@ -210,7 +210,7 @@ def test_warmup_beyond_max_steps_is_warned_about(corpus, cache_dir, capsys):
 
 
 def test_unknown_choice_is_one_message_not_a_usage_dump(existing_run, corpus, cache_dir):
-    argv = cli(corpus, cache_dir, existing_run, data_mode="zip")
+    argv = cmd(corpus, cache_dir, existing_run, data_mode="zip")
     proc = assert_refused(DP, argv, "invalid choice: 'zip'", existing_run, cache_dir)
     assert "usage:" not in proc.stderr
 
@@ -222,17 +222,17 @@ def test_unknown_choice_is_one_message_not_a_usage_dump(existing_run, corpus, ca
 def test_out_dir_that_cannot_be_created_is_refused(corpus, cache_dir, tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    argv = cli(corpus, cache_dir, a_file / "out")
+    argv = cmd(corpus, cache_dir, a_file / "out")
     assert_refused(DP, argv, "cannot be created or written", a_file, cache_dir)
 
 
 def test_missing_resume_path_is_refused(existing_run, corpus, cache_dir, tmp_path):
-    argv = cli(corpus, cache_dir, existing_run, resume=tmp_path / "nope.pt")
+    argv = cmd(corpus, cache_dir, existing_run, resume=tmp_path / "nope.pt")
     assert_refused(DP, argv, "no checkpoint file at", existing_run, cache_dir)
 
 
 def test_resuming_a_checkpoint_of_another_model_is_refused(existing_run, corpus, cache_dir):
-    argv = cli(corpus, cache_dir, existing_run, model="small")  # same run, another size
+    argv = cmd(corpus, cache_dir, existing_run, model="small")  # same run, another size
     assert_refused(DP, argv, "the checkpoint holds a model with config", existing_run, cache_dir)
 
 
@@ -251,12 +251,12 @@ def test_resuming_with_another_tokenizer_is_refused(existing_run, corpus, cache_
     assert other.get_vocab_size() == 320
     path = tmp_path / "other.json"
     other.save(str(path))
-    argv = cli(corpus, cache_dir, existing_run) + ["--tokenizer", str(path)]
+    argv = cmd(corpus, cache_dir, existing_run) + ["--tokenizer", str(path)]
     assert_refused(DP, argv, "different tokenizer", existing_run, cache_dir)
 
 
 def test_resuming_with_another_data_order_or_schedule_is_refused(existing_run, corpus, cache_dir):
-    argv = cli(corpus, cache_dir, existing_run, batch_size=16, max_steps=20)
+    argv = cmd(corpus, cache_dir, existing_run, batch_size=16, max_steps=20)
     proc = assert_refused(DP, argv, "the checkpoint was made with", existing_run, cache_dir)
     assert "--batch-size 8 (now 16)" in proc.stderr and "--max-steps 8 (now 20)" in proc.stderr
 
@@ -266,7 +266,7 @@ def test_resuming_with_another_data_order_or_schedule_is_refused(existing_run, c
 
 
 def test_nccl_backend_without_cuda_is_refused(existing_run, corpus, cache_dir):
-    argv = cli(corpus, cache_dir, existing_run) + ["--backend", "nccl"]
+    argv = cmd(corpus, cache_dir, existing_run) + ["--backend", "nccl"]
     assert_refused(DDP, argv, "--backend nccl needs CUDA GPUs", existing_run, cache_dir)
 
 
@@ -276,13 +276,13 @@ def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="local rank 1 has no GPU: this node has 1"):
-        train_ddp.setup_distributed(backend=None)
+        distributed.setup_distributed(backend=None)
 
 
 @pytest.mark.parametrize("mistake", ["flag", "data"])
 def test_under_torchrun_the_error_is_printed_once(existing_run, corpus, cache_dir, mistake):
     # A bad flag fails before the process group exists, bad data after it: rank 0 alone speaks.
-    argv = cli(corpus, cache_dir, existing_run, model="huge" if mistake == "flag" else "tiny")
+    argv = cmd(corpus, cache_dir, existing_run, model="huge" if mistake == "flag" else "tiny")
     if mistake == "data":
         argv[argv.index("--data") + 1] = str(corpus / "missing" / "*.txt")
     assert_refused(DDP, argv, "error: ", existing_run, cache_dir, world=2)

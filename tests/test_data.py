@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import data
+import distributed
 from data import BOT, EOT, IGNORE_INDEX, PAD
 
 VOCAB = 300  # small: trains in well under a second
@@ -362,7 +363,7 @@ def test_benchmark_loader_reports_a_positive_speed():
 
 def test_main_process_first_without_distributed_just_runs_the_body():
     ran = []
-    with data.main_process_first():
+    with distributed.main_process_first():
         ran.append(True)
     assert ran == [True]
 
@@ -370,7 +371,7 @@ def test_main_process_first_without_distributed_just_runs_the_body():
 def _record_order(rank: int, store: str, log: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    with data.main_process_first():
+    with distributed.main_process_first():
         with open(log, "a") as f:
             f.write(f"{rank} start\n")
         time.sleep(

@@ -17,7 +17,8 @@ import torch
 from tokenizers import Tokenizer
 
 import export_hf
-from generate import generate_text, load_model
+from checkpoints import load_model
+from generate import generate_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "def add(x, y):\n    return x + y"

@@ -23,7 +23,7 @@ from harness import (
     LAUNCH_TIMEOUT,
     REPO,
     assert_state_dicts_close,
-    cli,
+    cmd,
     copy_checkpoint,
     describe,
     file_size_limit,
@@ -35,7 +35,7 @@ from harness import (
     snapshot,
 )
 
-import common
+import metrics
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
@@ -112,7 +112,7 @@ def test_killed_worker_is_restarted_by_torchrun_and_resumes_bit_identically(
     reference = trained(DDP, world=2, **FAULT_RUN)
     out = tmp_path / "out"
     # Through run_ddp.sh, the product's launcher, as a user would run it.
-    launcher = launch(cli(corpus, cache_dir, out, **FAULT_RUN), MAX_RESTARTS="1")
+    launcher = launch(cmd(corpus, cache_dir, out, **FAULT_RUN), MAX_RESTARTS="1")
     wait_for(out / "checkpoints" / "step_0000008.pt", launcher)
     os.kill(worker_pid(launcher, rank=1), signal.SIGKILL)  # mid-run, between checkpoints
     rc, output = finish(launcher)
@@ -130,7 +130,7 @@ def test_killed_job_rerun_with_the_same_command_resumes_bit_identically(
 ):
     reference = trained(DDP, world=2, **FAULT_RUN)
     out = tmp_path / "out"
-    argv = cli(corpus, cache_dir, out, **FAULT_RUN)
+    argv = cmd(corpus, cache_dir, out, **FAULT_RUN)
     launcher = launch(argv, MAX_RESTARTS="0")
     wait_for(out / "checkpoints" / "step_0000008.pt", launcher)
     os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and every worker, like a dead node
@@ -166,7 +166,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(
     stray = out / "checkpoints" / "step_0000012.pt.tmp4242"
     stray.write_bytes(data[:1000])
 
-    proc = run_script(DP, cli(corpus, cache_dir, out))
+    proc = run_script(DP, cmd(corpus, cache_dir, out))
     assert "cannot read checkpoint" in proc.stderr and "step_0000008.pt" in proc.stderr
     assert "resumed from" in proc.stdout and "step_0000004.pt" in proc.stdout
     assert not stray.exists(), "the stale temporary file was not cleaned up"
@@ -183,7 +183,7 @@ def test_a_torn_last_line_in_metrics_jsonl_does_not_stop_the_resume(
     # Killed while appending step 6's line, after the checkpoint of step 4:
     (out / "metrics.jsonl").write_text("".join(lines[:6]) + lines[6][: len(lines[6]) // 2])
 
-    run_script(DP, cli(corpus, cache_dir, out))
+    run_script(DP, cmd(corpus, cache_dir, out))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
     assert_weights_equal(load_weights(out), load_weights(reference))
@@ -195,7 +195,7 @@ def test_a_usage_error_under_run_ddp_sh_ends_the_job_at_once_without_restarts(
     # torchrun restarts failed workers whatever their exit code (and then exits 1 itself):
     # run_ddp.sh checks the flags first, for the job's 2 processes (8 does not divide by 3).
     out = tmp_path / "out"
-    rc, output = finish(launch(cli(corpus, cache_dir, out, micro_batch_size=3)))
+    rc, output = finish(launch(cmd(corpus, cache_dir, out, micro_batch_size=3)))
     expect = "--batch-size 8 must be a multiple of --micro-batch-size (3) x devices (2)"
     assert rc == 2 and output.count("error: ") == 1 and expect in output, output[-6000:]
     assert "--max-restarts" not in output, "torchrun was started"
@@ -204,7 +204,7 @@ def test_a_usage_error_under_run_ddp_sh_ends_the_job_at_once_without_restarts(
 
 def test_run_ddp_sh_reads_relative_paths_from_where_it_is_run(trained, corpus, cache_dir, tmp_path):
     # As any command: --out-dir run means ./run here, not a folder beside run_ddp.sh.
-    rc, output = finish(launch(cli(corpus, cache_dir, "run"), cwd=tmp_path))
+    rc, output = finish(launch(cmd(corpus, cache_dir, "run"), cwd=tmp_path))
     assert rc == 0, output[-6000:]
     assert_weights_equal(load_weights(tmp_path / "run"), load_weights(trained(DDP, world=2)))
     assert not (REPO / "run").exists()
@@ -218,7 +218,7 @@ def test_resume_path_to_a_corrupt_file_is_refused_and_nothing_changes(
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     before = snapshot(out)
-    proc = run_script(DP, cli(corpus, cache_dir, out, resume=bad), expect_rc=2)
+    proc = run_script(DP, cmd(corpus, cache_dir, out, resume=bad), expect_rc=2)
     assert "cannot read checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     assert snapshot(out) == before
 
@@ -235,7 +235,7 @@ def test_nonfinite_loss_stops_the_run_naming_the_step_and_saves_nothing_bad(
     corpus, cache_dir, tmp_path, script, world
 ):
     out = tmp_path / "out"
-    proc = run_script(script, cli(corpus, cache_dir, out, **NAN_RUN), world, expect_rc=None)
+    proc = run_script(script, cmd(corpus, cache_dir, out, **NAN_RUN), world, expect_rc=None)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "NaN/infinite at step 2" in output
@@ -251,7 +251,7 @@ def test_skip_nonfinite_skips_bad_updates_and_finishes_with_finite_weights(
     corpus, cache_dir, tmp_path
 ):
     out = tmp_path / "out"
-    proc = run_script(DP, cli(corpus, cache_dir, out, **NAN_RUN) + ["--skip-nonfinite"])
+    proc = run_script(DP, cmd(corpus, cache_dir, out, **NAN_RUN) + ["--skip-nonfinite"])
     assert "step 2 has a non-finite loss or gradient; its update is skipped" in proc.stderr
     weights = load_weights(out)
     assert all(torch.isfinite(t).all() for t in weights.values())
@@ -259,9 +259,9 @@ def test_skip_nonfinite_skips_bad_updates_and_finishes_with_finite_weights(
 
 def test_skip_nonfinite_stops_after_too_many_skipped_steps_in_a_row(corpus, cache_dir, tmp_path):
     # Every step after the first is non-finite here: skipping cannot save this run.
-    out, limit = tmp_path / "out", common.NonFiniteGuard.MAX_SKIPPED_IN_A_ROW
+    out, limit = tmp_path / "out", metrics.NonFiniteGuard.MAX_SKIPPED_IN_A_ROW
     run = {**NAN_RUN, "max_steps": limit + 4, "save_interval": 4}
-    proc = run_script(DP, cli(corpus, cache_dir, out, **run) + ["--skip-nonfinite"], expect_rc=1)
+    proc = run_script(DP, cmd(corpus, cache_dir, out, **run) + ["--skip-nonfinite"], expect_rc=1)
     assert (
         f"error: the loss or the gradient was NaN/infinite at {limit} steps in a row "
         f"(2 to {limit + 1}): the run is not recovering" in proc.stderr
@@ -290,7 +290,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_keeping_t
     out = tmp_path / "out"
     copy_checkpoint(trained(script, world=world), 4, out)  # resumes there, saves step 8
     before = snapshot(out)
-    proc = run_script(script, cli(corpus, cache_dir, out), world, expect_rc=None,
+    proc = run_script(script, cmd(corpus, cache_dir, out), world, expect_rc=None,
                       preexec_fn=file_size_limit(FILE_SIZE_LIMIT))  # fmt: skip
     assert proc.returncode == 1 if world == 1 else proc.returncode != 0, describe(proc, "failure")
     path = out / "checkpoints" / "step_0000008.pt"
@@ -314,7 +314,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(trained, corpus, cache_d
     # meeting through the c10d rendezvous on 127.0.0.1, the way cluster nodes meet.
     out, port = tmp_path / "out", str(free_port())
     nodes = [
-        launch(cli(corpus, cache_dir, out), NNODES="2", NODE_RANK=str(node_rank),
+        launch(cmd(corpus, cache_dir, out), NNODES="2", NODE_RANK=str(node_rank),
                NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, MAX_RESTARTS="0",
                RDZV_ID="two-nodes")
         for node_rank in (0, 1)

@@ -22,10 +22,11 @@ import torch
 from harness import (
     DDP,
     DP,
+    ZERO1,
     assert_same_losses,
     assert_state_dicts_close,
     assert_state_dicts_equal,
-    cli,
+    cmd,
     copy_checkpoint,
     file_size_limit,
     flatten,
@@ -82,7 +83,7 @@ def launched(tmp_path_factory, corpus, cache_dir):
         key = (script, world, flags)
         if key not in runs:
             out = tmp_path_factory.mktemp(Path(script).stem)
-            run_script(script, cli(corpus, cache_dir, out) + list(flags), world)
+            run_script(script, cmd(corpus, cache_dir, out) + list(flags), world)
             runs[key] = out
         return runs[key]
 
@@ -92,7 +93,7 @@ def launched(tmp_path_factory, corpus, cache_dir):
 @pytest.mark.parametrize(
     "script, world, flags",
     [
-        (DDP, 2, ("--zero1",)),
+        (ZERO1, 2, ()),
         (DP, 1, ("--activation-checkpointing",)),
         (FSDP, 2, ZERO3),
         # Stage 2, checkpointed, and 4 micro-batches per rank: also proves that
@@ -122,10 +123,10 @@ def fsdp_run(launched) -> Path:
 
 
 def test_zero1_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path):
-    full = launched(DDP, 2, "--zero1")
+    full = launched(ZERO1, 2)
     out = tmp_path / "resumed"
     copy_checkpoint(full, 4, out)
-    proc = run_script(DDP, cli(corpus, cache_dir, out) + ["--zero1"], world=2)
+    proc = run_script(ZERO1, cmd(corpus, cache_dir, out), world=2)
     assert "at step 4" in proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(full))
     # The consolidated optimizer state: the full AdamW state, in the plain optimizer's format.
@@ -139,18 +140,27 @@ def test_zero1_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path):
     assert_same_logged_losses_after_step_4(out, full)
 
 
+def test_a_ddp_checkpoint_resumes_in_train_zero1(trained, corpus, cache_dir, tmp_path):
+    # The other way round: train_zero1.py shards a plain AdamW state when it loads it.
+    out = tmp_path / "resumed"
+    copy_checkpoint(trained(DDP, world=2), 4, out)
+    proc = run_script(ZERO1, cmd(corpus, cache_dir, out), world=2)
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_close(load_weights(out), load_weights(trained(DDP, world=2)))
+
+
 def test_zero1_checkpoint_resumes_in_train_dp(launched, trained, corpus, cache_dir, tmp_path):
     # The consolidated checkpoint is a plain one: any script, any world size reads it.
     out = tmp_path / "resumed"
-    checkpoint = copy_checkpoint(launched(DDP, 2, "--zero1"), 4, out)
-    run_script(DP, cli(corpus, cache_dir, out, resume=str(checkpoint)))
+    checkpoint = copy_checkpoint(launched(ZERO1, 2), 4, out)
+    run_script(DP, cmd(corpus, cache_dir, out, resume=str(checkpoint)))
     assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
 
 
 def test_fsdp_resume_is_bit_identical(fsdp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
     copy_sharded_checkpoint(fsdp_run, 4, out)
-    proc = run_script(FSDP, cli(corpus, cache_dir, out), world=2)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out), world=2)
     assert "at step 4" in proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(fsdp_run))
     got = sharded_checkpoint_state(out, 8, tmp_path)
@@ -173,7 +183,7 @@ def test_fsdp_checkpoint_resumes_on_a_different_number_of_ranks(
     out = tmp_path / "resumed"
     copy_sharded_checkpoint(fsdp_run, 4, out)
     shutil.copy(fsdp_run / "metrics.jsonl", out)  # the resumed run keeps steps 1-4 of it
-    proc = run_script(FSDP, cli(corpus, cache_dir, out), world=1)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out), world=1)
     assert "at step 4" in proc.stdout
     assert_state_dicts_close(load_weights(out), load_weights(fsdp_run))
     assert_same_losses(out, fsdp_run)
@@ -187,7 +197,7 @@ def test_a_sharded_checkpoint_that_cannot_be_written_stops_the_run_keeping_the_l
     before = snapshot(out)
     # No file may grow past 1 MB (a full disk, as test_faults.py's .pt checkpoints meet it): the
     # ~10 MB shards of step 8 cannot be written.
-    proc = run_script(FSDP, cli(corpus, cache_dir, out), world=2, expect_rc=None,
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out), world=2, expect_rc=None,
                       preexec_fn=file_size_limit(2**20))  # fmt: skip
     assert proc.returncode != 0
     path = out / "checkpoints" / "step_0000008"
@@ -220,10 +230,11 @@ def test_model_pt_is_the_same_plain_state_dict_from_every_script(trained, fsdp_r
 
 
 def test_fsdp_refuses_a_ddp_checkpoint_clearly(trained, corpus, cache_dir, tmp_path):
-    # Resumable state does not cross between the .pt and DCP formats (README); say so, not crash.
+    # Resumable state does not cross between the .pt and DCP formats (docs/memory.md): say so,
+    # not crash.
     out = tmp_path / "out"
     checkpoint = copy_checkpoint(trained(DDP, world=2), 4, out)
-    argv = cli(corpus, cache_dir, out, resume=str(checkpoint))
+    argv = cmd(corpus, cache_dir, out, resume=str(checkpoint))
     proc = run_script(FSDP, argv, world=1, expect_rc=2)
     assert "not a train_fsdp.py checkpoint" in proc.stderr, proc.stderr
 
@@ -235,7 +246,7 @@ def test_fsdp_refuses_a_damaged_shard_clearly(launched, corpus, cache_dir, tmp_p
     checkpoint = copy_sharded_checkpoint(launched(FSDP, 2, *ZERO3), 4, out)
     shard = sorted(checkpoint.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = run_script(FSDP, cli(corpus, cache_dir, out, resume=str(checkpoint)), expect_rc=2)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out, resume=str(checkpoint)), expect_rc=2)
     assert f"could not load the sharded checkpoint {checkpoint}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
 
@@ -276,7 +287,7 @@ def test_fsdp_resume_runs_no_code_from_a_crafted_metadata_file(
     checkpoint = copy_sharded_checkpoint(launched(FSDP, 2, *ZERO3), 4, out)
     marker = tmp_path / "code_ran"
     (checkpoint / ".metadata").write_bytes(code_running_pickle(marker))
-    proc = run_script(FSDP, cli(corpus, cache_dir, out), expect_rc=2)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out), expect_rc=2)
     assert_refused_without_running_code(proc, marker, f"cannot read {checkpoint}/.metadata")
 
 
@@ -304,17 +315,17 @@ def test_fsdp_resume_runs_no_code_from_a_crafted_optimizer_value(
         where, offset=offset, length=len(payload)
     )
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    proc = run_script(FSDP, cli(corpus, cache_dir, out), expect_rc=2)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out), expect_rc=2)
     assert_refused_without_running_code(proc, marker, f"the value of {fqn}")
 
 
 def test_plan_flag_prints_the_memory_plan(corpus, cache_dir, tmp_path):
-    proc = run_script(FSDP, cli(corpus, cache_dir, tmp_path / "out", max_steps=1) + ["--plan"])
+    proc = run_script(FSDP, cmd(corpus, cache_dir, tmp_path / "out", max_steps=1) + ["--plan"])
     assert "zero3" in proc.stdout and "memory per GPU" in proc.stdout
 
 
 def test_fsdp_refuses_fp16_in_one_line(corpus, cache_dir, tmp_path):
     out = tmp_path / "out"
-    argv = cli(corpus, cache_dir, out, precision="fp16")
+    argv = cmd(corpus, cache_dir, out, precision="fp16")
     assert_refused(FSDP, argv, "supports --precision bf16 or fp32", out, cache_dir)
     assert not out.exists(), "nothing is written before the flags are checked"

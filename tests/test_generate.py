@@ -1,6 +1,6 @@
 """Specification of generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
 
-The out-dir comes from conftest.py (a tiny random model saved with common.save_final, exactly
+The out-dir comes from conftest.py (a tiny random model saved with checkpoints.save_final, exactly
 what the training scripts write); only two tests launch the script itself (~4 s each).
 """
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
-from generate import generate_text, load_model
+import training
+from checkpoints import load_model
+from generate import generate_text
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def add(x"
@@ -138,4 +139,4 @@ def test_load_model_refuses_what_is_not_an_out_dir(out_dir, tmp_path):
 def test_the_training_scripts_sample_is_generate_text_with_seed_0(out_dir):
     model, tokenizer = load_model(str(out_dir))
     expected = generate_text(model, tokenizer, "def ", 20, seed=0)
-    assert common.sample_text(model, tokenizer, "def ", 20) == expected
+    assert training.sample_text(model, tokenizer, "def ", 20) == expected

@@ -152,6 +152,8 @@ def test_communication_per_step_follows_the_ring_formulas():
     # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
     c = memory_plan.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
     assert c["data_parallel"]["ddp"] == 2 * 0.75 * 4e6
+    # ZeRO-1 (ZeroRedundancyOptimizer): DDP's all-reduce, then the fp32 weights broadcast.
+    assert c["data_parallel"]["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
     assert c["data_parallel"]["zero3"] == 0.75 * (2 * 2 * 2e6 + 4e6)
     # tp 2: 4 all-reduces of s*b*h bf16 activations (32,768 bytes) per layer and micro-batch.
     assert c["tensor_parallel"] == 4 * 2 * 0.5 * 32_768 * 3 * 2

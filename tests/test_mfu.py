@@ -5,8 +5,8 @@ import pytest
 import torch
 from harness import DP, read_metrics
 
-import common
-from model import LlamaConfig
+import metrics
+from model import LlamaConfig, count_parameters
 
 
 def test_flops_per_token_is_palms_count_without_the_input_embedding():
@@ -14,14 +14,14 @@ def test_flops_per_token_is_palms_count_without_the_input_embedding():
     # matrix multiply; attention adds 12 * layers * hidden * context.
     config = LlamaConfig.from_preset("7b")
     n = 6_738_415_616 - 32000 * 4096
-    assert common.flops_per_token(config, 2048) == 6 * n + 12 * 32 * 4096 * 2048
+    assert metrics.flops_per_token(config, 2048) == 6 * n + 12 * 32 * 4096 * 2048
 
 
 def test_flops_per_token_counts_a_tied_embedding_once_as_lm_head():
     config = LlamaConfig.from_preset("1b")  # tie_word_embeddings=True
-    n = common.count_parameters(config)  # the shared matrix is in it once
+    n = count_parameters(config)  # the shared matrix is in it once
     attention = 12 * config.num_hidden_layers * config.hidden_size * 1024
-    assert common.flops_per_token(config, 1024) == 6 * n + attention
+    assert metrics.flops_per_token(config, 1024) == 6 * n + attention
 
 
 @pytest.mark.parametrize(
@@ -32,16 +32,16 @@ def test_flops_per_token_counts_a_tied_embedding_once_as_lm_head():
 )  # fmt: skip
 def test_peak_flops_is_the_bf16_dense_peak_of_the_gpu_in_use(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert common.peak_flops(torch.device("cuda", 0)) == peak
+    assert metrics.peak_flops(torch.device("cuda", 0)) == peak
 
 
 def test_cpu_has_no_peak_and_so_no_mfu():
-    assert common.peak_flops(torch.device("cpu")) is None
-    assert common.mfu(1e6, 1e9, None, 1) is None
+    assert metrics.peak_flops(torch.device("cpu")) is None
+    assert metrics.mfu(1e6, 1e9, None, 1) is None
 
 
 def test_mfu_divides_achieved_model_flops_by_the_peak_of_all_devices():
-    assert common.mfu(2e4, 5e9, 1e14, 4) == pytest.approx(2e4 * 5e9 / 4e14)
+    assert metrics.mfu(2e4, 5e9, 1e14, 4) == pytest.approx(2e4 * 5e9 / 4e14)
 
 
 def test_a_cpu_run_logs_mfu_and_peak_memory_as_null(trained):
@@ -52,14 +52,14 @@ def test_a_cpu_run_logs_mfu_and_peak_memory_as_null(trained):
 
 def test_progress_bar_shows_step_time_and_mfu_next_to_loss_lr_and_tokens_per_sec():
     figures = {"tokens_per_sec": 8000.0, "step_ms": 512.0, "mfu": 0.4123, "peak_memory_gb": 3.0}
-    assert common.bar_postfix(2.5, 3e-4, figures) == {
+    assert metrics.bar_postfix(2.5, 3e-4, figures) == {
         "loss": "2.500", "lr": "3.00e-04", "tok_s": "8,000", "step_ms": "512.0", "mfu": "41.2%"
     }  # fmt: skip
 
 
 def test_progress_bar_leaves_mfu_out_where_the_peak_is_unknown():
     figures = {"tokens_per_sec": 8000.0, "step_ms": 512.0, "mfu": None, "peak_memory_gb": None}
-    assert list(common.bar_postfix(2.5, 3e-4, figures)) == ["loss", "lr", "tok_s", "step_ms"]
+    assert list(metrics.bar_postfix(2.5, 3e-4, figures)) == ["loss", "lr", "tok_s", "step_ms"]
 
 
 def test_throughput_figures_agree_with_each_other(trained):

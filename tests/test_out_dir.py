@@ -14,7 +14,7 @@ import signal
 import socket
 
 import pytest
-from harness import DDP, DP, cli, read_metrics, run_script, start, stop_group, wait_for_step
+from harness import DDP, DP, cmd, read_metrics, run_script, start, stop_group, wait_for_step
 from test_bad_input import assert_refused
 
 FSDP = "train_fsdp.py"
@@ -26,12 +26,12 @@ def test_a_live_runs_out_dir_is_refused_naming_it_and_a_killed_runs_is_not(
     out = tmp_path / "out"
     # A run that goes on until killed, with a DataLoader worker (a child process of its own).
     forever = {"max_steps": 10**6, "save_interval": 10**6, "eval_interval": 10**6}
-    holder = start(DP, cli(corpus, cache_dir, out, **forever, num_workers=1))
+    holder = start(DP, cmd(corpus, cache_dir, out, **forever, num_workers=1))
     try:
         wait_for_step(out, 1, holder)
         expect = f"is in use by another run (pid {holder.pid} on {socket.gethostname()}, started "
         for script, world in [(DP, 1), (DDP, 2)]:  # under torchrun: every rank stops, one says so
-            proc = run_script(script, cli(corpus, cache_dir, out), world, expect_rc=None)
+            proc = run_script(script, cmd(corpus, cache_dir, out), world, expect_rc=None)
             output = proc.stdout + proc.stderr
             assert proc.returncode == 2 if world == 1 else proc.returncode != 0, output[-4000:]
             assert expect in proc.stderr and "train_dp.py --data" in proc.stderr, output[-4000:]
@@ -44,7 +44,7 @@ def test_a_live_runs_out_dir_is_refused_naming_it_and_a_killed_runs_is_not(
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
         killed_metrics = (out / "metrics.jsonl").read_text()
-        proc = run_script(DP, cli(corpus, cache_dir, out))  # the default 8 steps
+        proc = run_script(DP, cmd(corpus, cache_dir, out))  # the default 8 steps
     finally:
         stop_group(holder)
     assert "has metrics.jsonl but no checkpoint: starting at step 0" in proc.stdout, proc.stdout
@@ -61,7 +61,7 @@ def test_a_fresh_start_over_old_outputs_says_so_and_keeps_the_old_metrics(
     old_metrics = (out / "metrics.jsonl").read_text()
     (out / "metrics.jsonl.1").write_text("an older run's\n")  # taken: the next number is used
 
-    proc = run_script(DP, cli(corpus, cache_dir, out, max_steps=2))
+    proc = run_script(DP, cmd(corpus, cache_dir, out, max_steps=2))
     note = [line for line in proc.stdout.splitlines() if line.startswith("note: ")]
     assert note == [
         f"note: {out} has metrics.jsonl and model.pt but no checkpoint: starting at step 0; its "
@@ -90,7 +90,7 @@ def test_train_dp_and_ddp_refuse_an_out_dir_of_sharded_checkpoints(
     fsdp_out_dir, corpus, cache_dir, script, world, resume
 ):
     # Before: they started at step 0 beside those checkpoints and replaced that run's model.pt.
-    argv = cli(corpus, cache_dir, fsdp_out_dir, resume=resume)
+    argv = cmd(corpus, cache_dir, fsdp_out_dir, resume=resume)
     expect = "holds checkpoints of train_fsdp.py/train_tp.py/train_pp.py (directories)"
     assert_refused(script, argv, expect, fsdp_out_dir, cache_dir, world)
 
@@ -100,6 +100,6 @@ def test_train_fsdp_refuses_an_out_dir_of_pt_checkpoints_even_with_resume_never(
 ):
     out = tmp_path / "out"
     shutil.copytree(trained(DP), out)
-    argv = cli(corpus, cache_dir, out, resume="never")
-    expect = f"holds checkpoints of train_dp.py/train_ddp.py (.pt files), which {FSDP} can"
+    argv = cmd(corpus, cache_dir, out, resume="never")
+    expect = f"holds checkpoints of {DP}/{DDP}/train_zero1.py (.pt files), which {FSDP} can"
     assert_refused(FSDP, argv, expect, out, cache_dir)

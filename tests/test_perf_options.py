@@ -13,10 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import DDP, DP, cli, run_script
+from harness import DDP, DP, cmd, run_script
 
-import common
+import auto_batch
+import cli
 import profile_step
+import training
 from model import LlamaConfig, LlamaForPretraining
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # only compared, never used
@@ -42,12 +44,12 @@ def test_auto_attention_is_flex_only_for_a_document_mask_on_one_cuda_device(
     document_mask, device, replicas, expected
 ):
     args = attention_args("auto", document_mask)
-    assert common.resolve_attention(args, device, replicas) == expected
+    assert cli.resolve_attention(args, device, replicas) == expected
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_an_explicit_attention_choice_is_kept(attention):
-    assert common.resolve_attention(attention_args(attention), CUDA) == attention
+    assert cli.resolve_attention(attention_args(attention), CUDA) == attention
 
 
 @pytest.mark.parametrize(
@@ -63,7 +65,7 @@ def test_flex_attention_where_it_cannot_run_is_refused_with_the_reason(
     args, device, replicas, reason
 ):
     with pytest.raises(ValueError, match=reason):
-        common.resolve_attention(args, device, replicas)
+        cli.resolve_attention(args, device, replicas)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -87,20 +89,20 @@ class Probe:
 
 def test_the_search_takes_the_largest_divisor_of_the_per_device_batch_that_fits():
     probe = Probe(base=0, per_sequence=1)
-    best, peaks = common.search_micro_batch_size(12, probe, budget=6.5)
+    best, peaks = auto_batch.search_micro_batch_size(12, probe, budget=6.5)
     assert best == 6
     assert probe.probed == [1, 2, 3, 4, 6]  # divisors only, small to large; 12 predicted 12 > 6.5
     assert peaks == {1: 1, 2: 2, 3: 3, 4: 4, 6: 6}
 
 
 def test_the_whole_per_device_batch_is_chosen_when_it_fits():
-    best, _ = common.search_micro_batch_size(8, Probe(base=10, per_sequence=1), budget=100)
+    best, _ = auto_batch.search_micro_batch_size(8, Probe(base=10, per_sequence=1), budget=100)
     assert best == 8  # then accumulation is 1
 
 
 def test_running_out_of_memory_ends_the_search_at_the_size_before():
     probe = Probe(base=0, per_sequence=1, oom_from=4)
-    best, peaks = common.search_micro_batch_size(16, probe, budget=100)
+    best, peaks = auto_batch.search_micro_batch_size(16, probe, budget=100)
     assert best == 2
     assert probe.probed == [1, 2, 4]
     assert peaks[4] == float("inf")
@@ -110,7 +112,7 @@ def test_a_size_over_budget_ends_the_search_although_a_larger_one_might_measure_
     # Memory is taken to grow with the micro-batch: the first size over budget is the last tried.
     peaks_by_size = {1: 10, 2: 20, 3: 200, 6: 30}
     probed = []
-    best, _ = common.search_micro_batch_size(
+    best, _ = auto_batch.search_micro_batch_size(
         6, lambda n: probed.append(n) or peaks_by_size[n], budget=100
     )
     assert (best, probed) == (2, [1, 2, 3])
@@ -118,14 +120,14 @@ def test_a_size_over_budget_ends_the_search_although_a_larger_one_might_measure_
 
 def test_a_size_predicted_over_budget_from_the_last_two_probes_is_never_probed():
     probe = Probe(base=10, per_sequence=10)  # 1: 20, 2: 30, 4: 50, 8: 90, 16 would be 170
-    best, _ = common.search_micro_batch_size(16, probe, budget=95)
+    best, _ = auto_batch.search_micro_batch_size(16, probe, budget=95)
     assert best == 8
     assert probe.probed == [1, 2, 4, 8]
 
 
 def test_the_search_finds_nothing_when_one_sequence_does_not_fit():
     probe = Probe(base=50, per_sequence=10)
-    assert common.search_micro_batch_size(4, probe, budget=55) == (None, {1: 60})
+    assert auto_batch.search_micro_batch_size(4, probe, budget=55) == (None, {1: 60})
 
 
 class Tiny(torch.nn.Module):
@@ -157,17 +159,19 @@ def simulated_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: model.peak)
         argv = f"--batch-size {batch_size} --seq-length 16 --micro-batch-size auto".split()
-        args = common.build_parser("test").parse_args(argv)
-        args.attention = "sdpa"
-        optimizer = common.build_optimizer(model, args, "cpu")
-        tokenizer = SimpleNamespace(get_vocab_size=lambda: 97)
+        args = cli.build_parser("test").parse_args(argv)
+        plan = cli.RunPlan(
+            model="tiny", tokenizer=None, devices=devices, micro_batch_size=None,
+            accumulation=1, precision="fp32", attention="sdpa",
+        )  # fmt: skip
+        optimizer = training.build_optimizer(model, args, "cpu")
         rng = torch.get_rng_state()
-        accumulation = common.auto_micro_batch_size(
-            args, model, tokenizer, optimizer, torch.device("cpu"), "fp32", devices
+        plan = auto_batch.auto_micro_batch_size(
+            args, plan, model, lambda x: None, optimizer, 97, torch.device("cpu")
         )
         assert torch.equal(torch.get_rng_state(), rng), "the probes changed training's RNG"
         assert all(p.grad is None for p in model.parameters()), "a probe's gradient was left"
-        return args.micro_batch_size, accumulation
+        return plan.micro_batch_size, plan.accumulation
 
     return run
 
@@ -195,21 +199,22 @@ def test_auto_refuses_a_gpu_where_not_one_sequence_fits(simulated_gpu):
         simulated_gpu(Tiny(), total_memory=150)
 
 
-def test_check_args_leaves_auto_to_be_measured_but_checks_the_devices_divide_the_batch(
+def test_the_plan_leaves_auto_to_be_measured_but_checks_the_devices_divide_the_batch(
     monkeypatch,
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    parser = common.build_parser("test")
+    parser = cli.build_parser("test")
     argv = ["--batch-size", "12", "--micro-batch-size", "auto"]
     args = parser.parse_args(argv)
-    assert common.check_args(parser, args, devices=4) == 1  # until measured
+    plan = cli.plan_run(parser, args, 4, CPU)
+    assert (plan.micro_batch_size, plan.accumulation) == (None, 1)  # until measured
     assert args.micro_batch_size == "auto"
     with pytest.raises(ValueError, match="--batch-size 12 must be a multiple"):
-        common.check_args(parser, parser.parse_args(argv), devices=5)
+        cli.plan_run(parser, parser.parse_args(argv), 5, CPU)
 
 
 def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
-    parser = common.build_parser("test")
+    parser = cli.build_parser("test")
     assert parser.parse_args(["--micro-batch-size", "4"]).micro_batch_size == 4
     assert parser.parse_args(["--micro-batch-size", "auto"]).micro_batch_size == "auto"
     with pytest.raises(ValueError, match="expected a number or 'auto'"):
@@ -231,7 +236,7 @@ def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
 )
 def test_gpu_only_choices_on_cpu_exit_with_a_usage_error(corpus, cache_dir, tmp_path, script,
                                                          flags, message):  # fmt: skip
-    proc = run_script(script, cli(corpus, cache_dir, tmp_path / "out") + flags, expect_rc=2)
+    proc = run_script(script, cmd(corpus, cache_dir, tmp_path / "out") + flags, expect_rc=2)
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()

@@ -25,7 +25,7 @@ from harness import (
     assert_state_dicts_close,
     assert_state_dicts_equal,
     assert_train_dp_starts_from,
-    cli,
+    cmd,
     flatten,
     load_weights,
     read_metrics,
@@ -34,7 +34,8 @@ from harness import (
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train_pp
-from generate import generate_text, load_model
+from checkpoints import load_model
+from generate import generate_text
 from model import LlamaConfig, LlamaForPretraining
 
 PP = "train_pp.py"
@@ -69,7 +70,7 @@ def launched(tmp_path_factory, corpus, cache_dir):
         if layout not in runs:
             world, flags = LAYOUTS[layout]
             out = tmp_path_factory.mktemp(f"pp_{layout}")
-            proc = run_script(PP, cli(corpus, cache_dir, out) + list(flags), world)
+            proc = run_script(PP, cmd(corpus, cache_dir, out) + list(flags), world)
             runs[layout] = out, proc.stdout
         return runs[layout]
 
@@ -153,7 +154,7 @@ def test_resume_is_bit_identical(pp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "step_0000004", out / "checkpoints" / "step_0000004")
     world, flags = LAYOUTS["1f1b-checkpointing"]
-    proc = run_script(PP, cli(corpus, cache_dir, out) + list(flags), world)
+    proc = run_script(PP, cmd(corpus, cache_dir, out) + list(flags), world)
     assert "at step 4" in proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(full))
     got, want = checkpoint_tensors(out, 8, tmp_path), checkpoint_tensors(full, 8, tmp_path)
@@ -181,7 +182,7 @@ def test_pipeline_checkpoint_resumes_in_train_fsdp(pp_run, trained, corpus, cach
     out = tmp_path / "resumed"
     full = pp_run("gpipe")
     shutil.copytree(full / "checkpoints" / "step_0000004", out / "checkpoints" / "step_0000004")
-    proc = run_script(FSDP, cli(corpus, cache_dir, out))
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out))
     assert "at step 4" in proc.stdout
     assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
 
@@ -212,7 +213,7 @@ def test_model_pt_starts_a_train_dp_run(corpus, cache_dir, tmp_path, pp_run):
 
 def pipeline_args(corpus, cache_dir, *flags):
     parser = train_pp.build_parser()
-    return parser, parser.parse_args(cli(corpus, cache_dir, "unused") + list(flags))
+    return parser, parser.parse_args(cmd(corpus, cache_dir, "unused") + list(flags))
 
 
 @pytest.mark.parametrize(
@@ -231,12 +232,12 @@ def pipeline_args(corpus, cache_dir, *flags):
 def test_bad_pipeline_flags_are_refused(corpus, cache_dir, world, flags, message):
     parser, args = pipeline_args(corpus, cache_dir, *flags)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        train_pp.check_pipeline_args(parser, args, world)
+        train_pp.check_pipeline_args(parser, args, world, torch.device("cpu"))
 
 
 def test_refusal_is_one_message_before_anything_is_written(corpus, cache_dir, tmp_path):
     out = tmp_path / "out"
-    proc = run_script(PP, cli(corpus, cache_dir, out) + ["--pp", "2"], expect_rc=2)
+    proc = run_script(PP, cmd(corpus, cache_dir, out) + ["--pp", "2"], expect_rc=2)
     assert proc.stderr.count("error: ") == 1 and "does not divide" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()

@@ -13,10 +13,19 @@ import time
 
 import pytest
 import torch
-from harness import DDP, DP, cli, load_weights, read_metrics, run_script, start, wait_for_step
+from harness import (
+    DDP,
+    DP,
+    cmd,
+    load_weights,
+    read_metrics,
+    run_script,
+    start,
+    wait_for_step,
+)
 from test_faults import FAULT_RUN, assert_weights_equal, finish
 
-import common
+import stopping
 
 FSDP = "train_fsdp.py"
 STOPPED = re.compile(r"stopped at step (\d+), checkpoint saved; run the same command to resume")
@@ -51,7 +60,7 @@ def test_ctrl_c_stops_train_dp_cleanly_and_the_same_command_resumes_bit_identica
     reference = trained(DP, **run)
     out = tmp_path / "out"
     # A DataLoader worker: the terminal's Ctrl-C reaches it too, and it must keep serving.
-    argv = cli(corpus, cache_dir, out, **run, num_workers=1)
+    argv = cmd(corpus, cache_dir, out, **run, num_workers=1)
     proc = start(DP, argv)
     wait_for_step(out, 2, proc)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole process group
@@ -68,7 +77,7 @@ def test_sigterm_to_torchrun_stops_every_ddp_rank_at_one_step_and_the_run_resume
 ):
     reference = trained(DDP, world=2, **FAULT_RUN)
     out = tmp_path / "out"
-    argv = cli(corpus, cache_dir, out, **FAULT_RUN)
+    argv = cmd(corpus, cache_dir, out, **FAULT_RUN)
     proc = start(DDP, argv, world=2)
     wait_for_step(out, 2, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun alone, as `kill` would: it signals its workers
@@ -87,7 +96,7 @@ def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_re
 ):
     reference = trained(FSDP, world=2, **FAULT_RUN)
     out = tmp_path / "out"
-    argv = cli(corpus, cache_dir, out, **FAULT_RUN, num_workers=1)  # workers get it too
+    argv = cmd(corpus, cache_dir, out, **FAULT_RUN, num_workers=1)  # workers get it too
     proc = start(FSDP, argv, world=2)
     wait_for_step(out, 2, proc)
     # To torchrun and its workers at once, as Slurm signals a job step: each worker gets the
@@ -103,13 +112,13 @@ def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_re
 
 
 def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeypatch):
-    handlers = {signum: signal.getsignal(signum) for signum in common.STOP_SIGNALS}
+    handlers = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
     try:
-        request = common.StopRequest(torch.device("cpu"))
+        request = stopping.StopRequest(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
         assert request.agreed() == signal.SIGUSR1
         os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's echo, milliseconds later: ignored
-        monkeypatch.setattr(common, "ECHO_SECONDS", 0.0)  # as if seconds had passed
+        monkeypatch.setattr(stopping, "ECHO_SECONDS", 0.0)  # as if seconds had passed
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(1)  # (the handler interrupts this)

@@ -25,7 +25,7 @@ from harness import (
     assert_state_dicts_close,
     assert_state_dicts_equal,
     assert_train_dp_starts_from,
-    cli,
+    cmd,
     load_weights,
     run_script,
 )
@@ -37,9 +37,10 @@ from test_fsdp import (
     sharded_checkpoint_state,
 )
 
-from generate import generate_text, load_model
+from checkpoints import load_model
+from generate import generate_text
 from model import LlamaConfig, LlamaForPretraining
-from train_tp import check_tensor_parallel, data_parallel_size
+from tensor_parallel import check_tensor_parallel, data_parallel_size
 
 TP = "train_tp.py"
 
@@ -48,7 +49,7 @@ TP = "train_tp.py"
 def tp_run(tmp_path_factory, corpus, cache_dir) -> Path:
     """--tp 2 on 2 ranks: one tensor-parallel group (dp 1). Tests must not write into it."""
     out = tmp_path_factory.mktemp("train_tp")
-    proc = run_script(TP, cli(corpus, cache_dir, out) + ["--tp", "2", "--plan"], world=2)
+    proc = run_script(TP, cmd(corpus, cache_dir, out) + ["--tp", "2", "--plan"], world=2)
     # --plan: memory_plan.py's estimate for this layout, with its tensor-parallel traffic.
     assert "(dp 1 x tp 2 x pp 1)" in proc.stdout and "tensor parallel" in proc.stdout, proc.stdout
     return out
@@ -71,7 +72,7 @@ def test_dp2_tp1_splits_the_batch_over_dp_groups_like_fsdp(trained, corpus, cach
     # each reading half of every global batch, in 2 micro-batches (gradient accumulation).
     out = tmp_path / "out"
     flags = ["--tp", "1", "--micro-batch-size", "2"]
-    proc = run_script(TP, cli(corpus, cache_dir, out) + flags, world=2)
+    proc = run_script(TP, cmd(corpus, cache_dir, out) + flags, world=2)
     assert "dp 2 x tp 1" in proc.stdout
     reference = trained(DP)
     assert_state_dicts_close(load_weights(out), load_weights(reference))
@@ -85,7 +86,7 @@ def test_dp2_tp1_splits_the_batch_over_dp_groups_like_fsdp(trained, corpus, cach
 def test_tp_resume_is_bit_identical(tp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
     copy_sharded_checkpoint(tp_run, 4, out)
-    proc = run_script(TP, cli(corpus, cache_dir, out) + ["--tp", "2"], world=2)
+    proc = run_script(TP, cmd(corpus, cache_dir, out) + ["--tp", "2"], world=2)
     assert "at step 4" in proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(tp_run))
     got = sharded_checkpoint_state(out, 8, tmp_path)
@@ -103,7 +104,7 @@ def test_tp_checkpoint_resumes_in_train_fsdp_on_one_rank(tp_run, corpus, cache_d
     out = tmp_path / "resumed"
     copy_sharded_checkpoint(tp_run, 4, out)
     (out / "metrics.jsonl").write_text((tp_run / "metrics.jsonl").read_text())  # steps 1-4
-    proc = run_script(FSDP, cli(corpus, cache_dir, out), world=1)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out), world=1)
     assert "at step 4" in proc.stdout
     assert_state_dicts_close(load_weights(out), load_weights(tp_run))
     assert_same_losses(out, tp_run)
@@ -178,5 +179,5 @@ def test_tp_divides_the_tiny_model_in_two():
 )
 def test_cli_refuses_bad_flags_in_one_line(corpus, cache_dir, tmp_path, flags, expect):
     out = tmp_path / "out"
-    assert_refused(TP, cli(corpus, cache_dir, out) + flags, expect, out, cache_dir)
+    assert_refused(TP, cmd(corpus, cache_dir, out) + flags, expect, out, cache_dir)
     assert not out.exists(), "nothing is written before the flags are checked"

@@ -35,6 +35,7 @@ from harness import (
     DDP,
     DP,
     LAUNCH_TIMEOUT,
+    LESSONS,
     LOSS_RTOL,
     NUM_DOCS,
     REPO,
@@ -43,7 +44,7 @@ from harness import (
     assert_state_dicts_equal,
     assert_train_dp_starts_from,
     build_args,
-    cli,
+    cmd,
     copy_checkpoint,
     describe,
     flatten,
@@ -58,7 +59,8 @@ from harness import (
 )
 from torch.utils.data import DistributedSampler
 
-import common
+import cli
+import training
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
@@ -75,8 +77,8 @@ def test_ddp_two_ranks_matches_single_process_pad_mode(trained, corpus, cache_di
     # Precondition: padding makes the ranks' halves of a global batch hold different numbers of
     # targets, so a per-rank mean (or a plain DDP average of per-rank means) would weigh tokens
     # unequally; only normalising by the global token count gives one process's gradient.
-    args = build_args(corpus, cache_dir, data_mode="pad")
-    train, _, _ = common.build_datasets(args)
+    args, plan = build_args(corpus, cache_dir, data_mode="pad")
+    train, _, _ = training.build_datasets(args, plan.tokenizer)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     first_batch = order[: args.batch_size].tolist()
     targets = [(train[i][1] != IGNORE_INDEX).sum().item() for i in first_batch]
@@ -106,15 +108,15 @@ def test_ddp_validation_loss_counts_every_validation_sample(trained):
 # train_dp.py == a plain loop; accumulation == one big batch
 
 
-def plain_training_loop(args) -> tuple[dict[str, torch.Tensor], list[float]]:
+def plain_training_loop(args, plan) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The textbook single-process loop on the same data, order, optimizer and schedule."""
-    train, _, tokenizer = common.build_datasets(args)
+    train, _, tokenizer = training.build_datasets(args, plan.tokenizer)
     torch.manual_seed(args.seed)
     model = LlamaForPretraining(
-        LlamaConfig.from_preset(args.model, vocab_size=tokenizer.get_vocab_size())
+        LlamaConfig.from_preset(plan.model, vocab_size=tokenizer.get_vocab_size())
     )
-    optimizer = common.build_optimizer(model, args, "cpu")
-    scheduler = common.build_scheduler(optimizer, args)
+    optimizer = training.build_optimizer(model, args, "cpu")
+    scheduler = training.build_scheduler(optimizer, args)
     steps_per_epoch = len(train) // args.batch_size
     losses = []
     for step in range(args.max_steps):
@@ -139,7 +141,7 @@ def test_dataparallel_path_matches_plain_training_loop(trained, corpus, cache_di
     # On CPU, nn.DataParallel just calls its module: train_dp.py must then be this plain loop.
     # The loop runs in this process (torch's default thread count), the script with one thread,
     # so matmuls may block differently: ATOL/RTOL, not equality (measured: identical here).
-    weights, losses = plain_training_loop(build_args(corpus, cache_dir, data_mode=mode))
+    weights, losses = plain_training_loop(*build_args(corpus, cache_dir, data_mode=mode))
     out = trained(DP, data_mode=mode)
     assert_state_dicts_close(load_weights(out), weights)
     logged = [r["loss"] for r in read_metrics(out)[0]]
@@ -212,9 +214,9 @@ def test_distributed_sampler_shards_are_disjoint_and_reshuffled_each_epoch(n):
     # both ranks together (each with 2 micro-batches of 2), from any start step (a resume), across
     # epoch boundaries.
     for start in (0, steps_per_epoch + 1):
-        single = common.step_batches(dataset, dp_order, batch_size, 1, steps_per_epoch, start, 0,
+        single = training.step_batches(dataset, dp_order, batch_size, 1, steps_per_epoch, start, 0,
                                      False)  # fmt: skip
-        ranks = [common.step_batches(dataset, ddp_order(r), 2, 2, steps_per_epoch, start, 0,
+        ranks = [training.step_batches(dataset, ddp_order(r), 2, 2, steps_per_epoch, start, 0,
                                      False) for r in range(world)]  # fmt: skip
         for step in range(start, epochs * steps_per_epoch):
             epoch, i = divmod(step, steps_per_epoch)
@@ -232,7 +234,7 @@ def test_distributed_sampler_shards_are_disjoint_and_reshuffled_each_epoch(n):
 def test_only_rank_zero_writes(tmp_path, corpus, cache_dir):
     # Each rank runs in its own working directory with the same *relative* --out-dir, so any file
     # rank 1 wrote would land in its own directory. --sample-tokens exercises rank 0's generate.
-    argv = cli(corpus, cache_dir, "out", max_steps=4, save_interval=2, sample_tokens=8)
+    argv = cmd(corpus, cache_dir, "out", max_steps=4, save_interval=2, sample_tokens=8)
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
                   "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
     cwds = [tmp_path / f"rank{rank}" for rank in range(2)]
@@ -276,7 +278,7 @@ def test_resume_is_bit_identical(trained, corpus, cache_dir, tmp_path, script, w
     (out / "metrics.jsonl").write_text("".join(r for r in lines if json.loads(r)["step"] <= 6))
     resume = "auto" if how == "auto" else str(checkpoint)
 
-    proc = run_script(script, cli(corpus, cache_dir, out, data_mode="pad", resume=resume), world)
+    proc = run_script(script, cmd(corpus, cache_dir, out, data_mode="pad", resume=resume), world)
     assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(full))
     resumed_ckpt, full_ckpt = load_checkpoint(out, 8), load_checkpoint(full, 8)
@@ -304,7 +306,7 @@ def test_checkpoints_cross_load_between_scripts(
     written = trained(writer, writer_world)
     checkpoint = copy_checkpoint(written, 4, tmp_path / "resumed")
     out = tmp_path / "resumed"
-    run_script(reader, cli(corpus, cache_dir, out, resume=str(checkpoint)), reader_world)
+    run_script(reader, cmd(corpus, cache_dir, out, resume=str(checkpoint)), reader_world)
     # Steps 1-4 came from the writer, 5-8 from the reader: the DDP == one process tolerance.
     assert_state_dicts_close(load_weights(out), load_weights(trained(reader, reader_world)))
 
@@ -328,21 +330,36 @@ def test_init_from_starts_training_from_a_finished_runs_model(trained, corpus, c
 # Command line
 
 
-@pytest.mark.parametrize("script", [DP, DDP])
+@pytest.mark.parametrize("script", LESSONS)
 def test_help_lists_the_command_line_contract(script):
     proc = run_script(script, ["--help"])
     flags = ["--data", "--batch-size", "--micro-batch-size", "--resume", "--out-dir"]
-    if script == DDP:
+    if script != DP:  # the torchrun scripts
         flags.append("--backend")
     missing = [flag for flag in flags if flag not in proc.stdout]
     assert not missing, f"{script} --help lacks {missing}"
+    # One default per flag: a flag whose help says what leaving it out does shows no "None".
+    assert "(default: None)" not in proc.stdout
+    assert "--zero1" not in proc.stdout  # ZeRO-1 is train_zero1.py now
+
+
+def test_the_flags_are_checked_without_changing_them(corpus, cache_dir):
+    # The run plan holds what the flags imply; args stays what was parsed (a checkpoint
+    # records it), even where the plan fills in defaults.
+    parser = cli.build_parser("test")
+    argv = cmd(corpus, cache_dir, "unused", batch_size=8, model=None)
+    args = parser.parse_args(argv)
+    plan = cli.plan_run(parser, args, 2, torch.device("cpu"))
+    assert vars(args) == vars(parser.parse_args(argv))
+    assert (plan.model, plan.micro_batch_size, plan.accumulation) == ("tiny", 4, 1)
+    assert args.model is None and args.micro_batch_size is None
 
 
 # `python train_ddp.py` (no torchrun) is a process group of one: this is its only test.
 @pytest.mark.parametrize("script", [DP, DDP])
 def test_short_run_writes_outputs_and_loss_falls(corpus, cache_dir, tmp_path, script):
     out = tmp_path / "out"
-    argv = cli(corpus, cache_dir, out, max_steps=20, lr=3e-3, warmup_steps=5, eval_interval=10,
+    argv = cmd(corpus, cache_dir, out, max_steps=20, lr=3e-3, warmup_steps=5, eval_interval=10,
                save_interval=10, sample_tokens=16)  # fmt: skip
     proc = run_script(script, argv)
     for name in ("model.pt", "config.json", "tokenizer.json", "metrics.jsonl"):
@@ -375,7 +392,7 @@ def test_run_ddp_sh_defaults_to_two_cpu_processes_that_train_like_one(
     out = tmp_path / "out"
     env = run_ddp_sh_env(MAX_RESTARTS="0")  # a failure must fail the test, not be retried
     proc = subprocess.run(
-        ["bash", str(REPO / "run_ddp.sh"), *cli(corpus, cache_dir, out)],
+        ["bash", str(REPO / "run_ddp.sh"), *cmd(corpus, cache_dir, out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
     )  # fmt: skip
     assert proc.returncode == 0, describe(proc, "run_ddp.sh failed")
@@ -388,7 +405,7 @@ def test_run_ddp_sh_defaults_to_two_cpu_processes_that_train_like_one(
 def test_batch_size_not_divisible_by_micro_batch_exits_with_usage_error(
     corpus, cache_dir, tmp_path, script
 ):
-    argv = cli(corpus, cache_dir, tmp_path / "out", batch_size=10, micro_batch_size=4)
+    argv = cmd(corpus, cache_dir, tmp_path / "out", batch_size=10, micro_batch_size=4)
     proc = run_script(script, argv, expect_rc=2)  # argparse's usage-error code
     assert "--batch-size" in proc.stderr and "--micro-batch-size" in proc.stderr, proc.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()
@@ -401,7 +418,7 @@ def test_resume_never_refuses_an_out_dir_with_checkpoints(
     out = tmp_path / "out"
     shutil.copytree(trained(script, world), out)
     before = snapshot(out)
-    proc = run_script(script, cli(corpus, cache_dir, out, resume="never"), world, expect_rc=None)
+    proc = run_script(script, cmd(corpus, cache_dir, out, resume="never"), world, expect_rc=None)
     assert proc.returncode != 0, describe(proc, "expected a non-zero exit code")
     assert "--resume never" in proc.stderr
     assert snapshot(out) == before, "--resume never changed the existing run's files"

@@ -26,11 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import cli, load_weights, read_metrics, run_script
+from harness import cmd, load_weights, read_metrics, run_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-DP, DDP, FSDP, TP, PP = "train_dp.py", "train_ddp.py", "train_fsdp.py", "train_tp.py", "train_pp.py"
+DP, DDP, ZERO1 = "train_dp.py", "train_ddp.py", "train_zero1.py"
+FSDP, TP, PP = "train_fsdp.py", "train_tp.py", "train_pp.py"
 
 # 30 steps of 16 sequences x 64 tokens, a checkpoint every 10: long enough that the loss falls
 # clearly, short enough for ~20 launches in a few minutes.
@@ -62,7 +63,7 @@ def gpu_run(tmp_path_factory, corpus, cache_dir):
         key = (script, flags, tuple(sorted(overrides.items())))
         if key not in runs:
             out = tmp_path_factory.mktemp(Path(script).stem)
-            argv = cli(corpus, cache_dir, out, **{**GPU, **overrides}) + list(flags)
+            argv = cmd(corpus, cache_dir, out, **{**GPU, **overrides}) + list(flags)
             proc = run_script(script, argv, torchrun=script != DP)
             (out / "stdout.txt").write_text(proc.stdout)  # for the tests that read what it said
             runs[key] = out
@@ -105,7 +106,7 @@ def assert_trained(out: Path) -> None:
 SCRIPTS = [
     (DP, ()),
     (DDP, ()),
-    (DDP, ("--zero1",)),
+    (ZERO1, ()),
     (FSDP, ()),
     (TP, ("--tp", "1")),
     pytest.param(
@@ -187,7 +188,7 @@ def test_resume_on_the_gpu_is_exact(gpu_run, corpus, cache_dir, tmp_path, script
     full = gpu_run(script, precision="bf16")
     out = tmp_path / "resumed"
     copy_checkpoint(full, 10, out)
-    argv = cli(corpus, cache_dir, out, **{**GPU, "precision": "bf16"})
+    argv = cmd(corpus, cache_dir, out, **{**GPU, "precision": "bf16"})
     proc = run_script(script, argv, torchrun=True)
     assert "at step 10" in proc.stdout
     want = [r["loss"] for r in read_metrics(full)[0] if r["step"] > 10]

@@ -1,0 +1,268 @@
+"""Checkpoints and a run's final files, written so that a kill at any moment loses nothing.
+
+A `.pt` checkpoint (train_dp.py, train_ddp.py, train_zero1.py) holds everything a resumed run
+needs to continue exactly: model, optimizer, schedule, grad scaler, RNG states, the step (which
+also fixes the position in the data), the model config, the tokenizer's digest and the flags.
+At the end a run writes OUT_DIR_FILES, which `load_model` reads back (generate.py, --init-from).
+The sharded checkpoints of train_fsdp.py/train_tp.py/train_pp.py are in sharded_checkpoints.py.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+
+import torch
+from tokenizers import Tokenizer
+
+from data import load_tokenizer
+from model import LlamaConfig, LlamaForPretraining
+from stopping import TrainingError
+
+# -------------------------------------------------------------------------------------------------
+# A finished run's out-dir: what generate.py, export_hf.py and --init-from read
+
+OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, else fp32 (CPUs run bf16 matmuls slowly, if at all)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_config(out_dir: str) -> LlamaConfig:
+    """out_dir/config.json as a LlamaConfig; ValueError if it is not one of this suite's."""
+    config_path = os.path.join(out_dir, "config.json")
+    try:
+        with open(config_path) as f:
+            return LlamaConfig(**json.load(f))
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
+
+
+def load_model(
+    out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[LlamaForPretraining, Tokenizer]:
+    """(model in eval mode on `device`, tokenizer) from a training run's --out-dir.
+
+    Raises ValueError, with what to do about it, when the directory or one of its files is
+    missing or unreadable. dtype defaults to `default_dtype(device)`.
+    """
+    device = torch.device(device)
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"--out-dir {out_dir} is not a directory")
+    missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
+    if missing:
+        raise ValueError(
+            f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
+            f"config.json and tokenizer.json at the end of its run (or run "
+            f"`python export_hf.py --from-hf HF_DIR {out_dir}`)"
+        )
+    config = load_config(out_dir)
+    config_path = os.path.join(out_dir, "config.json")
+    tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only "
+            f"{config.vocab_size}: {out_dir}'s files come from different runs"
+        )
+
+    model_path = os.path.join(out_dir, "model.pt")
+    try:
+        # weights_only=True: unpickling may only rebuild tensors, never run code, so a model.pt
+        # from someone else cannot execute anything on this machine.
+        state_dict = torch.load(model_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read means "not a model.pt"
+        raise ValueError(f"could not read {model_path} as a model state_dict ({e})") from e
+    model = LlamaForPretraining(config)
+    try:
+        model.load_state_dict(state_dict)
+    except (RuntimeError, AttributeError) as e:
+        raise ValueError(f"{model_path} does not fit {config_path} ({e})") from e
+    model.to(device=device, dtype=dtype or default_dtype(device))
+    return model.eval(), tokenizer
+
+
+# -------------------------------------------------------------------------------------------------
+# Every file is written atomically: to a temporary name in the same directory, flushed to disk,
+# then renamed over the target (os.replace is atomic on POSIX), so a kill at any moment leaves
+# either the old file or the new one, never half of one.
+
+CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
+# train_fsdp.py's (and train_tp.py's, train_pp.py's): a DCP directory per step, step_0000100/
+CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
+TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
+
+
+def atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        # A full disk, say: remove the partial file (whose space is needed back); `path` is
+        # untouched, so a previous file of that name stays as it was.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
+            # torch.save's zip writer reports a write that failed midway as a RuntimeError
+            # ("unexpected pos") raised while closing the file: the OSError is the news.
+            raise e.__context__ from e
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
+    """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
+    whole, its first group being the step (train_fsdp.py's checkpoints are directories)."""
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = [
+        (int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := pattern.fullmatch(name))
+    ]
+    return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
+
+
+def save_checkpoint(out_dir: str, step: int, state: dict, keep: int) -> str:
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_save(state, path)
+    except OSError as e:  # the disk is full, ...: say so in one line, not a traceback
+        raise save_failed(path, e) from e
+    for old in list_checkpoints(out_dir)[:-keep]:
+        os.remove(old)
+    return path
+
+
+def save_failed(path: str, error: BaseException) -> TrainingError:
+    """The error for a checkpoint that could not be written (its partial files are removed)."""
+    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
+        reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
+    return TrainingError(
+        f"could not save the checkpoint {path}: {reason}. The checkpoints before it are intact: "
+        f"if the disk is full, make room, then run the same command again to resume"
+    )
+
+
+def load_checkpoint(path: str) -> dict:
+    """Load a checkpoint file; ValueError (with the reason) if it cannot be read."""
+    try:
+        # weights_only=True: unpickling may only rebuild tensors and plain containers, never run
+        # code, so a checkpoint from someone else cannot execute anything on this machine.
+        # mmap=True: tensors are paged in from the file as they are used, not read up front.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+
+
+# -------------------------------------------------------------------------------------------------
+# Resumable state
+
+
+def rng_state() -> dict:
+    """Every random generator training uses: torch's CPU generator and each CUDA device's.
+
+    (The data order needs none: it is derived from --seed and the epoch. Python's and NumPy's
+    generators are never used.)"""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# The flags that fix the data order and the learning-rate schedule: a resumed run must use the
+# same, or it would not continue the run it resumes. Everything else (micro-batch size,
+# precision, intervals, workers, ...) may change between restarts.
+RESUME_MUST_MATCH = (
+    "data", "text_column", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
+    "max_steps", "lr", "min_lr_ratio", "warmup_steps",
+)  # fmt: skip
+
+
+def tokenizer_digest(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def checkpoint_state(model, optimizer, scheduler, scaler, step, config, args, tokenizer) -> dict:
+    """Everything a resumed run needs to continue exactly as if it had never stopped."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": rng_state(),
+        "step": step,  # optimizer steps completed; also fixes the position in the data
+        "config": config.to_dict(),
+        "tokenizer_sha256": tokenizer_digest(tokenizer),
+        "args": vars(args),
+    }
+
+
+def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
+    """ValueError if the checkpoint belongs to another run: a different model, tokenizer, data
+    order or schedule (its "config", "tokenizer_sha256" and "args" against this run's)."""
+    changed = [
+        f"--{name.replace('_', '-')} {ckpt['args'][name]!r} (now {getattr(args, name)!r})"
+        for name in RESUME_MUST_MATCH
+        if ckpt["args"].get(name) != getattr(args, name)
+    ]
+    if changed:
+        raise ValueError(
+            f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
+            f"start a new run in another --out-dir"
+        )
+    if ckpt["config"] != config.to_dict():
+        raise ValueError(
+            f"the checkpoint holds a model with config {ckpt['config']}, but this run builds "
+            f"{config.to_dict()}; use the same --model and tokenizer, or another --out-dir"
+        )
+    if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
+        raise ValueError(
+            "the checkpoint was trained with a different tokenizer than this run's; use the "
+            "same --data, --vocab-size and --tokenizer as that run, or another --out-dir"
+        )
+
+
+def restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer) -> int:
+    """Load a checkpoint's state into fresh objects; returns the step to continue from.
+
+    Refuses (ValueError, before changing anything) a checkpoint of another run.
+    """
+    check_resumable(ckpt, config, args, tokenizer)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    scaler.load_state_dict(ckpt["scaler"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["step"]
+
+
+def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
+    """model.pt (a plain state_dict), config.json and tokenizer.json: all generate.py needs."""
+    atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
+    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())

@@ -1,0 +1,411 @@
+"""The command line every train_*.py shares, its checks, and the run plan derived from it.
+
+    parser = cli.build_parser("Pretrain a Llama ...")    # the shared flags; a script adds its own
+    args = parser.parse_args()                           # never changed afterwards
+    plan = cli.plan_run(parser, args, devices, device)   # checked; micro-batch, accumulation, ...
+
+Other tools and the tests drive the scripts by these flags' names: keep them stable. Every
+check runs before any data is read, so a mistake costs a second, not a tokenized corpus.
+"""
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from checkpoints import OUT_DIR_FILES, load_config
+from metrics import NonFiniteGuard
+from model import LlamaConfig, count_parameters
+
+# -------------------------------------------------------------------------------------------------
+# Flags
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, but not "None": those flags' help says what they do
+    when left out."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises ValueError instead of printing and exiting at once.
+
+    `run` then prints it once (on global rank 0) and exits with 2, like argparse would: under
+    torchrun that is one message instead of one usage message per process. Flags are never
+    abbreviated: argparse would otherwise read a mistyped --mode as --model.
+    """
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (see --help)")
+
+
+def build_parser(description: str, distributed: bool = False) -> argparse.ArgumentParser:
+    """The flags every train script takes; distributed: also --backend (the torchrun scripts)."""
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
+    if distributed:
+        p.add_argument(
+            "--backend",
+            choices=["nccl", "gloo"],
+            default=None,
+            help="process group backend (default: nccl on GPU, gloo on CPU)",
+        )
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        default="stdlib",
+        help="corpus: 'stdlib' (the .py files of this Python's standard library), a "
+        "file, glob or directory of .txt/.jsonl/.json/.parquet, or a hub dataset",
+    )
+    g.add_argument("--text-column", default="text", help="column holding the text (json/parquet)")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="an existing tokenizer.json; default: train a byte-level BPE and cache it",
+    )
+    g.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained tokenizer")
+    g.add_argument(
+        "--data-mode",
+        choices=["pack", "pad"],
+        default="pack",
+        help="pack: documents concatenated into full windows; pad: one document per "
+        "row, clipped or right-padded (the classic recipe)",
+    )
+    g.add_argument(
+        "--document-mask",
+        action="store_true",
+        help="pack mode: tokens attend only within their own document (slower on CPU)",
+    )
+    g.add_argument(
+        "--attention",
+        choices=["auto", "sdpa", "flex"],
+        default="auto",
+        help="kernel of --document-mask: sdpa (a dense (T, T) mask; any device) or flex "
+        "(FlexAttention's block-sparse mask, compiled; CUDA only). auto: flex with one CUDA GPU "
+        "per process, else sdpa",
+    )
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        help="fraction of documents held out for validation",
+    )
+    g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
+    g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+
+    g = p.add_argument_group("model and batch")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="preset: tiny, small, medium, 1b, 7b, 13b, 70b (default: tiny; with --init-from, "
+        "its architecture)",
+    )
+    g.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of a finished run: an --out-dir holding model.pt, "
+        "config.json and tokenizer.json (any train script's, or export_hf.py --from-hf's); the "
+        "architecture and the tokenizer come from there",
+    )
+    g.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="global batch: sequences per optimizer step, over all devices",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=micro_batch_size_arg,
+        default=None,
+        help="sequences per device per forward pass; gradient accumulation makes up the rest of "
+        "--batch-size (default: no accumulation). auto (CUDA): the largest that fits, measured",
+    )
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max-steps", type=int, default=200, help="optimizer steps to train for")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="the cosine schedule decays to lr * this"
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=20,
+        help="linear warmup from lr/warmup to --lr. More than --max-steps is only warned about "
+        "(a short test run with the default warmup is fine), but the lr then never reaches --lr",
+    )
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    g.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip the update of a step whose loss or gradient is NaN/inf, instead of stopping; "
+        f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} such steps in a row still stop the run",
+    )
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
+    g.add_argument("--seed", type=int, default=1337, help="seed of weights and data order")
+    g.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="auto: bf16 autocast on GPUs that support it, else fp32",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="torch.compile each decoder layer",
+    )
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=10, help="steps between logged losses")
+    g.add_argument("--eval-interval", type=int, default=50, help="steps between evaluations")
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=10,
+        help="evaluate on the first N global batches of the validation split",
+    )
+    g.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="how many checkpoints to keep")
+    g.add_argument("--out-dir", default="out", help="metrics, checkpoints and the final model")
+    g.add_argument(
+        "--resume",
+        default="auto",
+        help="auto: continue from the latest checkpoint in --out-dir if there is "
+        "one; never: start fresh; or the path of a checkpoint file",
+    )
+    g.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=64,
+        help="tokens to generate from the trained model at the end (0: none)",
+    )
+    g.add_argument("--sample-prompt", default="def ", help="prompt of the final sample")
+
+    g = p.add_argument_group("memory")
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="keep only each decoder layer's input and recompute the rest in backward: less "
+        "activation memory for ~1/3 more compute; the same results",
+    )
+    g.add_argument(
+        "--plan",
+        action="store_true",
+        help="print memory_plan.py's per-GPU memory estimate for this run at start-up",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the flags and exit without running (as WORLD_SIZE processes would): "
+        "run_ddp.sh does this first, because torchrun would restart a run that fails on them",
+    )
+    return p
+
+
+def micro_batch_size_arg(value: str) -> int | str:
+    """--micro-batch-size: a number, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the flags imply for this run, derived once by plan_run and passed on explicitly;
+    `args` itself is never changed after parsing (it is what a checkpoint records)."""
+
+    model: str | None  # the preset to build; None with --init-from (its config.json)
+    tokenizer: str | None  # the tokenizer.json to use (--tokenizer, --init-from's); None: train
+    devices: int  # how many devices share one global batch (GPUs, or data-parallel ranks)
+    micro_batch_size: int | None  # sequences per device per forward; None: auto, not measured
+    accumulation: int  # micro-batches per device per optimizer step
+    precision: str  # "fp32", "bf16" or "fp16": --precision auto resolved for the device
+    attention: str  # the kernel of --document-mask: "sdpa" or "flex"
+
+
+def plan_run(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    devices: int,
+    device: torch.device,
+    replicas: int = 1,
+    default_micro_batch_size: int | None = None,
+) -> RunPlan:
+    """Check the flags against each other and against the device; return the run's plan.
+
+    devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
+    data-parallel groups under TP and PP). replicas: see resolve_attention.
+    default_micro_batch_size: the micro-batch without --micro-batch-size (None: no accumulation,
+    --batch-size / devices). Raises ValueError (through parser.error) on any inconsistency,
+    before any data is read. With --micro-batch-size auto the plan's micro_batch_size is None
+    (and its accumulation 1) until auto_batch.auto_micro_batch_size has measured it on the GPU.
+    """
+    for name in (
+        "seq_length",
+        "batch_size",
+        "max_steps",
+        "log_interval",
+        "eval_interval",
+        "eval_batches",
+        "save_interval",
+        "vocab_size",
+    ):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr <= 0 or args.warmup_steps < 0 or args.num_workers < 0 or args.sample_tokens < 0:
+        parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
+    if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
+        # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
+        print(
+            f"warning: --warmup-steps {args.warmup_steps} is more than --max-steps "
+            f"{args.max_steps}: the learning rate rises for the whole run and never reaches "
+            f"--lr {args.lr}",
+            file=sys.stderr,
+        )
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+    auto = args.micro_batch_size == "auto"
+    if auto and not torch.cuda.is_available():
+        # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of
+        # memory swaps or has the process killed instead of raising an error one could catch.
+        parser.error(
+            "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
+            "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
+        )
+    if not auto and args.micro_batch_size is not None and args.micro_batch_size <= 0:
+        parser.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
+    micro = args.micro_batch_size
+    if micro is None:
+        micro = default_micro_batch_size
+    if auto or micro is None:
+        micro = args.batch_size // devices  # each device's share (auto: the largest candidate)
+    per_step = micro * devices
+    if micro == 0 or args.batch_size % per_step:
+        parser.error(
+            f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
+            f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step sees "
+            f"exactly the global batch"
+        )
+    if args.keep_checkpoints < 2:
+        parser.error(
+            "--keep-checkpoints must be at least 2: if the newest checkpoint is damaged, resuming "
+            "falls back to the one before"
+        )
+    # The model and the sequence length are known now: refuse them before minutes of data
+    # preparation, not after.
+    model, tokenizer = args.model or "tiny", args.tokenizer
+    if args.init_from is not None:
+        if args.model is not None or args.tokenizer is not None:
+            parser.error(
+                f"--init-from {args.init_from} brings its own architecture (config.json) and "
+                f"tokenizer (tokenizer.json): leave out --model and --tokenizer"
+            )
+        # The weights only mean something with the tokenizer they were trained with.
+        model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
+    try:
+        config = model_shape(args)
+    except ValueError as e:
+        parser.error(f"--model: {e}" if args.init_from is None else str(e))
+    if args.seq_length > config.max_position_embeddings:
+        parser.error(
+            f"--seq-length {args.seq_length} exceeds the {model or args.init_from} model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    return RunPlan(
+        model=model,
+        tokenizer=tokenizer,
+        devices=devices,
+        micro_batch_size=None if auto else micro,
+        accumulation=args.batch_size // per_step,
+        precision=resolve_precision(args.precision, device),
+        attention=resolve_attention(args, device, replicas),
+    )
+
+
+# -------------------------------------------------------------------------------------------------
+# Derived settings
+
+
+def model_shape(args) -> LlamaConfig:
+    """The architecture this run will train, known before any data is read: --init-from's
+    config.json, or the --model preset (its vocab_size is the tokenizer's later, which changes
+    no check made with this). ValueError saying why if there is none."""
+    if args.init_from is None:
+        return LlamaConfig.from_preset(args.model or "tiny")
+    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
+    if missing:
+        raise ValueError(
+            f"--init-from {args.init_from}: no {', '.join(missing)} there; point it at the "
+            f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
+        )
+    return load_config(args.init_from)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return "bf16" if cuda_bf16 else "fp32"
+    return precision
+
+
+def resolve_attention(args, device: torch.device, replicas: int = 1) -> str:
+    """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
+
+    replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py). It splits
+    every tensor argument along the batch, but a BlockMask is no tensor: each GPU would get the
+    whole batch's mask, on GPU 0.
+    """
+    if args.attention == "auto":
+        flex = args.document_mask and device.type == "cuda" and replicas == 1
+        return "flex" if flex else "sdpa"
+    if args.attention == "flex":
+        if not args.document_mask:
+            raise ValueError(
+                "--attention flex runs the --document-mask; without that mask attention is plain "
+                "causal and SDPA's flash kernel is already the fast path (drop --attention)"
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"--attention flex needs a CUDA GPU: in torch {torch.__version__}, FlexAttention "
+                f"has no backward pass on CPU; use --attention sdpa (or auto)"
+            )
+        if replicas > 1:
+            raise ValueError(
+                f"--attention flex cannot run under DataParallel over {replicas} GPUs (it splits "
+                f"tensors over the GPUs, not a BlockMask); use train_ddp.py or --attention sdpa"
+            )
+    return args.attention
+
+
+def describe_run(args, plan: RunPlan, config: LlamaConfig, device: torch.device) -> str:
+    """The start-up summary: model, device, batch and schedule, with the figures derived."""
+    tokens_per_step = args.batch_size * args.seq_length
+    return "\n".join(
+        [
+            f"model: {plan.model or 'from ' + args.init_from}, "
+            f"{count_parameters(config) / 1e6:.2f}M parameters, "
+            f"vocab {config.vocab_size}",
+            f"device: {device} x {plan.devices}, precision {plan.precision}, compile {args.compile}"
+            + (f", document mask by {plan.attention}" if args.document_mask else ""),
+            f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
+            f"tokens per step = micro-batch {plan.micro_batch_size} x {plan.devices} devices x "
+            f"{plan.accumulation} accumulation steps",
+            f"schedule: {args.max_steps} steps = {args.max_steps * tokens_per_step / 1e6:.1f}M "
+            f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
+            f"{args.lr * args.min_lr_ratio:g})",
+        ]
+    )

@@ -1,0 +1,200 @@
+"""What a run measures and logs: metrics.jsonl, the non-finite loss guard, tokens/s and MFU."""
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from checkpoints import atomic_write_text
+from model import LlamaConfig, count_parameters
+from stopping import TrainingError
+
+
+class Metrics:
+    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0)."""
+
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.enabled = enabled
+        if enabled and os.path.exists(self.path):
+            # A run killed after its last checkpoint logged steps that this run will log again
+            # (one killed before its first: see start_fresh), and a kill in the middle of a
+            # write can leave half a line. Keep the whole lines up to the step this run starts
+            # from.
+            kept = []
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # the torn last line of a killed run
+                    if record["step"] <= resume_step:
+                        kept.append(json.dumps(record) + "\n")
+            atomic_write_text(self.path, "".join(kept))
+
+    def log(self, **record) -> None:
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}  # fmt: skip
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        """An evaluation's record, also printed above the progress bar (where enabled)."""
+        ppl = perplexity(val_loss)
+        self.log(step=step, val_loss=val_loss, val_ppl=ppl)
+        if self.enabled:
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}, perplexity {ppl:.1f}")
+
+
+class NonFiniteGuard:
+    """Notices the first step whose loss (or gradient norm) is NaN or infinite.
+
+    By default the run stops at the next check, which the loop makes before it logs, evaluates
+    or saves anything: the error names the step, and the last checkpoint stays the last good
+    state. Between checks this costs no wait for the GPU: the step is recorded on the device.
+    With --skip-nonfinite, such a step's update is skipped instead (its data counts as used);
+    deciding that needs the value at every step, so each step then waits for the GPU once.
+    MAX_SKIPPED_IN_A_ROW skipped steps in a row still stop the run: a run that stays broken
+    (weights already damaged, a bad learning rate) would otherwise "train" on to --max-steps.
+    """
+
+    MAX_SKIPPED_IN_A_ROW = 10
+
+    def __init__(self, device: torch.device, skip: bool):
+        self.skip = skip
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
+        self.skipped_in_a_row = 0
+
+    def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Record step's loss and gradient norm (None: not checked); False: skip its update."""
+        finite = torch.isfinite(loss)
+        if grad_norm is not None:
+            finite &= torch.isfinite(grad_norm)
+        if self.skip:
+            if bool(finite):
+                self.skipped_in_a_row = 0
+                return True
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
+                raise TrainingError(
+                    f"the loss or the gradient was NaN/infinite at {self.skipped_in_a_row} steps "
+                    f"in a row ({step - self.skipped_in_a_row + 1} to {step}): the run is not "
+                    f"recovering, so it stopped (--skip-nonfinite skipped their updates, so "
+                    f"nothing saved holds NaN/inf). Try a lower --lr or --grad-clip."
+                )
+            print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
+                  file=sys.stderr)  # fmt: skip
+            return False
+        first = (self.first_bad_step == 0) & ~finite
+        self.first_bad_step = torch.where(first, step, self.first_bad_step)
+        return True
+
+    def check(self, out_dir: str) -> None:
+        if step := int(self.first_bad_step):
+            raise TrainingError(
+                f"the loss or the gradient became NaN/infinite at step {step}; stopped before "
+                f"saving anything from that state (the checkpoints in {out_dir} are the last good "
+                f"ones). Try a lower --lr, --grad-clip, or --skip-nonfinite to skip such steps."
+            )
+
+
+class Throughput:
+    """How fast training goes: tokens/s, step time, MFU and peak GPU memory, of training steps
+    alone (evaluation and saving restart the clock)."""
+
+    def __init__(self, config: LlamaConfig, args, device: torch.device, devices: int):
+        self.tokens_per_step = args.batch_size * args.seq_length
+        self.flops_per_token = flops_per_token(config, args.seq_length)
+        self.peak_flops = peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+        self.device, self.devices = device, devices
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def figures(self) -> dict:
+        """The figures since the last figures() or restart(), as metrics.jsonl logs them; starts
+        a new interval. Only host time is measured: the caller has just waited for the GPU (its
+        .item() of the loss), so the steps counted are the steps done."""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        rate = self.steps * self.tokens_per_step / seconds
+        figures = {
+            "tokens_per_sec": rate,
+            "step_ms": 1000 * seconds / max(self.steps, 1),
+            "mfu": mfu(rate, self.flops_per_token, self.peak_flops, self.devices),
+            "peak_memory_gb": peak_memory_gb(self.device),
+        }
+        self.restart()
+        return figures
+
+
+def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
+    """The progress bar's figures at a log step: loss, learning rate, tokens/s, the mean step
+    time since the last log, and MFU where the GPU's peak is known (None: left out)."""
+    postfix = {
+        "loss": f"{loss:.3f}",
+        "lr": f"{lr:.2e}",
+        "tok_s": f"{figures['tokens_per_sec']:,.0f}",
+        "step_ms": f"{figures['step_ms']:,.1f}",
+    }
+    if figures["mfu"] is not None:
+        postfix["mfu"] = f"{100 * figures['mfu']:.1f}%"
+    return postfix
+
+
+# -------------------------------------------------------------------------------------------------
+# Model FLOPs utilisation (MFU)
+
+# Dense bf16 peak FLOP/s (datasheet, no sparsity), by a piece of torch.cuda.get_device_name();
+# the first match wins, so the specific names come before "H100".
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
+)  # fmt: skip
+
+
+def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
+    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T.
+
+    N counts the parameters of every matrix multiply: lm_head is in it, the input embedding
+    (a table lookup, no multiply) is not; with tied embeddings the one shared matrix is counted
+    once, as lm_head. 12 L H Q T is attention's QK^T and AV (H heads of width Q, context T),
+    counted in full as PaLM does, although causal attention needs only half of it.
+    """
+    n = count_parameters(config)
+    if not config.tie_word_embeddings:
+        n -= config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_length  # H*Q = hidden
+    return 6 * n + attention
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """This GPU's dense bf16 peak, or None (CPU, unknown GPU): no MFU rather than a wrong one."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devices: int):
+    """Model FLOPs utilisation: the fraction of `devices` GPUs' peak that training turned into
+    model FLOPs (recomputation, e.g. activation checkpointing, does not count); None without a
+    known peak."""
+    return None if peak is None else tokens_per_sec * flops_per_token / (peak * devices)
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """The most GPU memory tensors have held so far (GB = 1e9 bytes); None on CPU."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: exp of an early, huge loss is just noise

@@ -1,0 +1,211 @@
+"""The pipeline of train_pp.py: the model cut into stages of consecutive layers, which stages
+each rank holds, the loss of the last stage, and the sums and gradient clipping over the
+pipeline's ranks. The schedule that runs them (torch.distributed.pipelining) is in train_pp.py.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Subset
+
+import training
+from model import IGNORE_INDEX, LlamaForPretraining
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+# -------------------------------------------------------------------------------------------------
+# Stages
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Consecutive layer indices of each stage, as even as possible.
+
+    When the layers do not divide, the first `num_layers % num_stages` stages get one layer more
+    (as numpy.array_split does): the last stage never does, because it also runs the final norm,
+    lm_head and the loss, the heaviest work outside the layers (the first stage's embedding is a
+    lookup, nearly free).
+    """
+    if num_layers < num_stages:
+        raise ValueError(
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
+            f"(--pp x --stages-per-rank); use a smaller --pp or --stages-per-rank, or a deeper "
+            f"--model"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    start = lambda stage: stage * base + min(stage, extra)  # the `extra` stages before it: +1 each
+    return [range(start(stage), start(stage + 1)) for stage in range(num_stages)]
+
+
+class StageModel(nn.Module):
+    """One pipeline stage: a run of consecutive decoder layers, plus the embedding on the first
+    stage and the final norm and lm_head on the last (None elsewhere, as torchtitan does).
+
+    It holds the full model's own submodules under the full model's names (the layers in a
+    ModuleDict keyed by their original index), so its state_dict keys are exactly the full
+    model's: `layers.5.attention.wq.weight` is the same name on every layout.
+
+    Input: token ids (B, T) on the first stage, hidden states (B, T, d) elsewhere. Output: hidden
+    states, or logits (B, T, vocab) on the last stage; the schedule's loss function takes them.
+    """
+
+    def __init__(self, model: LlamaForPretraining, layer_ids: range, first: bool, last: bool,
+                 precision: str = "fp32"):  # fmt: skip
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        # Each stage needs the RoPE tables (every layer rotates q and k). They are the model's
+        # own buffers, a function of the config: referenced, not recomputed; not persistent,
+        # so not in the state_dict, as in the model.
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.precision = precision
+
+    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # autocast here, inside the stage: the schedule calls the stages itself, and the stage is
+        # what FSDP wraps, so there is no outer forward to put it around.
+        with training.autocast(h.device, self.precision):
+            if self.tok_embeddings is not None:
+                h = self.tok_embeddings(h)  # (B, T) ids -> (B, T, d)
+            T = h.size(1)
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim)
+            for layer in self.layers.values():  # in the model's order: keys were added ascending
+                h = layer(h, cos, sin, attn_mask)
+            if self.norm is not None:
+                h = self.norm(h)
+            if self.lm_head is not None:
+                h = self.lm_head(h)  # (B, T, d) -> (B, T, vocab)
+        return h
+
+
+def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages a rank runs: rank r holds stages r, r + pp, r + 2 pp, ... ("looped" order, the
+    one the interleaved schedule expects). With one stage per rank, simply stage r."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def build_stages(
+    model: LlamaForPretraining,
+    pp_rank: int,
+    pp_size: int,
+    stages_per_rank: int,
+    device: torch.device,
+    precision: str = "fp32",
+) -> list[StageModel]:
+    """This rank's stage modules, moved to `device`, in stage order.
+
+    Every rank builds the same full model (same seed, same weights), then keeps only its own
+    layers: the rest is freed with `model`. ValueError if the layers do not go round.
+    """
+    num_stages = pp_size * stages_per_rank
+    layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
+    if model.config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    return [
+        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision).to(device)
+        for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
+    ]
+
+
+def tied_embeddings_error(num_stages: int) -> ValueError:
+    return ValueError(
+        f"the model ties lm_head to the token embeddings (tie_word_embeddings), but with "
+        f"{num_stages} pipeline stages they live on different ranks, and one tensor cannot; "
+        f"use --pp 1 (with --schedule gpipe or 1f1b), train_fsdp.py, or an untied --model"
+    )
+
+
+class RankModel(nn.Module):
+    """Every parameter this rank holds, once, under the full model's names: what the optimizer,
+    the gradient norm and the checkpoints see. The stages run the computation; this module only
+    refers to their submodules (with several stages per rank, their layers side by side)."""
+
+    def __init__(self, stages: list[StageModel]):
+        super().__init__()
+        self.tok_embeddings = next(
+            (s.tok_embeddings for s in stages if s.tok_embeddings is not None), None
+        )
+        self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
+        self.norm = next((s.norm for s in stages if s.norm is not None), None)
+        self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, scale) -> torch.Tensor:
+    """The last stage's loss for one micro-batch: summed cross-entropy x `scale`.
+
+    Training passes scale = dp / (targets in the global batch): the same normalisation as every
+    other script (see the loop), so the schedule must not rescale (scale_grads=False).
+    Evaluation passes 1: plain sums, added up and divided once.
+    """
+    loss_sum = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets (B*T,)
+    return loss_sum * scale
+
+
+# -------------------------------------------------------------------------------------------------
+# Reductions over the mesh
+
+
+def sum_over_mesh(value: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum over the pipeline (the last stage's value, zeros elsewhere), then over data parallel:
+    every rank gets the global total, so every rank takes the same decisions about it."""
+    dist.all_reduce(value, group=mesh["pp"].get_group())
+    dist.all_reduce(value, group=mesh["dp"].get_group())
+    return value
+
+
+def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch.Tensor:
+    """clip_grad_norm_ for a model split over the pipeline: measure the whole model's norm.
+
+    Each rank holds the gradients of its own stages only, so torch's clip_grad_norm_ would
+    measure (and clip by) a different, partial norm on every rank. The squared norms add up over
+    disjoint sets of parameters: all-reduce them over the pp group, take the root, then clip
+    every stage by the same global norm. (With FSDP the per-rank norm is a DTensor over the dp
+    shards: full_tensor() adds those up first, as train_fsdp.py's clipping does.)
+    """
+    parameters = list(parameters)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    squared = norm.square()
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation data
+
+
+def validation_batches(val_set, dp_rank: int, dp: int, rows: int, pad_id: int):
+    """This dp rank's share of the validation set, in (x, y) batches of exactly `rows` rows.
+
+    A pipeline runs one fixed shape: every batch must split into the schedule's m micro-batches
+    of the training shape. The last batch is topped up with rows of padding whose targets are
+    all IGNORE_INDEX: they add nothing to the loss sum or the token count. Every dp rank gets the
+    same number of batches (FSDP's all-gathers need every rank in every forward).
+    """
+    shard = Subset(val_set, range(dp_rank, len(val_set), dp))
+    num_batches = math.ceil(math.ceil(len(val_set) / dp) / rows)
+    batches = []
+    for x, y in DataLoader(shard, batch_size=rows):
+        missing = rows - x.size(0)
+        x = torch.cat([x, x.new_full((missing, x.size(1)), pad_id)])  # (rows, T)
+        y = torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)])  # (rows, T)
+        batches.append((x, y))
+    T = val_set[0][0].size(0) if len(val_set) else 1
+    while len(batches) < num_batches:  # a rank whose shard is shorter: all padding
+        batches.append((torch.full((rows, T), pad_id), torch.full((rows, T), IGNORE_INDEX)))
+    return batches

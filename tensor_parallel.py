@@ -1,0 +1,161 @@
+"""The tensor-parallel plan of train_tp.py (and of train_pp.py's stages): which matrix of the
+Llama is split by columns, which by rows, and what runs replicated, with
+torch.distributed.tensor.parallel.
+
+    apply_tensor_parallel(model, mesh["tp"])   # in place: every matrix split over the tp ranks
+"""
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import training
+from model import LlamaConfig
+
+# Tensor parallelism. A linear layer computes Y = X A (nn.Linear stores A transposed, as weight
+# (out, in)). Split A by columns, A = [A1 A2], and rank i computes Y_i = X A_i from the whole X:
+# no communication, and each rank holds a slice of Y's features. Split the next matrix B by rows,
+# B = [B1; B2], and rank i computes Y_i B_i from exactly its own slice: Y B = Y_1 B_1 + Y_2 B_2,
+# a sum of partial results, which one all-reduce adds up (Megatron-LM, Shoeybi et al. 2019).
+
+
+def data_parallel_size(world_size: int, tp: int) -> int:
+    """dp = world_size / tp; ValueError unless --tp divides the number of ranks."""
+    if tp < 1:
+        raise ValueError(f"--tp {tp} must be at least 1")
+    if tp > world_size or world_size % tp:
+        raise ValueError(
+            f"--tp {tp} must divide the number of ranks ({world_size}): the ranks form a grid of "
+            f"dp x tp; launch a multiple of {tp} processes (torchrun --nproc_per_node) or "
+            f"choose a --tp that divides {world_size}"
+        )
+    return world_size // tp
+
+
+def check_tensor_parallel(config: LlamaConfig, tp: int) -> None:
+    """ValueError unless every split is into whole pieces: whole attention heads (query and
+    key/value) and whole MLP hidden units per rank. The vocabulary need not divide: DTensor
+    splits a dimension of any size (as torch.chunk does: the last rank may get fewer rows)."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % tp:
+            raise ValueError(
+                f"--tp {tp} does not divide the model's {name} ({value}): each tensor-parallel "
+                f"rank must compute whole heads and hidden units; choose a --tp that divides it"
+            )
+
+
+def replicate_module(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Keep a module whole on every tp rank, its parameters turned into Replicate DTensors.
+
+    Why not leave them plain tensors: then every parameter of the model is a DTensor on the same
+    mesh, so gradient clipping, FSDP on top (2D) and DCP checkpoints treat them all alike. The
+    forward sees plain activations, wrapped and unwrapped at no cost. Their gradients need no
+    all-reduce: every tp rank computes the same one, because the norm's input and the gradient
+    flowing back into its output are the same on every tp rank (both come out of an all-reduce).
+    """
+    distribute_module(
+        module,
+        tp_mesh,
+        input_fn=lambda mod, inputs, mesh: tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+        ),
+        output_fn=lambda mod, output, mesh: output.to_local(),
+    )
+
+
+def wait_for_output(module, args, output):
+    """Forward hook: the embedding's output as a plain tensor, its all-reduce complete.
+
+    RowwiseParallel issues its all-reduce asynchronously and returns a tensor that waits for it on
+    first use. Given as it is to a torch.compile'd layer (--compile), its gradient comes back as
+    the wrong type (torch 2.13: "AttributeError: 'Tensor' object has no attribute '_local_tensor'"
+    in backward). clone() waits, at the cost of one copy of (B, T, hidden) per forward.
+    """
+    return output.clone()
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True):
+    """Split `module`'s weights over `tp_mesh` (a 1-D mesh: the tp ranks of one group), in place.
+
+    The contract, for this script and for train_pp.py's pipeline stages: `module` has any subset
+    of LlamaForPretraining's attributes `tok_embeddings`, `layers`, `norm`, `lm_head`, and only
+    those it has are parallelised. `layers` may be an nn.ModuleList or an nn.ModuleDict (keyed by
+    the original layer index: its values are the layers). Activations between the parallelised
+    pieces stay plain, replicated tensors of the usual shapes, so the module's own forward runs
+    unchanged (a stage may send its output to the next stage as it is), with one exception: with
+    loss_parallel=True, lm_head returns a DTensor sharded over the vocabulary (Shard(-1)), and
+    the cross-entropy on it, and its backward, must run inside
+    torch.distributed.tensor.parallel.loss_parallel(). With loss_parallel=False, lm_head
+    all-gathers the full logits (plain tensor; vocab x more traffic and memory).
+    The head counts must divide (check_tensor_parallel). If the module holds both the embedding
+    and lm_head and they share one weight (tie_word_embeddings), they still share it afterwards.
+    """
+    # What the module has (a pipeline stage sets what it lacks to None).
+    embeddings, norm, lm_head = (
+        getattr(module, name, None) for name in ("tok_embeddings", "norm", "lm_head")
+    )
+    tied = embeddings is not None and lm_head is not None and lm_head.weight is embeddings.weight
+    if embeddings is not None:
+        # The embedding table split by vocabulary rows (RowwiseParallel on an nn.Embedding): each
+        # rank looks up the token ids that fall in its own rows and outputs zeros for the others;
+        # one all-reduce sums the pieces into the whole embedding, replicated on every rank.
+        parallelize_module(embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+        embeddings.register_forward_hook(wait_for_output)
+    for layer in training.decoder_layers(module) if hasattr(module, "layers") else ():
+        plan = {
+            # Columnwise: each rank computes nh/tp query heads and nkv/tp key/value heads from the
+            # whole (replicated) input, without communication. Attention is per head, so it runs
+            # on those local heads alone: model.Attention reads the head counts from the
+            # projections' outputs (use_local_output: plain local tensors). With grouped-query
+            # attention the query heads of a rank are exactly those that use its kv heads.
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            # Rowwise: wo's input features are the heads, so its rows split like them; each rank
+            # multiplies its own heads' output, and one all-reduce adds up the partial sums.
+            "attention.wo": RowwiseParallel(),
+            # The same in the MLP: w1 (gate) and w3 (up) by columns, so each rank holds whole
+            # hidden units and silu(w1 x) * w3 x is local; w2 (down) by rows, one all-reduce.
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+        parallelize_module(layer, tp_mesh, plan)
+        # Norms are tiny and act on whole feature vectors: replicated, computed on every rank.
+        replicate_module(layer.attention_norm, tp_mesh)
+        replicate_module(layer.ffn_norm, tp_mesh)
+    if norm is not None:
+        replicate_module(norm, tp_mesh)
+    if lm_head is not None:
+        # Columnwise over the vocabulary: each rank computes the logits of its own vocab slice.
+        # Kept sharded for loss_parallel (the softmax needs each token's max and sum over the
+        # vocab, and its target's logit: three all-reduces of one number per token), or
+        # all-gathered into the full logits.
+        style = (
+            ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            if loss_parallel
+            else ColwiseParallel(output_layouts=Replicate())
+        )
+        parallelize_module(lm_head, tp_mesh, style)
+        if tied:
+            # Both are split by vocabulary rows (Shard(0) of a (vocab, hidden) matrix), so one
+            # DTensor serves both; parallelize_module had given each a copy of its own.
+            lm_head.weight = embeddings.weight
+
+
+def local_outputs(module, args, output):
+    """Forward hook: the model's (loss_sum, num_tokens), as plain tensors.
+
+    Under loss_parallel the cross-entropy of the vocab-sharded logits is a DTensor, replicated
+    over the tp ranks; its local value is the whole loss. Plain tensors keep the training loop and
+    training.evaluate unchanged (and backward through to_local still reaches every shard).
+    """
+    if isinstance(output, tuple):
+        return tuple(t.to_local() if isinstance(t, DTensor) else t for t in output)
+    return output

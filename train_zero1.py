@@ -1,0 +1,242 @@
+"""Pretrain a Llama with torchrun + DDP + ZeRO-1: AdamW's state sharded over the ranks.
+
+    torchrun --standalone --nproc_per_node=8 train_zero1.py        # 8 GPUs on one machine
+    torchrun --standalone --nproc_per_node=2 train_zero1.py        # no GPU: 2 CPU processes, gloo
+    SCRIPT=train_zero1.py ./run_ddp.sh                             # with restarts; several nodes
+
+Under DDP every rank keeps a full copy of everything: weights, gradients and AdamW's two moments,
+which in fp32 are twice the weights. ZeRO-1 (stage 1 of Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models") keeps each moment on one rank only.
+What this changes in train_ddp.py (`diff train_ddp.py train_zero1.py` shows exactly this):
+  1. The optimizer is torch.distributed.optim.ZeroRedundancyOptimizer around the same AdamW:
+     each rank holds the moments of ~1/N of the parameters and updates only those; step() then
+     broadcasts each rank's updated parameters to the others. Gradients are still all-reduced by
+     DDP, so everything before optimizer.step() is unchanged, and so are the results.
+  2. Saving is a collective: consolidate_state_dict(to=0) gathers every rank's shard of the
+     optimizer state on rank 0 first, so the checkpoint holds the full state, as train_ddp.py's
+     does: checkpoints resume in train_dp.py, train_ddp.py and here, at any world size.
+Per-GPU memory for AdamW in fp32: 16 bytes per parameter under DDP, 8 + 8/N here (weights and
+gradients stay replicated; train_fsdp.py shards those too). `python memory_plan.py` compares.
+"""
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+
+import checkpoints
+import cli
+import memory_plan
+import out_dir
+import stopping
+import training
+from auto_batch import auto_micro_batch_size
+from distributed import from_rank0, setup_distributed
+from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from model import IGNORE_INDEX
+
+
+def main():
+    parser = cli.build_parser("Pretrain a Llama with torchrun + DDP + ZeRO-1.", distributed=True)
+    args = parser.parse_args()
+    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
+    plan = cli.plan_run(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+        return
+    resume_path = from_rank0(lambda: out_dir.prepare_out_dir(args), is_main)
+
+    # ---- data ----------------------------------------------------------------------------------
+    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    steps_per_epoch = training.steps_per_epoch(train_ds, args)
+    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+    # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
+    # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
+    # train_dp.py draws, whatever the number of ranks.
+    sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
+
+    def order_for_epoch(epoch: int) -> list[int]:
+        # set_epoch reseeds the shuffle with seed + epoch: without it every epoch would repeat the
+        # first one's order. All ranks pass the same epoch, so their shards stay disjoint.
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
+    # Every world_size-th validation sample, nothing dropped or repeated (a DistributedSampler
+    # would pad or drop to even out the shards): the summed loss is that of the whole set.
+    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+
+    # ---- model, optimizer, resume --------------------------------------------------------------
+    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model.to(device)
+    optimizer = training.build_optimizer(model, args, device.type)
+    # ZeRO-1: the same AdamW, but each rank keeps the moments of only ~1/N of the parameters and
+    # updates only those; step() then broadcasts each rank's updated parameters to the others.
+    # AdamW allocates its state lazily, so the one built above cost nothing: its groups carry
+    # every setting (weight decay, betas, eps, fused) into each rank's local AdamW.
+    optimizer = ZeroRedundancyOptimizer(
+        optimizer.param_groups, optimizer_class=torch.optim.AdamW, lr=args.lr
+    )
+    scheduler = training.build_scheduler(optimizer, args)
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    start_step = 0
+    if resume_path:  # every rank loads the same file: the one rank 0 chose
+        ckpt = checkpoints.load_checkpoint(resume_path)
+        start_step = checkpoints.restore_checkpoint(
+            ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
+        )
+        if is_main:
+            print(f"resumed from {resume_path} at step {start_step}")
+    if args.activation_checkpointing:
+        training.apply_activation_checkpointing(model)
+    if args.compile:
+        training.compile_layers(model)
+    # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
+    # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
+    # are constants, so re-broadcasting them before every forward would be wasted traffic.
+    device_ids = [local_rank] if device.type == "cuda" else None
+    ddp_model = DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+    if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
+        plan = auto_micro_batch_size(
+            args, plan, ddp_model, attn_mask, optimizer, config.vocab_size, device
+        )
+    val_loader = DataLoader(val_shard, batch_size=plan.micro_batch_size)
+    if is_main:
+        print(cli.describe_run(args, plan, config, device))
+        if args.plan:
+            print(memory_plan.plan_for_run(args, plan, config, world_size))
+
+    # ---- training loop -------------------------------------------------------------------------
+    batches = training.step_batches(
+        train_ds,
+        order_for_epoch,
+        plan.micro_batch_size,
+        plan.accumulation,
+        steps_per_epoch,
+        start_step,
+        args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    metrics = Metrics(args.out_dir, is_main, start_step)
+    guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
+    throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
+    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    bar = tqdm(
+        range(start_step, args.max_steps),
+        initial=start_step,
+        total=args.max_steps,
+        desc="train",
+        disable=not is_main,
+    )
+    for step in bar:
+        lr = optimizer.param_groups[0]["lr"]
+        # Copy the whole step's micro-batches to the device first, asynchronously (from pinned
+        # memory), and count their targets there: counting on the CPU and copying the count over
+        # would make the CPU wait, every step, for the GPU to finish the step before.
+        micro_batches = [
+            (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            for x, y in next(batches)
+        ]
+        # Normalise by the number of targets in the whole global batch (all micro-batches, all
+        # ranks), not per micro-batch: then every target token weighs the same however the batch
+        # is split, and padded batches give the same gradient as one big batch would.
+        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        dist.all_reduce(global_tokens)
+        step_loss = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(micro_batches):
+            # Gradient accumulation: all-reduce only after the last micro-step. no_sync() must
+            # wrap the forward as well as the backward: DDP prepares its reduction in forward.
+            sync = i == plan.accumulation - 1
+            with nullcontext() if sync else ddp_model.no_sync():
+                with training.autocast(device, plan.precision):
+                    loss_sum, _ = ddp_model(x, y, attn_mask(x))
+                # DDP averages gradients over ranks (sums, then divides by world_size); the
+                # factor world_size undoes that division, leaving sum of all losses / all tokens.
+                loss = loss_sum * world_size / global_tokens
+                scaler.scale(loss).backward()
+            step_loss += loss_sum.detach()
+        # The global loss, on every rank (no wait for it here: the all-reduce is queued like any
+        # other kernel). Every rank then takes the same decisions about it below.
+        dist.all_reduce(step_loss)
+        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf
+        )
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if guard.step_ok(step + 1, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        throughput.step()
+        done = step + 1
+        last = done == args.max_steps
+        # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
+        stop = stop_request.agreed() and not last
+        do_log, do_eval, do_save = (
+            done % interval == 0 or last
+            for interval in (args.log_interval, args.eval_interval, args.save_interval)
+        )
+        do_save = do_save or stop  # saved once, if this step saves anyway
+        if do_log or do_eval or do_save:
+            guard.check(args.out_dir)  # never log, evaluate or save a NaN state
+
+        if do_log:
+            # Reading a value from the GPU waits for it; doing so only every log_interval steps
+            # keeps the GPU queue full in between.
+            loss = (step_loss / global_tokens).item()
+            figures = throughput.figures()
+            bar.set_postfix(bar_postfix(loss, lr, figures))
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
+        if do_eval:
+            # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
+            # then the sums are added up: the result is the loss over the whole validation set.
+            val_sum, val_tokens = training.evaluate(
+                model, val_loader, device, plan.precision, attn_mask
+            )
+            dist.all_reduce(val_sum)
+            dist.all_reduce(val_tokens)
+            val_loss = (val_sum / val_tokens).item()
+            metrics.log_validation(done, val_loss)  # printed on rank 0 too
+            throughput.restart()  # keep evaluation time out of the tokens/s figure
+        if do_save:
+            # A collective: every rank sends its shard of the optimizer state to rank 0, so it
+            # is called here by all ranks, never inside the rank-0-only branch below. The
+            # checkpoint then holds the full, unsharded state: any world size loads it.
+            optimizer.consolidate_state_dict(to=0)
+            state = None
+            if is_main:  # no collective in here: the other ranks are not in this branch
+                state = checkpoints.checkpoint_state(
+                    model, optimizer, scheduler, scaler, done, config, args, tokenizer
+                )
+            # Rank 0 writes it, and every rank learns whether it could: if not (a full disk),
+            # all stop with its message, instead of the others failing in the next collective.
+            from_rank0(
+                checkpoints.save_checkpoint, is_main, args.out_dir, done, state,
+                args.keep_checkpoints,
+            )  # fmt: skip
+            throughput.restart()
+        if stop:
+            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+
+    # ---- outputs -------------------------------------------------------------------------------
+    if is_main:
+        # model, not ddp_model: the plain weights, with no `module.` prefix on every name.
+        training.finish_run(args, model, config, tokenizer, device)
+    dist.barrier()  # the run is over when rank 0's files are written, for every rank
+    # Release DDP's reducer (it holds the process group from C++) while the group still exists:
+    # were the group destroyed by it at exit, gloo's destructor would wait for its worker
+    # threads while holding the GIL, and a worker freeing a tensor needs the GIL (an occasional
+    # hang at exit, seen with train_zero1.py's many async broadcasts; pytorch/pytorch#56297).
+    del ddp_model
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    stopping.run(main)

@@ -1,0 +1,262 @@
+"""The parts of a training run that are the same under every parallel strategy.
+
+Each train_*.py keeps its own visible loop (setup -> data -> model -> wrap -> loop -> outputs)
+and calls these for what does not change between strategies: the datasets and the batches of
+each step, the model, AdamW and its schedule, mixed precision, attention masks, evaluation, and
+the outputs at the end. That is what keeps the diff between neighbouring lessons to the
+concept each one adds.
+"""
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
+
+import data
+from checkpoints import load_model, save_final
+from distributed import main_process_first
+from generate import generate_text
+from masks import create_causal_mask, create_document_block_mask, create_document_mask, document_ids
+from model import LlamaConfig, LlamaForPretraining
+from stopping import ignore_stop_signals
+
+# -------------------------------------------------------------------------------------------------
+# Data
+
+
+def build_datasets(
+    args, tokenizer_path: str | None
+) -> tuple[data.PretrainingDataset, data.PretrainingDataset, object]:
+    """Corpus -> tokenizer -> tokenized, cached datasets: (train, val, tokenizer).
+
+    tokenizer_path: the plan's tokenizer.json (--tokenizer, or --init-from's); None: one is
+    trained on the training split and cached.
+
+    Under torchrun, `main_process_first` lets one process per node do the work while the others
+    wait, then read what it cached: nobody tokenizes twice.
+    """
+    with main_process_first():
+        corpus = data.load_corpus(args.data, args.text_column, args.cache_dir)
+        train_docs, val_docs = data.split_corpus(corpus, args.val_fraction, seed=0)
+        tokenizer = data.get_tokenizer(train_docs, args.vocab_size, args.cache_dir, tokenizer_path)
+        pad_id = tokenizer.token_to_id(data.PAD)
+        train, val = (
+            data.PretrainingDataset(
+                data.tokenize(docs, tokenizer), args.seq_length, args.data_mode, pad_id
+            )
+            for docs in (train_docs, val_docs)
+        )
+    return train, val, tokenizer
+
+
+def steps_per_epoch(train_ds, args) -> int:
+    """Optimizer steps in one pass over the training split; ValueError if not even one."""
+    steps = len(train_ds) // args.batch_size
+    if steps == 0:
+        raise ValueError(
+            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
+            f"({args.batch_size}); use more data or a smaller batch"
+        )
+    return steps
+
+
+def step_batches(
+    dataset,
+    order_for_epoch: Callable[[int], list[int]],
+    micro_batch_size: int,
+    accumulation: int,
+    steps_per_epoch: int,
+    start_step: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Yield, for each optimizer step from `start_step` on, its `accumulation` micro-batches.
+
+    `order_for_epoch(epoch)` gives the sample indices this process reads in that epoch: that is
+    where single-process and distributed training differ. The position in the data is a pure
+    function of the step (epoch = step // steps_per_epoch), so resuming at step s reads exactly
+    what an uninterrupted run would have read, without storing anything but s.
+    """
+    epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    per_step = micro_batch_size * accumulation
+    while True:
+        order = order_for_epoch(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
+        loader = DataLoader(
+            dataset,
+            batch_size=micro_batch_size,
+            sampler=order,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            drop_last=True,
+            worker_init_fn=ignore_stop_signals,
+        )
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            yield [next(batches) for _ in range(accumulation)]
+        epoch, step_in_epoch = epoch + 1, 0
+
+
+# -------------------------------------------------------------------------------------------------
+# Model, optimizer, schedule, precision, attention masks
+
+
+def build_model(
+    args, preset: str | None, vocab_size: int
+) -> tuple[LlamaForPretraining, LlamaConfig]:
+    """The model to train: the plan's preset with fresh weights from --seed, or --init-from's
+    (in fp32, on the CPU)."""
+    if args.init_from is not None:
+        # checkpoints.load_model, generate.py's loader: a model.pt that generates also trains
+        # (and fails the same way, with the same messages, if its files do not belong together).
+        model, _ = load_model(args.init_from, "cpu", torch.float32)
+        return model.train(), model.config
+    config = LlamaConfig.from_preset(preset, vocab_size=vocab_size)
+    torch.manual_seed(args.seed)  # the same initial weights in every process
+    return LlamaForPretraining(config), config
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a model, or of a pipeline stage of train_pp.py (which keeps them in
+    an nn.ModuleDict keyed by their index in the whole model)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+
+
+def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
+    """Compile each decoder layer in place: a short compile (one layer's graph, reused), and the
+    parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected.
+
+    loss: also compile model.loss (final norm, lm_head, cross-entropy), which fuses the upcast
+    and log-softmax of the (B, T, vocab) logits instead of writing them out three times. Off
+    under tensor parallelism, whose loss runs on vocabulary shards inside loss_parallel(), and
+    in pipeline stages, whose last stage computes pipeline_loss instead.
+    """
+    for layer in decoder_layers(model):
+        layer.compile()
+    if loss:
+        model.loss = torch.compile(model.loss)
+
+
+def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
+    """Recompute each decoder layer's activations in backward instead of storing them.
+
+    Each layer's forward runs under torch.utils.checkpoint, which keeps only the layer's inputs
+    and runs the forward again when backward reaches the layer. Non-reentrant (use_reentrant=
+    False) is the recommended variant: it works with DDP, FSDP and torch.compile, and it replays
+    the RNG state. The forward is replaced on each instance from here, outside model.py, and
+    the parameter names stay unchanged, so checkpoints and model.pt are unaffected.
+    """
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # One fused kernel for the whole update on GPU; the multi-tensor (foreach) path elsewhere.
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def build_scheduler(optimizer, args) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup to --lr, then cosine decay to lr * --min-lr-ratio at --max-steps."""
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer,
+        T_max=max(1, args.max_steps - args.warmup_steps),
+        eta_min=args.lr * args.min_lr_ratio,
+    )
+    if args.warmup_steps == 0:
+        return cosine
+    warmup = torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps
+    )
+    return torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [warmup, cosine], milestones=[args.warmup_steps]
+    )
+
+
+def autocast(device: torch.device, precision: str):
+    """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def attention_masks(args, plan, tokenizer) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The attention mask of a batch of tokens x (B, T), as a function: mask(x) is None (plain
+    causal attention, the fast path) unless --document-mask asks for one; then a FlexAttention
+    BlockMask if plan.attention is "flex", else a dense (B, 1, T, T) additive mask.
+
+    Pad mode needs no padding mask: padding is on the right, so under causal attention a real
+    token never sees a pad, and what pad positions compute is ignored by the loss
+    (tests/test_model.py proves real-token logits unchanged by right padding).
+    """
+    bot_id = tokenizer.token_to_id(data.BOT)
+
+    def mask(x: torch.Tensor) -> torch.Tensor | None:
+        if not args.document_mask:
+            return None
+        doc_ids = document_ids(x, bot_id)  # (B, T)
+        if plan.attention == "flex":  # block-sparse: the model runs flex_attention
+            return create_document_block_mask(doc_ids)
+        return create_causal_mask(x.size(1), x.device) + create_document_mask(doc_ids)
+
+    return mask
+
+
+# -------------------------------------------------------------------------------------------------
+# Evaluation and the end of a run
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, number of targets) over `loader`, as tensors on `device`; attn_mask: the
+    run's attention_masks.
+
+    Sums rather than a mean, so that a distributed caller can add them up over ranks and divide
+    once: the validation loss is then exactly that of a single process on the same data.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    num_tokens = torch.zeros((), device=device, dtype=torch.long)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, precision):
+            batch_loss, batch_tokens = model(x, y, attn_mask(x))
+        loss_sum += batch_loss.float().sum()  # .sum(): DataParallel returns one per replica
+        num_tokens += batch_tokens.sum()
+    model.train(was_training)
+    return loss_sum, num_tokens
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """`prompt` and a short continuation of it, decoded; the same every time (seed 0).
+
+    This is generate.py's own function with its default sampling settings, so on CPU
+    `python generate.py --seed 0 --prompt ... --max-new-tokens ...` prints the same text.
+    """
+    return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)
+
+
+def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
+    """The end of a run, on the process that writes files: model.pt, config.json and
+    tokenizer.json; with --plan on a GPU, the measured peak to hold against the plan printed at
+    start-up; and the sample of the trained model (--sample-tokens)."""
+    save_final(args.out_dir, model, config, tokenizer)
+    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+    if args.plan and device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
+    if args.sample_tokens:
+        text = sample_text(model.to(device), tokenizer, args.sample_prompt, args.sample_tokens)
+        print(f"sample:\n{text}")
