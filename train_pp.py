@@ -107,9 +107,11 @@ def check_pipeline_args(
     Called before any data is read: a mistake costs seconds, not a tokenized corpus.
     """
     schedule = args.schedule
-    v = args.stages_per_rank or (2 if schedule == "interleaved" else 1)
-    if args.stages_per_rank is not None and args.stages_per_rank < 1:
-        parser.error(f"--stages-per-rank must be positive, got {args.stages_per_rank}")
+    v = args.stages_per_rank
+    if v is None:
+        v = 2 if schedule == "interleaved" else 1
+    if v < 1:
+        parser.error(f"--stages-per-rank must be positive, got {v}")
     if schedule == "interleaved" and v < 2:
         parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
     if schedule != "interleaved" and v != 1:
