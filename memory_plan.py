@@ -1,8 +1,10 @@
 """How much GPU memory (and communication) does training need per GPU, under DDP, each ZeRO stage,
-and tensor and pipeline parallelism?
+HSDP, and tensor (+ sequence), pipeline and context parallelism?
 
     python memory_plan.py --model 7b --world-size 8                 # Llama 2 7B on 8 GPUs
     python memory_plan.py --model 70b --world-size 64 --tp 8 --pp 4 --micro-batches 16   # 3D
+    python memory_plan.py --model 7b --world-size 16 --cp 4 --seq-length 131072       # long context
+    python memory_plan.py --model 7b --world-size 32 --replicate 4   # HSDP: 4 nodes of 8
     python memory_plan.py --model 70b --world-size 64 --gpu-memory 80 --micro-batch-size 1
     python memory_plan.py --params 7.5e9 --world-size 64 --precision paper   # the ZeRO paper
     python memory_plan.py --model 7b --json                          # machine-readable
@@ -19,6 +21,11 @@ Models") removes their redundancy across the N data-parallel ranks in three stag
     ZeRO-1 (P_os)    P * w          P * g          P * o / N         train_zero1.py
     ZeRO-2 (P_os+g)  P * w          P * g / N      P * o / N         train_fsdp.py --zero-stage 2
     ZeRO-3 (+P_p)    P * w / N      P * g / N      P * o / N         train_fsdp.py --zero-stage 3
+    HSDP             P * w / S      P * g / S      P * o / S         train_fsdp.py --replicate R
+
+HSDP (hybrid sharding) is ZeRO-3 within groups of S = N / R ranks (a node, typically), its R
+groups replicas of each other: more memory than ZeRO-3 over all N, far less traffic between
+groups (see communication below).
 
 The bytes per parameter (w, g, o) depend on what is kept, which `--precision` selects:
   fp32   4, 4, 8: fp32 weights and gradients, AdamW's two fp32 moments (exp_avg, exp_avg_sq).
@@ -61,7 +68,7 @@ the ZeRO strategies then apply across the remaining D = N / (T * P) data-paralle
 
   tensor parallel (Megatron)  every matrix of a layer split T ways (embedding and lm_head too);
                               the RMSNorm gains are replicated. Without sequence parallelism
-                              (our train_tp.py), Korthikanti's per-layer count becomes
+                              (train_tp.py's default), Korthikanti's per-layer count becomes
                               s*b*h * (10 + 24/T + 5*a*s/(h*T)): the 24 sbh of matmul inputs and
                               the scores shrink T ways, the norms' and residuals' 10 sbh do not.
                               The loss is vocabulary-parallel: log-probabilities / T (as in
@@ -77,6 +84,19 @@ the ZeRO strategies then apply across the remaining D = N / (T * P) data-paralle
                               (every loss waits for the backward phase). The plan reports the
                               heavier of the two. The idle fraction of a step, the bubble, is
                               (P-1)/(m+P-1), and (P-1)/(v*m+P-1) interleaved.
+  sequence parallel           (`--sequence-parallel`, with --tp) the norms and residuals work on
+                              1/T of the sequence each. Korthikanti's Table 2 splits all 10 s*b*h
+                              (34/T per layer), because Megatron-LM keeps only its piece of the
+                              all-gathered inputs of wq/wk/wv and w1/w3 and gathers them again in
+                              backward; PyTorch's ColwiseParallel, which train_tp.py uses, stores
+                              them whole (4 s*b*h): s*b*h * (4 + 30/T + 5*a*s/(h*T)) here. With
+                              activation checkpointing, the kept layer inputs split T ways.
+  context parallel            (`--cp C`, train_cp.py) every sequence split C ways: each rank holds
+                              1/C of every activation (s -> s/C; the scores are (s/C) x s) and of
+                              the log-probabilities, plus the other ranks' keys and values it
+                              gathered, kept for backward: 2*s*b*kv_dim*(C-1)/C values a layer
+                              (small under grouped-query attention). The weights are those of C
+                              data-parallel ranks: ZeRO/FSDP shards them over dp x C.
 
 Communication per GPU and optimizer step (bytes sent, ring algorithms: an all-reduce of n bytes
 over k ranks sends 2n(k-1)/k, an all-gather or reduce-scatter n(k-1)/k), for m micro-batches:
@@ -92,6 +112,13 @@ over k ranks sends 2n(k-1)/k, an all-gather or reduce-scatter n(k-1)/k), for m m
                   backward), m times: the one cost that grows with the tokens, not the model
   pipeline        each stage sends its s*b*h output forward and its input gradient backward, once
                   per micro-batch (and per chunk, interleaved)
+  HSDP            ZeRO-3's all-gathers and reduce-scatters within a group of S, then one
+                  all-reduce of a 1/S gradient shard across the R groups: 2(R-1)/R * 4P/S bytes,
+                  the only traffic between groups (nodes)
+  sequence par.   each all-reduce becomes a reduce-scatter + an all-gather: the same bytes
+  context par.    all-gather each layer's keys and values (forward) and reduce-scatter their
+                  gradients (backward): 4(C-1)/C * s*b*kv_dim values per layer and
+                  micro-batch; kv_dim is 1/4 of h or less under grouped-query attention
 
 That is why tensor parallelism stays inside a node (NVLink), and pipeline and data parallelism
 cross nodes. Not counted: the embedding's and loss's small extra collectives, and the
@@ -121,16 +148,23 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 GB = 1e9
 
 
-def model_states_bytes(num_params: int, world_size: int, precision: str) -> dict[str, dict]:
-    """{strategy: {"params", "grads", "optimizer"}}: bytes per GPU, as in the docstring's table."""
+def model_states_bytes(
+    num_params: int, world_size: int, precision: str, replicate: int = 1
+) -> dict[str, dict]:
+    """{strategy: {"params", "grads", "optimizer"}}: bytes per GPU, as in the docstring's table;
+    with replicate R > 1, an "hsdp" row too: ZeRO-3 within groups of world_size / R ranks."""
     w, g, o = (num_params * b for b in BYTES_PER_PARAM[precision])
     n = world_size
-    return {
+    states = {
         "ddp": {"params": w, "grads": g, "optimizer": o},
         "zero1": {"params": w, "grads": g, "optimizer": o / n},
         "zero2": {"params": w, "grads": g / n, "optimizer": o / n},
         "zero3": {"params": w / n, "grads": g / n, "optimizer": o / n},
     }
+    if replicate > 1:
+        shard = n // replicate
+        states["hsdp"] = {"params": w / shard, "grads": g / shard, "optimizer": o / shard}
+    return states
 
 
 def layer_activation_bytes(
@@ -140,12 +174,23 @@ def layer_activation_bytes(
     precision: str,
     attention: str,
     tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> float:
     """One decoder layer's stored activations on one GPU (Korthikanti et al. 2022, see the
-    docstring): 34 s*b*h at tp 1, of which 24 s*b*h (and the scores) are split by tp."""
+    docstring): 34 s*b*h at tp 1, of which 24 s*b*h (and the scores) are split by tp, and 6 of
+    the other 10 under sequence parallelism. Context parallelism splits every token's share cp
+    ways and adds the keys and values gathered from the other cp ranks."""
     s, b, h, a = seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads
-    per_token = 10 + 24 / tp + (5 * a * s / (h * tp) if attention == "math" else 0)
-    return s * b * h * per_token * ACTIVATION_BYTES[precision] / 2
+    # Sequence parallel: the norms' and residuals' 6 s*b*h split; the 4 of the all-gathered
+    # inputs of wq/wk/wv and w1/w3 do not (ColwiseParallel stores them whole; see docstring).
+    norms = 6 / tp + 4 if sequence_parallel else 10
+    per_token = (norms + 24 / tp + (5 * a * s / (h * tp) if attention == "math" else 0)) / cp
+    # The other ranks' keys and values, kept for backward (this rank's own are in the 24): two
+    # tensors of s*b*kv_dim values, 2 bytes each in Korthikanti's units of 16-bit bytes.
+    kv_dim = config.num_key_value_heads * config.head_dim / tp
+    gathered_kv = 2 * 2 * kv_dim / h * (cp - 1) / cp
+    return s * b * h * (per_token + gathered_kv) * ACTIVATION_BYTES[precision] / 2
 
 
 def activation_bytes(
@@ -158,6 +203,8 @@ def activation_bytes(
     tp: int = 1,
     layers: float | None = None,
     logprob_copies: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> float:
     """Activations held at once on one GPU, with or without activation checkpointing.
 
@@ -167,12 +214,17 @@ def activation_bytes(
     """
     s, b, h = seq_length, micro_batch_size, config.hidden_size
     layers = config.num_hidden_layers if layers is None else layers
-    layer = layer_activation_bytes(config, b, s, precision, attention, tp)
-    # fp32, kept by cross-entropy for backward; split over the vocabulary under tensor parallel.
-    logprobs = logprob_copies * 4 * s * b * config.vocab_size / tp
+    layer = layer_activation_bytes(config, b, s, precision, attention, tp, sequence_parallel, cp)
+    # fp32, kept by cross-entropy for backward; split over the vocabulary under tensor parallel,
+    # over the sequence under context parallel.
+    logprobs = logprob_copies * 4 * s * b * config.vocab_size / (tp * cp)
     if not checkpointing:
         return layers * layer + logprobs
-    inputs = layers * s * b * h * ACTIVATION_BYTES[precision]  # what each checkpoint keeps
+    # What each checkpoint keeps: the layer's input, whole on every tp rank unless sequence
+    # parallelism splits the residual stream too.
+    inputs = (
+        layers * s * b * h * ACTIVATION_BYTES[precision] / (cp * (tp if sequence_parallel else 1))
+    )
     return inputs + layer + logprobs  # + one layer recomputed at a time in backward
 
 
@@ -237,8 +289,14 @@ def communication_bytes(
     micro_batches: int,
     stages_per_rank: int,
     schedule: str,
+    cp: int = 1,
+    replicate: int = 1,
 ) -> dict:
-    """Bytes one GPU sends per optimizer step: {strategy: dp bytes} and the tp and pp bytes."""
+    """Bytes one GPU sends per optimizer step: {strategy: dp bytes} and the tp, pp and cp bytes.
+
+    dp here is the number of ranks that hold the same part of the model (data x context
+    parallel ranks): the ZeRO strategies shard across all of them.
+    """
     ring = (dp - 1) / dp  # an all-gather's or reduce-scatter's share; an all-reduce sends twice
     weights = local_params * (2 if precision in ("bf16", "fp16", "paper") else 4)
     grads = local_params * 4  # gradients are reduced in fp32
@@ -249,15 +307,33 @@ def communication_bytes(
         "zero2": ring * (m * weights + grads),
         "zero3": ring * (2 * m * weights + grads),
     }
-    tp_bytes = pp_bytes = None
+    across = None  # HSDP: the part that crosses between replica groups (nodes)
+    if replicate > 1:  # ZeRO-3 within a group of `shard`, then one all-reduce of a gradient shard
+        shard = dp // replicate
+        across = 2 * (replicate - 1) / replicate * grads / shard
+        data_parallel["hsdp"] = (shard - 1) / shard * (2 * m * weights + grads) + across
+    tp_bytes = pp_bytes = cp_bytes = None
     if config is not None:
         e = ACTIVATION_BYTES[precision]
-        activation = seq_length * micro_batch_size * config.hidden_size * e  # one s*b*h tensor
+        tokens = seq_length * micro_batch_size / cp  # this rank's share of a micro-batch
+        activation = tokens * config.hidden_size * e  # one s*b*h tensor
         layers = math.ceil(config.num_hidden_layers / pp)
+        # Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather:
+        # the same bytes.
         tp_bytes = 4 * 2 * (tp - 1) / tp * activation * layers * m
         chunks = stages_per_rank if schedule == "interleaved" else 1
         pp_bytes = 2 * activation * m * chunks if pp > 1 else 0.0
-    return {"data_parallel": data_parallel, "tensor_parallel": tp_bytes, "pipeline": pp_bytes}
+        # Context parallel: all-gather the keys and values of every layer (forward), and
+        # reduce-scatter their gradients (backward); the whole sequence's K and V, tp-split.
+        kv = seq_length * micro_batch_size * config.num_key_value_heads * config.head_dim / tp
+        cp_bytes = 2 * 2 * (cp - 1) / cp * kv * e * layers * m
+    return {
+        "data_parallel": data_parallel,
+        "tensor_parallel": tp_bytes,
+        "pipeline": pp_bytes,
+        "context_parallel": cp_bytes,
+        "hsdp_across_groups": across,
+    }
 
 
 def plan(
@@ -274,25 +350,36 @@ def plan(
     micro_batches: int = 1,
     schedule: str = "1f1b",
     stages_per_rank: int = 2,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    replicate: int = 1,
 ) -> dict:
     """The per-GPU plan for every data-parallel strategy, in GB (1e9 bytes); the --json output.
 
-    world_size = dp x tp x pp GPUs; the ZeRO strategies shard across the dp = world_size /
-    (tp * pp) ranks that hold the same part of the model. Where the pipeline's first and last
-    stages differ, each row is the heavier stage's. Without a `config` (a bare parameter count)
-    there is no shape to estimate activations from: the activation and total fields are then
-    None, and the parameters are assumed evenly split over tp x pp.
+    world_size = dp x cp x tp x pp GPUs; the ZeRO strategies shard across the dp x cp =
+    world_size / (tp * pp) ranks that hold the same part of the model (context-parallel ranks
+    hold the same weights, as data-parallel ones do), and HSDP (replicate > 1) within groups of
+    dp x cp / replicate of them. Where the pipeline's first and last stages differ, each row is
+    the heavier stage's. Without a `config` (a bare parameter count) there is no shape to
+    estimate activations from: the activation and total fields are then None, and the
+    parameters are assumed evenly split over tp x pp.
     """
-    if world_size < 1 or num_params < 1 or tp < 1 or pp < 1 or micro_batches < 1:
+    if min(world_size, num_params, tp, pp, cp, replicate, micro_batches) < 1:
         raise ValueError(
-            "--world-size, --tp, --pp, --micro-batches and the parameter count must be positive"
+            "--world-size, --tp, --pp, --cp, --replicate, --micro-batches and the parameter "
+            "count must be positive"
         )
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * cp):
         raise ValueError(
-            f"--world-size {world_size} is not a multiple of --tp {tp} x --pp {pp}: every "
-            f"data-parallel replica needs tp x pp GPUs"
+            f"--world-size {world_size} is not a multiple of --tp {tp} x --pp {pp} x --cp {cp}: "
+            f"every data-parallel replica needs tp x pp x cp GPUs"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
+    if (dp * cp) % replicate:
+        raise ValueError(
+            f"--replicate {replicate} does not divide the {dp * cp} ranks that hold the same "
+            f"part of the model (dp {dp} x cp {cp}): HSDP needs groups of equal size"
+        )
     first_layers, last_logprobs = pipeline_in_flight(schedule, pp, micro_batches, stages_per_rank)
     # Per stage: (parameters on one GPU, layers' worth of one micro-batch's activations held,
     # micro-batches of log-probabilities held).
@@ -308,10 +395,10 @@ def plan(
     else:
         stages = {"first": (num_params / (tp * pp), None, None)}
     strategies = {}
-    for name in STRATEGIES:
+    for name in STRATEGIES + (("hsdp",) if replicate > 1 else ()):
         rows = []
         for params, layers, logprob_copies in stages.values():
-            states = model_states_bytes(params, dp, precision)[name]
+            states = model_states_bytes(params, dp * cp, precision, replicate)[name]
             model_states = sum(states.values())
             row = {f"{part}_gb": value / GB for part, value in states.items()}
             row["model_states_gb"] = model_states / GB
@@ -320,7 +407,7 @@ def plan(
                 if config is not None:
                     acts = activation_bytes(
                         config, micro_batch_size, seq_length, precision, attention, ckpt, tp,
-                        layers, logprob_copies,
+                        layers, logprob_copies, sequence_parallel, cp,
                     )  # fmt: skip
                 row[f"activations{suffix}_gb"] = acts / GB if acts is not None else None
                 row[f"total{suffix}_gb"] = (model_states + acts) / GB if acts is not None else None
@@ -332,8 +419,8 @@ def plan(
         strategies[name] = row
     heaviest = max(params for params, *_ in stages.values())
     comm = communication_bytes(
-        config, heaviest, dp, tp, pp, precision, micro_batch_size, seq_length, micro_batches,
-        stages_per_rank, schedule,
+        config, heaviest, dp * cp, tp, pp, precision, micro_batch_size, seq_length,
+        micro_batches, stages_per_rank, schedule, cp, replicate,
     )  # fmt: skip
     for name, row in strategies.items():
         row["dp_comm_gb"] = comm["data_parallel"][name] / GB
@@ -342,14 +429,23 @@ def plan(
         "num_params": num_params,
         "world_size": world_size,
         "dp": dp,
+        "cp": cp,
         "tp": tp,
+        "sequence_parallel": sequence_parallel and tp > 1,
         "pp": pp,
+        "replicate": replicate,
         "schedule": schedule if pipelined else None,
         "stages_per_rank": stages_per_rank if pipelined and schedule == "interleaved" else None,
         "micro_batches": micro_batches,
         "bubble_fraction": bubble_fraction(schedule, pp, micro_batches, stages_per_rank),
         "tp_comm_gb": comm["tensor_parallel"] / GB if comm["tensor_parallel"] is not None else None,
         "pp_comm_gb": comm["pipeline"] / GB if comm["pipeline"] is not None else None,
+        "hsdp_across_groups_gb": (
+            comm["hsdp_across_groups"] / GB if comm["hsdp_across_groups"] is not None else None
+        ),
+        "cp_comm_gb": (
+            comm["context_parallel"] / GB if comm["context_parallel"] is not None else None
+        ),
         "precision": precision,
         "micro_batch_size": micro_batch_size if config else None,
         "seq_length": seq_length if config else None,
@@ -365,7 +461,11 @@ def format_plan(p: dict) -> str:
     # Small models (the tiny preset of a CPU run) would show only zeros in GB: use MB there.
     scale, unit = (1, "GB") if p["strategies"]["ddp"]["model_states_gb"] >= 1 else (1e3, "MB")
 
-    layout = f"dp {p['dp']} x tp {p['tp']} x pp {p['pp']}"
+    layout = f"dp {p['dp']} x " + (f"cp {p['cp']} x " if p["cp"] > 1 else "")
+    layout += f"tp {p['tp']}" + (" with sequence parallel" if p["sequence_parallel"] else "")
+    layout += f" x pp {p['pp']}"
+    if p["replicate"] > 1:
+        layout += f"; hsdp: {p['replicate']} replicas of {p['dp'] * p['cp'] // p['replicate']}"
     if p["pp"] > 1:
         layout += (
             f", {p['schedule']} schedule"
@@ -398,10 +498,18 @@ def format_plan(p: dict) -> str:
             f"{gb(r['activations_checkpointed_gb']):>9}{gb(r['total_checkpointed_gb']):>10}"
             f"{gb(r['dp_comm_gb']):>10}"
         )
-    if p["tp"] > 1 or p["pp"] > 1:
+    if p["tp"] > 1 or p["pp"] > 1 or p["cp"] > 1:
         lines.append(
             f"model-parallel traffic per GPU per step: tensor parallel {gb(p['tp_comm_gb'])} "
-            f"{unit}, pipeline {gb(p['pp_comm_gb'])} {unit}"
+            f"{unit}, pipeline {gb(p['pp_comm_gb'])} {unit}, context parallel "
+            f"{gb(p['cp_comm_gb'])} {unit}"
+        )
+    if p["replicate"] > 1:
+        lines.append(
+            f"hsdp: {gb(p['hsdp_across_groups_gb'])} {unit} of its dp comm crosses between "
+            f"the replica groups (one all-reduce of the gradient shards), the rest stays within "
+            f"a group; zero3's rings span every GPU, so all its "
+            f"{gb(p['strategies']['zero3']['dp_comm_gb'])} {unit} cross nodes"
         )
     if p["gpu_memory_gb"] is not None:
         fits = [n for n, r in p["strategies"].items() if r.get("fits")]
@@ -427,6 +535,9 @@ def plan_for_run(
     pp: int = 1,
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    replicate: int = 1,
 ) -> str:
     """The plan of a training run, as the train scripts print it with --plan; run_plan is the
     run's cli.RunPlan (micro-batch, accumulation, precision, attention kernel)."""
@@ -445,6 +556,9 @@ def plan_for_run(
         micro_batches=run_plan.accumulation,
         schedule=schedule,
         stages_per_rank=stages_per_rank,
+        sequence_parallel=sequence_parallel,
+        cp=cp,
+        replicate=replicate,
     )
     return format_plan(p)
 
@@ -466,8 +580,27 @@ def main() -> None:
         "activations need the model's shape (with --model too, its shape is used for them)",
     )
     p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
-    p.add_argument("--world-size", type=int, default=8, help="GPUs in all: N = dp x tp x pp")
+    p.add_argument("--world-size", type=int, default=8, help="GPUs in all: N = dp x cp x tp x pp")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree T (train_tp.py)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: the norms' and residuals' activations split T ways too "
+        "(train_tp.py --sequence-parallel)",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree C: each sequence split C ways (train_cp.py)",
+    )
+    p.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP: R replicas, ZeRO-3 within each group of dp x cp / R GPUs, an hsdp row "
+        "(train_fsdp.py --replicate)",
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline stages P (train_pp.py)")
     p.add_argument(
         "--schedule",
@@ -504,8 +637,8 @@ def main() -> None:
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU, to say what fits")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
     args = p.parse_args()
-    for name in ("world_size", "micro_batch_size", "seq_length", "tp", "pp", "micro_batches",
-                 "stages_per_rank"):  # fmt: skip
+    for name in ("world_size", "micro_batch_size", "seq_length", "tp", "pp", "cp", "replicate",
+                 "micro_batches", "stages_per_rank"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.params is not None and args.params < 1:
@@ -534,6 +667,9 @@ def main() -> None:
             args.micro_batches,
             args.schedule,
             args.stages_per_rank,
+            args.sequence_parallel,
+            args.cp,
+            args.replicate,
         )
     except ValueError as e:
         p.error(str(e))

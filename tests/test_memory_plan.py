@@ -182,3 +182,85 @@ def test_3d_layout_fits_70b_where_data_parallelism_alone_cannot():
     assert not flat["strategies"]["zero3"]["fits"]
     assert three_d["strategies"]["zero3"]["fits"]
     assert three_d["tp_comm_gb"] > 10 * three_d["pp_comm_gb"]  # why TP stays inside a node
+
+
+# -------------------------------------------------------------------------------------------------
+# Sequence and context parallelism, HSDP
+
+
+def test_sequence_parallel_splits_the_norms_and_residuals_too():
+    # With sequence parallelism, 6 of the 10 s*b*h that TP alone keeps whole split t ways; the
+    # 4 of the all-gathered matmul inputs, which ColwiseParallel stores whole, do not:
+    # s*b*h * (4 + 6/2 + 24/2) = 16384 * 19 bytes per layer at t = 2 (TP alone: 22). With
+    # checkpointing, each kept layer input (s*b*h*2 bytes) is split t ways too.
+    f = memory_plan.activation_bytes
+    assert f(SHAPE, B, S, "bf16", "flash", tp=2, sequence_parallel=True) == (
+        3 * 16384 * 19 + 512_000
+    )
+    assert f(SHAPE, B, S, "bf16", "flash", True, tp=2, sequence_parallel=True) == (
+        3 * 32_768 / 2 + 16384 * 19 + 512_000
+    )
+
+
+def test_context_parallel_splits_every_activation_and_keeps_the_gathered_keys_and_values():
+    # cp 2: 34/2 s*b*h bytes per layer, plus the other rank's half of K and V (two bf16 tensors
+    # of s*b*kv_dim values, kv_dim = h here: 4 s*b*h bytes, half of them gathered); the
+    # log-probabilities of half the tokens.
+    got = memory_plan.activation_bytes(SHAPE, B, S, "bf16", "flash", cp=2)
+    assert got == 3 * 16384 * (17 + 2) + 512_000
+    # The (s, s) scores: each rank's queries (s/2) against all s keys, half of the 5as/h term.
+    math_attention = memory_plan.activation_bytes(SHAPE, B, S, "bf16", "math", cp=2)
+    assert math_attention - got == 3 * 655_360 / 2
+
+
+def test_context_parallel_traffic_is_the_keys_and_values_gathered_and_reduced():
+    # cp 2 on 4 ranks (dp 2): K and V of the whole sequence (s*b*kv_dim = 16384 bf16 values each)
+    # all-gathered forward and reduce-scattered backward, half of them sent, per layer and
+    # micro-batch (2). The ZeRO strategies shard over all 4 ranks that hold the same weights.
+    c = memory_plan.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", cp=2)
+    assert c["context_parallel"] == 4 * 0.5 * 16384 * 2 * 3 * 2
+    p = memory_plan.plan(1_000_000, 4, "fp32", SHAPE, B, S, cp=2)
+    assert p["dp"] == 2 and p["strategies"]["zero3"]["params_gb"] == 4e6 / 4 / 1e9
+
+
+def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
+    # 8 ranks as 2 replicas of 4: ZeRO-3's states over 4, not 8.
+    p = memory_plan.plan(1_000_000, 8, "fp32", replicate=2)
+    assert p["strategies"]["hsdp"]["params_gb"] == 4e6 / 4 / 1e9
+    assert p["strategies"]["zero3"]["params_gb"] == 4e6 / 8 / 1e9
+    # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
+    # 1/2 gradient shard across the 2 groups: the only bytes between groups.
+    c = memory_plan.communication_bytes(
+        SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", replicate=2
+    )
+    across = 2 * 0.5 * 4e6 / 2
+    assert c["hsdp_across_groups"] == across
+    assert c["data_parallel"]["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
+    assert "hsdp" not in memory_plan.plan(1_000_000, 8, "fp32")["strategies"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--world-size", "8", "--replicate", "3"], "--replicate 3 does not divide"),
+        (["--world-size", "8", "--tp", "2", "--cp", "3"], "not a multiple of --tp 2 x --pp 1 x"),
+    ],
+)
+def test_layouts_that_do_not_divide_are_refused(flags, message):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", *flags],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
+    # Llama 2 7B at 131,072 tokens (one sequence) on 8 GPUs with ZeRO-3 and checkpointing: the
+    # log-probabilities alone (4 * s * V = 17 GB) and the layer inputs do not fit at cp 1.
+    config = LlamaConfig.from_preset("7b")
+    n = count_parameters(config)
+    kw = dict(gpu_memory_gb=80, seq_length=131_072, micro_batch_size=1)
+    alone = memory_plan.plan(n, 8, "bf16", config, **kw)
+    split = memory_plan.plan(n, 8, "bf16", config, cp=8, **kw)
+    assert not alone["strategies"]["zero3"]["fits_checkpointed"]
+    assert split["strategies"]["zero3"]["fits_checkpointed"]
