@@ -4,6 +4,9 @@
     torchrun --standalone --nproc_per_node=8 train_fsdp.py --zero-stage 2   # ZeRO-2
     torchrun --standalone --nproc_per_node=8 train_fsdp.py --cpu-offload    # states in CPU memory
     torchrun --standalone --nproc_per_node=2 train_fsdp.py                  # no GPU: 2 CPU ranks
+    NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 SCRIPT=train_fsdp.py ./run_ddp.sh --replicate 4
+        # HSDP on 4 nodes x 8 GPUs (the same command on every node, NODE_RANK 0..3): ZeRO-3
+        # inside each node, 4 replicas of it across the nodes
     python memory_plan.py --model 1b --world-size 8                         # which one fits?
 
 What this changes in train_zero1.py (`diff train_zero1.py train_fsdp.py` shows each change; the
@@ -29,6 +32,14 @@ sharded checkpoints of point 5 are calls into sharded_checkpoints.py, part of th
   5. Checkpoints: every rank writes its own shards with torch.distributed.checkpoint (DCP), into
      a directory per step (sharded_checkpoints.py); model.pt gathers the full weights onto rank
      0, plain as ever.
+  6. --replicate R (HSDP, hybrid sharding): the ranks form an R x S grid (S = world_size / R).
+     Each parameter is sharded over the S ranks of a row (a shard group, say one node) and the
+     R rows hold replicas of it: gradients are reduce-scattered within each row, then each
+     shard is all-reduced with the same shard of the other rows. Each rank still reads its own
+     1/world_size of the batch: the replicas are data-parallel too. It pays off across nodes:
+     the slow link between them carries one all-reduce of 1/S of the gradients per step,
+     instead of every layer's all-gathers and reduce-scatters; the price is the memory of FSDP
+     over S ranks, not over all of them. --replicate world_size shards nothing (S = 1): DDP.
 """
 
 import math
@@ -36,6 +47,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
@@ -70,6 +82,13 @@ def main():
         help="keep sharded weights, gradients and optimizer state in CPU memory; the optimizer "
         "step runs on the CPU (ZeRO-Offload's idea; slower, fits far bigger models)",
     )
+    parser.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP: shard within groups of world_size / R ranks (say, one node each) and keep R "
+        "replicas of the shards; 1: plain FSDP over all ranks",
+    )
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup_distributed(args.backend)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
@@ -78,6 +97,11 @@ def main():
         raise ValueError(
             "train_fsdp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
+        )
+    if args.replicate < 1 or world_size % args.replicate:
+        raise ValueError(
+            f"--replicate {args.replicate} must divide the number of ranks ({world_size}): the "
+            f"ranks form a grid of replicas x shards; launch a multiple of it or choose another"
         )
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
@@ -121,13 +145,22 @@ def main():
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None
     )
     offload = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
+    # The grid of ranks: rank = replica * shards + shard. mesh["shard"] is this rank's shard
+    # group (consecutive ranks: one node, with torchrun's numbering), mesh["replicate"] the ranks
+    # that hold the same shard in the other groups. A 2-D mesh makes fully_shard do HSDP; with
+    # --replicate 1, the 1-D mesh of all ranks is plain FSDP (no all-reduce step at all).
+    shards = world_size // args.replicate
+    mesh = init_device_mesh(
+        device.type, (args.replicate, shards), mesh_dim_names=("replicate", "shard")
+    )
     shard_options = dict(
+        mesh=mesh if args.replicate > 1 else mesh["shard"],
         reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy,
         **(offload if args.cpu_offload else {}),
     )  # fmt: skip
     # Layers first, then the root: the root's unit takes what no layer owns (embeddings, final
     # norm, lm_head). fully_shard changes the model in place: `model` is the sharded model now,
-    # its parameters DTensors that each hold this rank's 1/world_size.
+    # its parameters DTensors that each hold this rank's 1/world_size (HSDP: 1/shards).
     for layer in model.layers:
         fully_shard(layer, **shard_options)
     fully_shard(model, **shard_options)
@@ -149,13 +182,19 @@ def main():
     val_loader = DataLoader(val_shard, batch_size=plan.micro_batch_size)
     if is_main:
         print(cli.describe_run(args, plan, config, device))
+        sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
+        if args.replicate > 1:
+            sharding = (
+                f"HSDP {args.replicate} x {shards} (replicas x shard group), ZeRO-{args.zero_stage}"
+            )
         print(
-            f"sharding: FSDP ZeRO-{args.zero_stage} over {world_size} ranks, "
-            f"cpu offload {args.cpu_offload}, activation checkpointing "
+            f"sharding: {sharding}, cpu offload {args.cpu_offload}, activation checkpointing "
             f"{args.activation_checkpointing}"
         )
         if args.plan:
-            print(memory_plan.plan_for_run(args, plan, config, world_size))
+            print(
+                memory_plan.plan_for_run(args, plan, config, world_size, replicate=args.replicate)
+            )
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
@@ -204,6 +243,7 @@ def main():
                 loss_sum, _ = model(x, y, attn_mask(x))
             # The reduce-scatter averages gradients over ranks, as DDP's all-reduce does: the
             # factor world_size undoes that division, leaving sum of all losses / all tokens.
+            # HSDP too: it averages over the shard group, then over the replicas (world_size).
             loss = loss_sum * world_size / global_tokens
             loss.backward()
             step_loss += loss_sum.detach()

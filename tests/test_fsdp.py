@@ -8,7 +8,14 @@ the DDP run on the same global batch, with test_training.py's tolerances (see it
 these strategies change where tensors live and which collective moves them, not the arithmetic.
 Measured on this corpus (fp32): ZeRO-1 and activation checkpointing are bit-identical to DDP;
 FSDP differs by at most ~1e-7 (its reduce-scatter adds the two ranks' gradients in another
-order), far inside ATOL.
+order), far inside ATOL. HSDP on 2 ranks (--replicate 2: 2 replicas of a shard group of 1) is
+bit-identical to DDP: its reduce-scatter over one rank is a copy, its all-reduce DDP's. The 2 x 2
+grid (4 ranks: a real reduce-scatter within each pair, then the all-reduce across the pairs) was
+checked by hand against train_dp.py: weights within 2.0e-6, logged losses 1.2e-7 (relative),
+gradient norms 1.3e-6 (relative), validation losses 1.0e-7; with ZeRO-2 and 2 micro-batches
+3.1e-6, with CPU offload and activation checkpointing 2.0e-6, 4 x 1 2.0e-6. Its resume was
+bit-identical, and its step-4 checkpoint resumed under plain FSDP on 2 ranks and on 1 (weights
+within 2.0e-6 of train_dp.py). 4 processes are too slow for CI on 2 cores.
 """
 
 import dataclasses
@@ -69,6 +76,9 @@ def assert_same_logged_losses_after_step_4(resumed: Path, full: Path) -> None:
 # The same weights as DDP on the same global batch
 
 ZERO3 = ("--zero-stage", "3")
+# HSDP on 2 ranks: 2 replicas of a shard group of 1 rank. The reduce-scatter is then a copy and
+# the all-reduce over the replicas does all the work; 2 micro-batches per rank accumulate first.
+HSDP = ("--replicate", "2", "--micro-batch-size", "2")
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +110,10 @@ def launched(tmp_path_factory, corpus, cache_dir):
         # set_requires_gradient_sync(False) accumulates exactly like one big batch.
         (FSDP, 2, ("--zero-stage", "2", "--activation-checkpointing", "--micro-batch-size", "1")),
         (FSDP, 2, ("--zero-stage", "3", "--activation-checkpointing", "--cpu-offload")),
+        (FSDP, 2, HSDP),
     ],
     ids=["zero1", "dp-checkpointing", "fsdp-zero3", "fsdp-zero2-checkpointing-accum",
-         "fsdp-zero3-checkpointing-offload"],
+         "fsdp-zero3-checkpointing-offload", "hsdp-2x1-accum"],
 )  # fmt: skip
 def test_strategy_trains_like_ddp(trained, launched, script, world, flags):
     out = launched(script, world, *flags)
@@ -157,19 +168,33 @@ def test_zero1_checkpoint_resumes_in_train_dp(launched, trained, corpus, cache_d
     assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
 
 
-def test_fsdp_resume_is_bit_identical(fsdp_run, corpus, cache_dir, tmp_path):
+@pytest.mark.parametrize("flags", [ZERO3, HSDP], ids=["fsdp", "hsdp"])
+def test_fsdp_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path, flags):
+    full = launched(FSDP, 2, *flags)
     out = tmp_path / "resumed"
-    copy_sharded_checkpoint(fsdp_run, 4, out)
-    proc = run_script(FSDP, cmd(corpus, cache_dir, out), world=2)
+    copy_sharded_checkpoint(full, 4, out)
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out) + list(flags), world=2)
     assert "at step 4" in proc.stdout
-    assert_state_dicts_equal(load_weights(out), load_weights(fsdp_run))
+    hsdp = "sharding: HSDP 2 x 1 (replicas x shard group)" in proc.stdout
+    assert hsdp == (flags == HSDP), proc.stdout
+    assert_state_dicts_equal(load_weights(out), load_weights(full))
     got = sharded_checkpoint_state(out, 8, tmp_path)
-    want = sharded_checkpoint_state(fsdp_run, 8, tmp_path)
+    want = sharded_checkpoint_state(full, 8, tmp_path)
     assert got.keys() == want.keys() and any("optimizer" in key for key in want)
     for key, value in want.items():
         same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
         assert same, f"{key} differs after resuming"
-    assert_same_logged_losses_after_step_4(out, fsdp_run)
+    assert_same_logged_losses_after_step_4(out, full)
+
+
+def test_hsdp_writes_each_replicated_shard_once(launched, fsdp_run):
+    # Both replicas hold the same shards: DCP's planner has one of them write each, so the
+    # checkpoint is no bigger than FSDP's (where every rank holds different shards).
+    def size(run: Path) -> int:
+        files = (run / "checkpoints" / "step_0000004").glob("*.distcp")
+        return sum(f.stat().st_size for f in files)
+
+    assert size(launched(FSDP, 2, *HSDP)) < 1.1 * size(fsdp_run)
 
 
 def test_fsdp_checkpoint_resumes_on_a_different_number_of_ranks(
@@ -328,4 +353,15 @@ def test_fsdp_refuses_fp16_in_one_line(corpus, cache_dir, tmp_path):
     out = tmp_path / "out"
     argv = cmd(corpus, cache_dir, out, precision="fp16")
     assert_refused(FSDP, argv, "supports --precision bf16 or fp32", out, cache_dir)
+    assert not out.exists(), "nothing is written before the flags are checked"
+
+
+@pytest.mark.parametrize("flags", [["--replicate", "2"], ["--replicate", "0", "--check"]])
+def test_fsdp_refuses_a_replicate_that_does_not_divide_the_ranks(
+    corpus, cache_dir, tmp_path, flags
+):
+    # One process: a grid of 2 (or 0) replicas cannot be made of 1 rank. --check sees it too.
+    out = tmp_path / "out"
+    expect = f"--replicate {flags[1]} must divide the number of ranks (1)"
+    assert_refused(FSDP, cmd(corpus, cache_dir, out) + flags, expect, out, cache_dir)
     assert not out.exists(), "nothing is written before the flags are checked"
