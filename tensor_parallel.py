@@ -1,8 +1,9 @@
 """The tensor-parallel plan of train_tp.py (and of train_pp.py's stages): which matrix of the
-Llama is split by columns, which by rows, and what runs replicated, with
-torch.distributed.tensor.parallel.
+Llama is split by columns, which by rows, and what runs replicated or split along the sequence,
+with torch.distributed.tensor.parallel.
 
     apply_tensor_parallel(model, mesh["tp"])   # in place: every matrix split over the tp ranks
+    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True)  # and the norms' activations
 """
 
 import torch.nn as nn
@@ -10,7 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -22,6 +25,21 @@ from model import LlamaConfig
 # no communication, and each rank holds a slice of Y's features. Split the next matrix B by rows,
 # B = [B1; B2], and rank i computes Y_i B_i from exactly its own slice: Y B = Y_1 B_1 + Y_2 B_2,
 # a sum of partial results, which one all-reduce adds up (Megatron-LM, Shoeybi et al. 2019).
+#
+# Sequence parallelism (--sequence-parallel; Korthikanti et al. 2022, "Reducing Activation
+# Recomputation in Large Transformer Models", as torchtitan applies it). Between those pairs of
+# matrices the activations are whole on every tp rank: the residual stream, the RMSNorms, the
+# residual adds. They are tp identical copies of the same work and the same memory. Split them
+# along the sequence instead (Shard(1) of (B, T, d)): each rank keeps T/tp positions of them,
+# which is correct because a norm and an add act on each position alone. The all-reduce after the
+# embedding, wo and w2 becomes a reduce-scatter (each rank receives the sums of its own positions
+# only), and an all-gather brings the whole sequence back right before the next attention, MLP or
+# lm_head, which need every position. An all-reduce is a reduce-scatter followed by an
+# all-gather, so the traffic is the same (backward: the same pair, the other way round). What
+# shrinks is memory: what autograd stores for the norms (their inputs and normalised outputs) and
+# the residual stream between layers (all that --activation-checkpointing keeps) take 1/tp per
+# rank. The all-gathered inputs of wq/wk/wv and w1/w3 are still stored whole, as without it
+# (Megatron-LM stores its piece and gathers it again in backward; ColwiseParallel does not).
 
 
 def data_parallel_size(world_size: int, tp: int) -> int:
@@ -50,6 +68,22 @@ def check_tensor_parallel(config: LlamaConfig, tp: int) -> None:
             )
 
 
+def check_sequence_parallel(tp: int, seq_length: int) -> None:
+    """ValueError unless --sequence-parallel can split every sequence into tp equal pieces."""
+    if tp == 1:
+        raise ValueError(
+            "--sequence-parallel splits each sequence over the tensor-parallel ranks, but tp is "
+            "1 (--tp, default: the processes of one node): pass --tp 2 or more, or drop "
+            "--sequence-parallel"
+        )
+    if seq_length % tp:
+        # Uneven pieces would each be taken for 1/tp of the sequence, and the gathers fail.
+        raise ValueError(
+            f"--sequence-parallel needs a --seq-length divisible by --tp {tp}, got "
+            f"{seq_length}: each tensor-parallel rank holds an equal piece of every sequence"
+        )
+
+
 def replicate_module(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Keep a module whole on every tp rank, its parameters turned into Replicate DTensors.
 
@@ -72,23 +106,47 @@ def replicate_module(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 def wait_for_output(module, args, output):
     """Forward hook: the embedding's output as a plain tensor, its all-reduce complete.
 
-    RowwiseParallel issues its all-reduce asynchronously and returns a tensor that waits for it on
-    first use. Given as it is to a torch.compile'd layer (--compile), its gradient comes back as
-    the wrong type (torch 2.13: "AttributeError: 'Tensor' object has no attribute '_local_tensor'"
-    in backward). clone() waits, at the cost of one copy of (B, T, hidden) per forward.
+    RowwiseParallel issues its all-reduce (with sequence parallelism, its reduce-scatter)
+    asynchronously and returns a tensor that waits for it on first use. Given as it is to a
+    torch.compile'd layer (--compile), its gradient comes back as the wrong type (torch 2.13:
+    "AttributeError: 'Tensor' object has no attribute '_local_tensor'" in backward). clone()
+    waits, at the cost of one copy of (B, T, hidden) per forward (of (B, T/tp, hidden) with
+    sequence parallelism).
     """
     return output.clone()
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True):
+def parallelize_norm(norm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """An RMSNorm, its weight replicated: run whole on every tp rank, or (sequence parallelism)
+    on this rank's T/tp positions alone.
+
+    SequenceParallel takes a plain input (B, T/tp, d) as this rank's Shard(1) of the sequence and
+    returns a DTensor of that layout, which the next piece all-gathers. Its weight's gradient is a
+    Partial DTensor (each rank's sum over its own positions): DTensor adds the pieces up (an
+    all-reduce of d numbers) where it is read, in clip_grad_norm_, AdamW or FSDP's reduce-scatter.
+    """
+    if sequence_parallel:
+        parallelize_module(norm, tp_mesh, SequenceParallel())
+    else:
+        replicate_module(norm, tp_mesh)
+
+
+def apply_tensor_parallel(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool = True,
+    sequence_parallel: bool = False,
+) -> None:
     """Split `module`'s weights over `tp_mesh` (a 1-D mesh: the tp ranks of one group), in place.
 
     The contract, for this script and for train_pp.py's pipeline stages: `module` has any subset
     of LlamaForPretraining's attributes `tok_embeddings`, `layers`, `norm`, `lm_head`, and only
     those it has are parallelised. `layers` may be an nn.ModuleList or an nn.ModuleDict (keyed by
     the original layer index: its values are the layers). Activations between the parallelised
-    pieces stay plain, replicated tensors of the usual shapes, so the module's own forward runs
-    unchanged (a stage may send its output to the next stage as it is), with one exception: with
+    pieces (the residual stream) stay plain tensors, so the module's own forward runs unchanged
+    (a stage may send its output to the next stage as it is): whole, replicated tensors of the
+    usual shapes, or with sequence_parallel=True this rank's own T/tp positions, (B, T/tp, d),
+    which needs T divisible by tp (check_sequence_parallel). One exception: with
     loss_parallel=True, lm_head returns a DTensor sharded over the vocabulary (Shard(-1)), and
     the cross-entropy on it, and its backward, must run inside
     torch.distributed.tensor.parallel.loss_parallel(). With loss_parallel=False, lm_head
@@ -101,14 +159,32 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, loss_parallel:
         getattr(module, name, None) for name in ("tok_embeddings", "norm", "lm_head")
     )
     tied = embeddings is not None and lm_head is not None and lm_head.weight is embeddings.weight
+    # The layout of the residual stream, and all that sequence parallelism changes in the plan:
+    # whole on every tp rank, or split along the sequence (dim 1 of (B, T, d)). The embedding,
+    # wo and w2 deliver their sums in this layout (all-reduce, or reduce-scatter); attention, the
+    # MLP and lm_head take their input from it (as it is, or all-gathered); the norms run on it.
+    stream = Shard(1) if sequence_parallel else Replicate()
     if embeddings is not None:
         # The embedding table split by vocabulary rows (RowwiseParallel on an nn.Embedding): each
         # rank looks up the token ids that fall in its own rows and outputs zeros for the others;
-        # one all-reduce sums the pieces into the whole embedding, replicated on every rank.
-        parallelize_module(embeddings, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+        # one all-reduce sums the pieces into the whole embedding, replicated on every rank (or
+        # one reduce-scatter, into this rank's positions of it).
+        style = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        parallelize_module(embeddings, tp_mesh, style)
         embeddings.register_forward_hook(wait_for_output)
     for layer in training.decoder_layers(module) if hasattr(module, "layers") else ():
         plan = {
+            # The attention's input x, whole (all-gathered from the sequence pieces with sequence
+            # parallelism), as one Replicate DTensor for wq, wk and wv: the gradients they send
+            # back into it are added up first, then all-reduced (or reduce-scattered) once, not
+            # once per projection. One layout per positional argument of DecoderLayer's call
+            # attention(x, cos, sin, attn_mask, cache): the others (cos, sin (T, hd) of the
+            # whole sequence; attn_mask None, a dense mask or a BlockMask; the KV cache) are the
+            # same on every rank and pass through untouched (None).
+            "attention": PrepareModuleInput(
+                input_layouts=(stream, None, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None, None),
+            ),
             # Columnwise: each rank computes nh/tp query heads and nkv/tp key/value heads from the
             # whole (replicated) input, without communication. Attention is per head, so it runs
             # on those local heads alone: model.Attention reads the head counts from the
@@ -118,29 +194,35 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, loss_parallel:
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             # Rowwise: wo's input features are the heads, so its rows split like them; each rank
-            # multiplies its own heads' output, and one all-reduce adds up the partial sums.
-            "attention.wo": RowwiseParallel(),
+            # multiplies its own heads' output, and one all-reduce adds up the partial sums (or a
+            # reduce-scatter: each rank receives the sums of its own positions only).
+            "attention.wo": RowwiseParallel(output_layouts=stream),
             # The same in the MLP: w1 (gate) and w3 (up) by columns, so each rank holds whole
-            # hidden units and silu(w1 x) * w3 x is local; w2 (down) by rows, one all-reduce.
+            # hidden units and silu(w1 x) * w3 x is local; w2 (down) by rows, one all-reduce (or
+            # reduce-scatter).
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+            ),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
         }
         parallelize_module(layer, tp_mesh, plan)
-        # Norms are tiny and act on whole feature vectors: replicated, computed on every rank.
-        replicate_module(layer.attention_norm, tp_mesh)
-        replicate_module(layer.ffn_norm, tp_mesh)
+        # Norms are tiny and act on each position's feature vector: whole weights, run on the
+        # whole sequence, or (sequence parallelism) on this rank's positions.
+        parallelize_norm(layer.attention_norm, tp_mesh, sequence_parallel)
+        parallelize_norm(layer.ffn_norm, tp_mesh, sequence_parallel)
     if norm is not None:
-        replicate_module(norm, tp_mesh)
+        parallelize_norm(norm, tp_mesh, sequence_parallel)
     if lm_head is not None:
-        # Columnwise over the vocabulary: each rank computes the logits of its own vocab slice.
-        # Kept sharded for loss_parallel (the softmax needs each token's max and sum over the
-        # vocab, and its target's logit: three all-reduces of one number per token), or
-        # all-gathered into the full logits.
+        # Columnwise over the vocabulary, on the whole sequence (all-gathered from the pieces):
+        # each rank computes the logits of its own vocab slice. Kept sharded for loss_parallel
+        # (the softmax needs each token's max and sum over the vocab, and its target's logit:
+        # three all-reduces of one number per token), or all-gathered into the full logits.
         style = (
-            ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+            ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
             if loss_parallel
-            else ColwiseParallel(output_layouts=Replicate())
+            else ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
         )
         parallelize_module(lm_head, tp_mesh, style)
         if tied:

@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node=8 train_tp.py --model 7b --tp 8   # TP=8 in one node
     torchrun --standalone --nproc_per_node=8 train_tp.py --model 1b --tp 4   # 2D: TP 4 x FSDP 2
+    torchrun --standalone --nproc_per_node=8 train_tp.py --model 7b --tp 8 --sequence-parallel
+        # and the activations around the norms split along the sequence (1/8 of them per GPU)
     torchrun --standalone --nproc_per_node=2 train_tp.py --tp 2              # no GPU: 2 CPU ranks
     NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 SCRIPT=train_tp.py ./run_ddp.sh --model 70b --tp 8
         # 4 nodes x 8 GPUs, the same command on every node (NODE_RANK 0..3): TP=8 inside each
@@ -26,6 +28,16 @@ point 2 is tensor_parallel.py, part of this lesson):
      all-reduce in forward and one in backward. The embedding is split by vocabulary rows,
      lm_head by vocabulary columns, and the cross-entropy is computed on the vocab-sharded
      logits (loss_parallel) without ever gathering them. RMSNorm weights are replicated.
+     With --sequence-parallel (Megatron-LM's sequence parallelism, Korthikanti et al. 2022), what
+     runs between those matrices, whole and identical on every tp rank without it (the residual
+     stream, the RMSNorms, the residual adds), is split along the sequence instead: each rank
+     keeps T/tp positions, since a norm or an add acts on each position alone. The all-reduce
+     after wo, w2 and the embedding becomes a reduce-scatter (each rank receives the sums of its
+     own positions), and an all-gather rebuilds the whole sequence before attention, the MLP and
+     lm_head. An all-reduce is a reduce-scatter plus an all-gather, so the traffic is the same;
+     what autograd stores for the norms, and the residual stream between layers (all that
+     --activation-checkpointing keeps), take 1/tp of the memory on each rank. --seq-length must
+     divide by --tp. No parameter changes its layout: a checkpoint resumes with or without it.
   3. FSDP (fully_shard) is then applied over the dp dimension only, on top of TP (2D
      parallelism); with dp = 1 there is no FSDP at all, and with tp = 1 this is train_fsdp.py.
      The order is torchtitan's: TP, activation checkpointing, compile, FSDP.
@@ -34,7 +46,7 @@ point 2 is tensor_parallel.py, part of this lesson):
   Checkpoints (DCP directories, model.pt gathered on rank 0) are train_fsdp.py's, from
   sharded_checkpoints.py: DCP saves DTensors of any layout, and reshards on load, so a run can
   resume with another --tp.
-  Not here: --zero-stage (FSDP is ZeRO-3), --cpu-offload, fp16, sequence parallelism.
+  Not here: --zero-stage (FSDP is ZeRO-3), --cpu-offload, fp16.
 """
 
 import contextlib
@@ -61,6 +73,7 @@ from model import IGNORE_INDEX, LlamaForPretraining
 from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
 from tensor_parallel import (
     apply_tensor_parallel,
+    check_sequence_parallel,
     check_tensor_parallel,
     data_parallel_size,
     local_outputs,
@@ -81,6 +94,13 @@ def main():
         "number of ranks, and FSDP shards over the dp = world_size / tp groups (default: the "
         "processes of one node, torchrun's LOCAL_WORLD_SIZE: TP inside nodes, FSDP across)",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also split the activations around the norms (and the residual stream) along the "
+        "sequence over the tp ranks: the same traffic, 1/tp of their memory per rank (needs "
+        "--tp 2 or more and a --seq-length divisible by --tp)",
+    )
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup_distributed(args.backend)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
@@ -97,6 +117,8 @@ def main():
         )
     plan = cli.plan_run(parser, args, dp, device)  # micro-batch, accumulation, ... per dp group
     check_tensor_parallel(cli.model_shape(args), tp)  # before any data work
+    if args.sequence_parallel:
+        check_sequence_parallel(tp, args.seq_length)
     if plan.precision == "fp16":
         raise ValueError(
             "train_tp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
@@ -139,7 +161,9 @@ def main():
     # torchtitan's order: TP first (it changes the layers' computation), then activation
     # checkpointing and compilation of each (now tensor-parallel) layer, then FSDP around them.
     if tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], loss_parallel=True)
+        apply_tensor_parallel(
+            model, mesh["tp"], loss_parallel=True, sequence_parallel=args.sequence_parallel
+        )
     if args.activation_checkpointing:
         training.apply_activation_checkpointing(model)
     if args.compile:
@@ -176,11 +200,15 @@ def main():
         print(cli.describe_run(args, plan, config, device))
         print(
             f"parallelism: {world_size} ranks = dp {dp} x tp {tp} (tensor parallel "
-            f"{tp > 1}, FSDP {dp > 1}), activation checkpointing "
-            f"{args.activation_checkpointing}"
+            f"{tp > 1}, sequence parallel {args.sequence_parallel}, FSDP {dp > 1}), activation "
+            f"checkpointing {args.activation_checkpointing}"
         )
         if args.plan:
-            print(memory_plan.plan_for_run(args, plan, config, world_size, tp=tp))
+            print(
+                memory_plan.plan_for_run(
+                    args, plan, config, world_size, tp=tp, sequence_parallel=args.sequence_parallel
+                )
+            )
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(

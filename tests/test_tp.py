@@ -1,17 +1,27 @@
 """Specification of tensor parallelism (train_tp.py): splitting every matrix over 2 ranks trains
 exactly like one process on the same global batch, resumes bit for bit, and writes the same plain
-model.pt as every other script.
+model.pt as every other script; so does --sequence-parallel, whose checkpoints are the same.
 
 The runs are launched as a user would (torchrun, 2 gloo ranks on CPU) with the training tests'
 settings and helpers (harness.py, conftest.py), and compared with train_dp.py on one process with
 test_training.py's tolerances: TP changes which rank multiplies which slice, and adds partial sums
 in another order, not the arithmetic. Measured on this corpus (fp32, --tp 2 against train_dp.py):
-weights differ by at most 9.7e-6, logged losses by 2.1e-7 (relative), gradient norms by 4.0e-6
-(relative), validation losses by 1.2e-7. The 2-D layout (--tp 2 on 4 ranks: TP x FSDP) was
+weights differ by at most 1.2e-5, logged losses by 2.1e-7 (relative), gradient norms by 3.7e-6
+(relative), validation losses by 1.1e-7. The 2-D layout (--tp 2 on 4 ranks: TP x FSDP) was
 checked by hand (weights within 1.1e-5 of train_dp.py); 4 processes are too slow for CI on 2 cores.
+
+--sequence-parallel (pad mode, against train_dp.py in pad mode): weights within 4.4e-6, logged
+losses 5.1e-7, gradient norms 4.9e-6, validation losses equal. Resumed under --sequence-parallel
+from a checkpoint of a run without it, steps 5-8 differ from that run's own by 1.2e-7 in the
+weights and 6.0e-8 in the losses: the same computation, its sums split into other pieces. By
+hand, weights against train_dp.py: 2-D with sequence parallelism (4 ranks) 1.1e-5,
+--activation-checkpointing 1.2e-5, --compile 4.6e-6, --document-mask 1.2e-5 (against train_dp.py
+with the mask); and a --sequence-parallel checkpoint resumed without the flag, 6.0e-8 from the
+weights of its own run.
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +50,7 @@ from test_fsdp import (
 from checkpoints import load_model
 from generate import generate_text
 from model import LlamaConfig, LlamaForPretraining
-from tensor_parallel import check_tensor_parallel, data_parallel_size
+from tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
 
 TP = "train_tp.py"
 
@@ -79,6 +89,18 @@ def test_dp2_tp1_splits_the_batch_over_dp_groups_like_fsdp(trained, corpus, cach
     assert_same_losses(out, reference)
 
 
+def test_sequence_parallel_trains_like_one_process(trained, corpus, cache_dir, tmp_path):
+    # Pad mode: rows of padding, whose targets do not count, fall into either rank's piece of the
+    # sequence; the loss and the target count must still be those of the whole batch.
+    out = tmp_path / "out"
+    argv = cmd(corpus, cache_dir, out, data_mode="pad") + ["--tp", "2", "--sequence-parallel"]
+    proc = run_script(TP, argv, world=2)
+    assert "dp 1 x tp 2 (tensor parallel True, sequence parallel True" in proc.stdout
+    reference = trained(DP, data_mode="pad")
+    assert_state_dicts_close(load_weights(out), load_weights(reference))
+    assert_same_losses(out, reference)
+
+
 # -------------------------------------------------------------------------------------------------
 # Resuming
 
@@ -96,6 +118,19 @@ def test_tp_resume_is_bit_identical(tp_run, corpus, cache_dir, tmp_path):
         same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
         assert same, f"{key} differs after resuming"
     assert_same_logged_losses_after_step_4(out, tp_run)
+
+
+def test_checkpoint_without_sequence_parallel_resumes_with_it(tp_run, corpus, cache_dir, tmp_path):
+    # Sequence parallelism moves activations, not parameters: the norms' weights are replicated
+    # either way, so the checkpoint's layout is the same (and the other way round too).
+    out = tmp_path / "resumed"
+    copy_sharded_checkpoint(tp_run, 4, out)
+    (out / "metrics.jsonl").write_text((tp_run / "metrics.jsonl").read_text())  # steps 1-4
+    argv = cmd(corpus, cache_dir, out) + ["--tp", "2", "--sequence-parallel"]
+    proc = run_script(TP, argv, world=2)
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_close(load_weights(out), load_weights(tp_run))
+    assert_same_losses(out, tp_run)
 
 
 def test_tp_checkpoint_resumes_in_train_fsdp_on_one_rank(tp_run, corpus, cache_dir, tmp_path):
@@ -165,6 +200,22 @@ def test_tp_must_split_heads_and_hidden_units_whole(field, tp, overrides):
     check_tensor_parallel(config, 1)  # no split: anything goes
 
 
+@pytest.mark.parametrize(
+    "tp, seq_length, expect",
+    [
+        (2, 33, "--sequence-parallel needs a --seq-length divisible by --tp 2, got 33"),
+        (4, 34, "--sequence-parallel needs a --seq-length divisible by --tp 4, got 34"),
+        (1, 32, "but tp is 1 (--tp, default: the processes of one node)"),
+    ],
+)
+def test_sequence_parallel_needs_equal_pieces_of_every_sequence(tp, seq_length, expect):
+    with pytest.raises(ValueError, match=re.escape(expect)) as refusal:
+        check_sequence_parallel(tp, seq_length)
+    assert "\n" not in str(refusal.value), "one line"
+    check_sequence_parallel(2, 32)
+    check_sequence_parallel(4, 256)
+
+
 def test_tp_divides_the_tiny_model_in_two():
     check_tensor_parallel(LlamaConfig.from_preset("tiny", vocab_size=321), 2)  # odd vocab: fine
 
@@ -174,8 +225,9 @@ def test_tp_divides_the_tiny_model_in_two():
     [
         (["--tp", "2"], "--tp 2 must divide the number of ranks (1)"),
         (["--tp", "1", "--precision", "fp16"], "supports --precision bf16 or fp32"),
+        (["--tp", "1", "--sequence-parallel"], "pass --tp 2 or more, or drop --sequence-parallel"),
     ],
-    ids=["tp-above-world-size", "fp16"],
+    ids=["tp-above-world-size", "fp16", "sequence-parallel-without-tp"],
 )
 def test_cli_refuses_bad_flags_in_one_line(corpus, cache_dir, tmp_path, flags, expect):
     out = tmp_path / "out"
