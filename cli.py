@@ -244,11 +244,12 @@ def plan_run(
     device: torch.device,
     replicas: int = 1,
     default_micro_batch_size: int | None = None,
+    context_parallel: bool = False,
 ) -> RunPlan:
     """Check the flags against each other and against the device; return the run's plan.
 
     devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
-    data-parallel groups under TP and PP). replicas: see resolve_attention.
+    data-parallel groups under TP and PP). replicas, context_parallel: see resolve_attention.
     default_micro_batch_size: the micro-batch without --micro-batch-size (None: no accumulation,
     --batch-size / devices). Raises ValueError (through parser.error) on any inconsistency,
     before any data is read. With --micro-batch-size auto the plan's micro_batch_size is None
@@ -332,7 +333,7 @@ def plan_run(
         micro_batch_size=None if auto else micro,
         accumulation=args.batch_size // per_step,
         precision=resolve_precision(args.precision, device),
-        attention=resolve_attention(args, device, replicas),
+        attention=resolve_attention(args, device, replicas, context_parallel),
     )
 
 
@@ -362,21 +363,29 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def resolve_attention(args, device: torch.device, replicas: int = 1) -> str:
+def resolve_attention(
+    args, device: torch.device, replicas: int = 1, context_parallel: bool = False
+) -> str:
     """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
 
     replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py). It splits
     every tensor argument along the batch, but a BlockMask is no tensor: each GPU would get the
-    whole batch's mask, on GPU 0.
+    whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with SDPA
+    and build their own rows of the mask (context_parallel.py).
     """
     if args.attention == "auto":
         flex = args.document_mask and device.type == "cuda" and replicas == 1
-        return "flex" if flex else "sdpa"
+        return "flex" if flex and not context_parallel else "sdpa"
     if args.attention == "flex":
         if not args.document_mask:
             raise ValueError(
                 "--attention flex runs the --document-mask; without that mask attention is plain "
                 "causal and SDPA's flash kernel is already the fast path (drop --attention)"
+            )
+        if context_parallel:
+            raise ValueError(
+                "--attention flex is not supported under context parallelism: each rank runs "
+                "SDPA with its own rows of the document mask; use --attention sdpa (or auto)"
             )
         if device.type != "cuda":
             raise ValueError(

@@ -17,6 +17,7 @@ shards this one module from the outside.
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -147,7 +148,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) by position; cos/sin are (T, head_dim) for x's positions.
+    """Rotate x (B, heads, T, head_dim) by position; cos/sin are (T, head_dim) for x's positions
+    (or anything that broadcasts to x, such as (B, 1, T, head_dim): positions per sequence).
 
     A query at position m and a key at position n rotated this way have a dot product that depends
     only on m - n: attention sees relative positions.
@@ -245,6 +247,10 @@ class Attention(nn.Module):
             # A document mask for FlexAttention (masks.create_document_block_mask): the kernel
             # skips the key blocks the mask blocks entirely and never builds a (T, T) mask.
             y = fused_flex_attention(q, k, v, attn_mask, enable_gqa=nkv != nh)  # (B, nh, T, hd)
+        elif callable(attn_mask):
+            # Attention computed by the caller, with keys and values this call did not compute
+            # alone: context parallelism (context_parallel.py) gathers them from other ranks.
+            y = attn_mask(q, k, v, enable_gqa=nkv != nh)  # (B, nh, T, hd)
         else:
             if attn_mask is not None and attn_mask.dtype != torch.bool:
                 attn_mask = attn_mask.to(q.dtype)  # SDPA wants an additive mask in q's dtype
@@ -326,8 +332,9 @@ class LlamaForPretraining(nn.Module):
         self,
         input_ids: torch.Tensor,
         targets: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | BlockMask | Callable | None = None,
         kv_caches: list[KVCache] | None = None,
+        position_ids: torch.Tensor | None = None,
     ):
         """Run the decoder on input_ids (B, T).
 
@@ -335,8 +342,14 @@ class LlamaForPretraining(nn.Module):
             broadcasts to (B, heads, T, T): additive floats (0 = attend, -inf = blocked) or bools
             (True = attend), run by SDPA; or a FlexAttention BlockMask, run by flex_attention
             on CUDA only (training and evaluation; generation uses no mask; on other devices,
-            ValueError). It must include causality itself.
+            ValueError). It must include causality itself. Or a function that computes the
+            attention itself, attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim), given each
+            layer's queries (B, heads, T, head_dim) and keys and values (B, kv_heads, T,
+            head_dim), rotated: context_parallel.py's, whose keys come from several ranks.
         targets: (B, T) next-token ids; positions equal to IGNORE_INDEX (padding) do not count.
+        position_ids: the position of each token in its sequence, for RoPE: (T,), or (B, T) per
+            sequence. None: 0..T-1 (after a KV cache's tokens). Context parallelism passes the
+            positions of the slice of each sequence that a rank holds.
 
         Returns the logits (B, T, vocab_size) when targets is None. With targets, returns
         (loss_sum, num_tokens): the cross-entropy summed over the counted targets, and how many
@@ -354,7 +367,12 @@ class LlamaForPretraining(nn.Module):
             )
         if kv_caches is not None and start > 0 and T > 1:
             raise ValueError("with a KV cache, feed the prompt once, then one token per step")
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd)
+        if position_ids is None:
+            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd)
+        else:  # (1 or B, 1, T, hd): broadcast over the heads
+            cos, sin = (
+                table[position_ids].unsqueeze(-3) for table in (self.rope_cos, self.rope_sin)
+            )
 
         x = self.tok_embeddings(input_ids)  # (B, T, d)
         for i, layer in enumerate(self.layers):

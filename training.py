@@ -220,7 +220,8 @@ def attention_masks(args, plan, tokenizer) -> Callable[[torch.Tensor], torch.Ten
 @torch.no_grad()
 def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, number of targets) over `loader`, as tensors on `device`; attn_mask: the
-    run's attention_masks.
+    run's attention_masks, or whatever function of x gives the model's third argument
+    (train_cp.py: the document ids that context_parallel.ContextParallel takes).
 
     Sums rather than a mean, so that a distributed caller can add them up over ranks and divide
     once: the validation loss is then exactly that of a single process on the same data.

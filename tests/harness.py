@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 DP, DDP, ZERO1 = "train_dp.py", "train_ddp.py", "train_zero1.py"
 # Every lesson, in the order the README reads them.
-LESSONS = [DP, DDP, ZERO1, "train_fsdp.py", "train_tp.py", "train_pp.py"]
+LESSONS = [DP, DDP, ZERO1, "train_fsdp.py", "train_tp.py", "train_pp.py", "train_cp.py"]
 
 # The weights of two runs that split the same global batch differently (see the module docstring).
 ATOL, RTOL = 2e-5, 1e-4

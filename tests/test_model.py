@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 import masks
 from model import (
@@ -335,6 +336,44 @@ def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(model):
     steps = [model(x[:, :8], kv_caches=caches)]  # prefill
     steps += [model(x[:, t : t + 1], kv_caches=caches) for t in range(8, 14)]  # one token each
     assert torch.allclose(torch.cat(steps, dim=1), model(x), atol=TOL, rtol=0)
+
+
+def test_position_ids_and_an_attention_function_continue_a_sequence_from_elsewhere(sharp_model):
+    # The two seams context parallelism uses (context_parallel.py): position_ids place a slice of
+    # a sequence at its positions (RoPE), and an attention function attends to keys and values
+    # computed elsewhere. Here the second half of a sequence attends to the first half's keys
+    # and values, recorded by a first call, and gives the logits of the whole sequence's run.
+    x = random_tokens(2, 16)
+    recorded = []
+
+    def record(q, k, v, enable_gqa):
+        recorded.append((k, v))  # one (k, v) per layer, rotated by their positions
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+
+    def after_recorded(q, k, v, enable_gqa):
+        k_before, v_before = recorded.pop(0)
+        k, v = torch.cat((k_before, k), dim=2), torch.cat((v_before, v), dim=2)  # (B, nkv, 16, hd)
+        causal = causal_lower_right(q.size(2), k.size(2))  # the queries are the last 8 positions
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=enable_gqa)
+
+    first = sharp_model(x[:, :8], attn_mask=record)
+    second = sharp_model(x[:, 8:], attn_mask=after_recorded, position_ids=torch.arange(8, 16))
+    assert torch.allclose(torch.cat((first, second), dim=1), sharp_model(x), atol=TOL, rtol=0)
+    # At positions 0..7 instead, the same keys and values give other logits: RoPE is applied.
+    sharp_model(x[:, :8], attn_mask=record)
+    misplaced = sharp_model(x[:, 8:], attn_mask=after_recorded)
+    assert not torch.allclose(misplaced, second, atol=1e-2, rtol=0)
+
+
+def test_position_ids_of_each_sequence_apply_to_that_sequence(sharp_model):
+    x = random_tokens(2, 12)
+    default = sharp_model(x)
+    same = torch.arange(12)
+    assert torch.equal(sharp_model(x, position_ids=same), default)  # (T,): the default's
+    per_row = torch.stack((same, 2 * same))  # (B, T): row 1 twice as far apart
+    logits = sharp_model(x, position_ids=per_row)
+    assert torch.equal(logits[0], default[0])
+    assert not torch.allclose(logits[1], default[1], atol=1e-2, rtol=0)
 
 
 def test_feeding_several_tokens_into_a_filled_cache_raises(model):

@@ -1,5 +1,7 @@
 """GPU proof of the model's CUDA kernels: FlexAttention with the document BlockMask gives what
-SDPA with the dense mask gives, forward and backward, and bf16 autocast tracks fp32.
+SDPA with the dense mask gives, forward and backward, bf16 autocast tracks fp32, and context
+parallelism's attention (causal_lower_right, grouped-query) gives each rank's rows of full
+attention.
 
 Tolerance: both paths run in fp32 (no TF32: this suite never enables it), so they differ only in
 summation order: the relative difference of logits and of every gradient, as a norm
@@ -11,6 +13,7 @@ import torch
 from conftest import tiny_model
 
 import masks
+from context_parallel import attend_to_sequence, zigzag_positions
 from model import LlamaForPretraining
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,3 +82,31 @@ def test_bf16_autocast_logits_track_fp32():
     # bf16 keeps 8 significant bits (2^-8 = 4e-3 relative per rounding): a few roundings deep,
     # the logits agree to about 1e-2 and never to 1e-4.
     assert 1e-4 < relative(bf16, fp32) < 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_context_parallel_attention_is_each_ranks_rows_of_full_attention_on_cuda(dtype):
+    # The CUDA kernels context_parallel.attend_to_sequence reaches through causal_lower_right:
+    # in bf16 flash attention (grouped-query: 6 query heads share 2 key/value heads), in fp32 a
+    # materialised mask. Against full causal SDPA in the same dtype, forward and backward.
+    B, nh, nkv, T, hd, cp = 2, 6, 2, 256, 32, 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(B, n, T, hd, generator=gen, device="cuda", dtype=dtype).requires_grad_()
+        for n in (nh, nkv, nkv)
+    )
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True
+    )
+    rows = torch.cat([zigzag_positions(T, r, cp, "cuda") for r in range(cp)])
+    mine = torch.cat(
+        [attend_to_sequence(q[:, :, zigzag_positions(T, r, cp, "cuda")], k, v, r, cp, None, True)
+         for r in range(cp)], dim=2,
+    )  # fmt: skip
+    tolerance = FP32_REL if dtype == torch.float32 else 3e-2  # bf16: 8 bits, sums reordered
+    assert relative(mine.float(), full[:, :, rows].float()) < tolerance
+    grad = torch.randn_like(full)
+    want = torch.autograd.grad(full, (q, k, v), grad)
+    got = torch.autograd.grad(mine, (q, k, v), grad[:, :, rows])
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert relative(a.float(), b.float()) < tolerance, name

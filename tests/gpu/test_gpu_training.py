@@ -31,7 +31,7 @@ from harness import cmd, load_weights, read_metrics, run_script
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DP, DDP, ZERO1 = "train_dp.py", "train_ddp.py", "train_zero1.py"
-FSDP, TP, PP = "train_fsdp.py", "train_tp.py", "train_pp.py"
+FSDP, TP, PP, CP = "train_fsdp.py", "train_tp.py", "train_pp.py", "train_cp.py"
 
 # 30 steps of 16 sequences x 64 tokens, a checkpoint every 10: long enough that the loss falls
 # clearly, short enough for ~20 launches in a few minutes.
@@ -114,8 +114,9 @@ SCRIPTS = [
         marks=pytest.mark.skipif(not TORCH_2_13, reason="train_pp.py needs torch 2.13 "
                                  "(schedule.step(loss_kwargs=...)); requirements.txt pins it"),
     ),
+    (CP, ("--cp", "1")),  # a group of one: CP's attention path, flash via causal_lower_right
 ]  # fmt: skip
-SCRIPT_IDS = ["dp", "ddp", "zero1", "fsdp", "tp", "pp"]
+SCRIPT_IDS = ["dp", "ddp", "zero1", "fsdp", "tp", "pp", "cp"]
 
 
 @pytest.mark.parametrize("script, flags", SCRIPTS, ids=SCRIPT_IDS)
