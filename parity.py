@@ -1,0 +1,256 @@
+"""Proof you can see: every parallel strategy of the suite trains like one process.
+
+    python parity.py                              # every strategy on CPU (gloo): ~10 min, 2 cores
+    python parity.py --only ddp,cp,tp-sp          # some of them (the reference always runs)
+    python parity.py --png docs/parity.png --json parity.json
+
+Each strategy runs the same short training -- same corpus, tokenizer, seed, global batch of
+sequences, fp32, document masks on -- as a user would launch it (`torchrun --nproc_per_node=N
+train_*.py ...`, on CPU with gloo), and is compared with single-process training (train_dp.py
+in one CPU process): the largest relative difference of a logged training loss, over every step,
+and the largest absolute difference of a final weight (model.pt). They differ only where the
+ranks add partial results in another order; AdamW then amplifies those fp32 rounding
+differences on the embedding rows of rare tokens, so the weights are compared with a bound and
+the losses far more tightly. The bounds are the test suite's (tests/harness.py, explained in
+tests/test_training.py): a strategy that exceeds them makes parity.py exit with status 1.
+
+The picture (--png): every strategy's loss curve in one panel (they lie on top of each other),
+each one's loss distance from the reference, step by step, on a log scale in the next, and the
+largest distance of its final weights in the last.
+
+nn.DataParallel (train_dp.py) splits a batch over GPUs only: on a CPU it is the single process
+itself, the reference row. The runs write under a temporary directory (or --work-dir, kept), and
+share one tokenizer and data cache (--cache-dir).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from plot_metrics import load_pyplot, read_metrics
+
+REPO = Path(__file__).resolve().parent
+REFERENCE = "single"
+
+# name -> (script, processes, flags, what it shows). Each is the lesson's own command line.
+MICRO = ["--micro-batch-size", "2"]  # a pipeline needs micro-batches to fill it
+STRATEGIES: dict[str, tuple[str, int, list[str], str]] = {
+    REFERENCE: ("train_dp.py", 1, [], "one process (nn.DataParallel on a CPU)"),
+    "ddp": ("train_ddp.py", 2, [], "DDP: gradients all-reduced"),
+    "zero1": ("train_zero1.py", 2, [], "ZeRO-1: optimizer state sharded"),
+    "fsdp-zero2": ("train_fsdp.py", 2, ["--zero-stage", "2"], "FSDP2, ZeRO-2"),
+    "fsdp-zero3": ("train_fsdp.py", 2, ["--zero-stage", "3"], "FSDP2, ZeRO-3"),
+    "hsdp": ("train_fsdp.py", 4, ["--replicate", "2"], "HSDP: 2 replicas x 2 shards"),
+    "tp": ("train_tp.py", 2, ["--tp", "2"], "tensor parallel"),
+    "tp-sp": ("train_tp.py", 2, ["--tp", "2", "--sequence-parallel"], "TP + sequence parallel"),
+    "tp-fsdp": ("train_tp.py", 4, ["--tp", "2"], "2D: FSDP 2 x TP 2"),
+    "pp-gpipe": ("train_pp.py", 2, ["--pp", "2", "--schedule", "gpipe", *MICRO], "PP, GPipe"),
+    "pp-1f1b": ("train_pp.py", 2, ["--pp", "2", "--schedule", "1f1b", *MICRO], "PP, 1F1B"),
+    "pp-interleaved": (
+        "train_pp.py", 2, ["--pp", "2", "--schedule", "interleaved", *MICRO],
+        "PP, interleaved 1F1B (2 stages per rank)",
+    ),
+    "cp": ("train_cp.py", 2, ["--cp", "2"], "context parallel (zigzag)"),
+    "cp-fsdp": ("train_cp.py", 4, ["--cp", "2"], "2D: dp 2 x CP 2, FSDP over all 4"),
+    "cp-hsdp": (
+        "train_cp.py", 4, ["--cp", "2", "--replicate", "2"],
+        "dp 2 x CP 2, HSDP: 2 replicas x 2 shards",
+    ),
+    "3d": (
+        "train_pp.py", 8, ["--pp", "2", "--tp", "2", "--schedule", "1f1b", *MICRO],
+        "3D: FSDP 2 x PP 2 x TP 2",
+    ),
+}  # fmt: skip
+
+# The test suite's bounds (tests/harness.py): weights within ATOL + RTOL * |reference|, logged
+# losses within LOSS_RTOL (relative).
+ATOL, RTOL, LOSS_RTOL = 2e-5, 1e-4, 1e-5
+FLOOR = 1e-10  # where the log-scale plots draw a difference of exactly 0
+
+
+def common_flags(args, out_dir: Path) -> list[str]:
+    """What every run shares: the data, the model, the global batch, the schedule, fp32."""
+    return [
+        "--data", args.data, "--cache-dir", args.cache_dir, "--out-dir", str(out_dir),
+        "--model", "tiny", "--vocab-size", str(args.vocab_size),
+        "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
+        "--max-steps", str(args.steps), "--lr", "1e-3", "--warmup-steps", "2",
+        "--seed", str(args.seed), "--val-fraction", str(args.val_fraction),
+        "--precision", "fp32", "--document-mask",
+        "--log-interval", "1", "--eval-interval", str(args.steps),
+        "--save-interval", str(args.steps), "--num-workers", "0", "--sample-tokens", "0",
+    ]  # fmt: skip
+
+
+def launch(name: str, args, work_dir: Path) -> Path:
+    """Run one strategy to the end; its out-dir. SystemExit with its output if it fails."""
+    script, processes, flags, _ = STRATEGIES[name]
+    out = work_dir / name
+    if processes == 1:
+        command = [sys.executable, str(REPO / script)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={processes}", str(REPO / script)]  # fmt: skip
+    command += common_flags(args, out) + flags
+    # One thread per process: the ranks do not oversubscribe the cores, and every run computes
+    # with the same threading (hence the same kernels) as the reference.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo everywhere, also on a GPU machine
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise SystemExit(
+            f"parity.py: {name} failed (exit code {proc.returncode}):\n"
+            f"  {' '.join(command)}\n{tail}"
+        )
+    print(
+        f"  {name:<15} {time.perf_counter() - started:6.1f} s  ({processes} processes)", flush=True
+    )
+    return out
+
+
+def compare(out: Path, reference: Path) -> dict:
+    """How far one run is from the reference: losses (relative), weights (absolute)."""
+    losses = {r["step"]: r["loss"] for r in read_metrics(str(out))[0]}
+    expected = {r["step"]: r["loss"] for r in read_metrics(str(reference))[0]}
+    if losses.keys() != expected.keys():
+        raise SystemExit(
+            f"parity.py: {out.name} logged steps {sorted(losses)}, not {sorted(expected)}"
+        )
+    loss_diff = {s: abs(losses[s] - expected[s]) / abs(expected[s]) for s in expected}
+    weights = torch.load(out / "model.pt", weights_only=True)
+    reference_weights = torch.load(reference / "model.pt", weights_only=True)
+    if weights.keys() != reference_weights.keys():
+        raise SystemExit(f"parity.py: {out.name}'s model.pt has other tensors than the reference")
+    weight_diff, excess = 0.0, 0.0  # excess > 1: outside ATOL + RTOL * |reference| somewhere
+    for key, want in reference_weights.items():
+        diff = (weights[key].float() - want.float()).abs()
+        weight_diff = max(weight_diff, diff.max().item())
+        excess = max(excess, (diff / (ATOL + RTOL * want.float().abs())).max().item())
+    worst_loss = max(loss_diff.values())
+    return {
+        "losses": [losses[s] for s in sorted(losses)],
+        "loss_diff_by_step": [loss_diff[s] for s in sorted(loss_diff)],
+        "max_loss_rel_diff": worst_loss,
+        "max_weight_abs_diff": weight_diff,
+        "within_tolerance": worst_loss <= LOSS_RTOL and excess <= 1.0,
+    }
+
+
+def draw(results: dict, reference_losses: list[float], path: str) -> None:
+    """Loss curves; each step's loss distance from the reference; the final weights' distance."""
+    plt = load_pyplot()
+    fig, (curves, gaps, weights) = plt.subplots(
+        1, 3, figsize=(18, 5.5), gridspec_kw={"width_ratios": [1, 1, 0.8]}
+    )
+    steps = range(1, len(reference_losses) + 1)
+    curves.plot(steps, reference_losses, color="black", linewidth=5, label=REFERENCE)
+    for name, r in results.items():
+        curves.plot(steps, r["losses"], linewidth=1, label=name)
+        # A difference of exactly 0 has no logarithm: drawn at the floor of the axis instead.
+        gaps.plot(
+            steps, [max(d, FLOOR) for d in r["loss_diff_by_step"]], marker="o", markersize=3,
+            linestyle="none", alpha=0.7, label=name,
+        )  # fmt: skip
+    curves.set(xlabel="step", ylabel="training loss", title="every strategy: one curve")
+    curves.legend(fontsize=7, ncol=2)
+    gaps.axhline(LOSS_RTOL, color="red", linestyle="--", label="tests' bound")
+    gaps.set(
+        xlabel="step", ylabel="|loss - single process| / loss", yscale="log", ylim=(FLOOR, 1e-3),
+        title=f"loss: distance from one process (0 drawn at {FLOOR:g})",
+    )  # fmt: skip
+    gaps.legend(fontsize=7, ncol=2)
+    names = list(results)
+    weights.barh(names, [max(results[n]["max_weight_abs_diff"], FLOOR) for n in names])
+    weights.axvline(ATOL, color="red", linestyle="--", label=f"tests' bound ({ATOL:g} + rel.)")
+    weights.set(
+        xscale="log", xlim=(FLOOR, 1e-3), xlabel="largest |w - w of one process|",
+        title="final weights: distance from one process",
+    )  # fmt: skip
+    weights.invert_yaxis()
+    weights.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description="Run every parallel strategy on CPU for a short training on the same data "
+        "and seed; print each one's largest loss and weight difference from single-process "
+        "training, and draw all loss curves in one PNG.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--only", default=None, help=f"comma-separated subset of: {', '.join(STRATEGIES)}"
+    )
+    p.add_argument("--data", default="stdlib", help="corpus, as the train scripts' --data")
+    p.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of every run")
+    p.add_argument("--seq-length", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
+    p.add_argument("--vocab-size", type=int, default=512, help="of the trained tokenizer")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--val-fraction", type=float, default=0.01, help="documents held out")
+    p.add_argument("--png", default="docs/parity.png", help="the picture ('' for none)")
+    p.add_argument("--json", default=None, help="also write the table as JSON to this file")
+    p.add_argument("--work-dir", default=None, help="keep the runs here (default: a temp dir)")
+    args = p.parse_args()
+    names = list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        p.error(
+            f"--only: unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}"
+        )
+    for flag in ("steps", "seq_length", "batch_size", "vocab_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.png:
+        load_pyplot()  # no matplotlib: say so now, not after ten minutes of training
+    names = [REFERENCE] + [n for n in names if n != REFERENCE]
+
+    with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
+        work_dir = Path(args.work_dir or tmp)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        print(f"parity: {len(names)} runs of {args.steps} steps in {work_dir}")
+        # The reference first, alone: it also fills the tokenizer and data cache for the others.
+        outs = {name: launch(name, args, work_dir) for name in names}
+        results = {n: compare(outs[n], outs[REFERENCE]) for n in names if n != REFERENCE}
+        reference_losses = compare(outs[REFERENCE], outs[REFERENCE])["losses"]
+
+    print(
+        f"\n{'strategy':<16}{'ranks':>6}  {'max loss diff':>14}{'max weight diff':>17}  ok   what"
+    )
+    for name, r in results.items():
+        script, processes, _, what = STRATEGIES[name]
+        print(
+            f"{name:<16}{processes:>6}  {r['max_loss_rel_diff']:>14.1e}"
+            f"{r['max_weight_abs_diff']:>17.1e}  {'yes' if r['within_tolerance'] else 'NO ':<4} "
+            f"{what} ({script})"
+        )
+    print(
+        f"(loss diff: relative, the largest over {args.steps} steps; weight diff: absolute, the "
+        f"largest over model.pt; ok: within the tests' bounds, losses {LOSS_RTOL:g} and weights "
+        f"{ATOL:g} + {RTOL:g} x |w|)"
+    )
+    if args.json:
+        table = {"settings": vars(args), "reference_losses": reference_losses, "results": results}
+        Path(args.json).write_text(json.dumps(table, indent=1))
+    if args.png and results:
+        draw(results, reference_losses, args.png)
+        print(f"wrote {args.png}")
+    failed = [n for n, r in results.items() if not r["within_tolerance"]]
+    if failed:  # a NaN loss or weight lands here too: it compares as outside any bound
+        raise SystemExit(f"parity.py: outside the tolerance: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
