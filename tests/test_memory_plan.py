@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import memory_formulas
 import memory_plan
 from model import LlamaConfig, count_parameters
 
@@ -65,7 +66,7 @@ def test_activations_match_korthikanti_by_hand():
     # Per layer, 16-bit: s*b*h*34 = 16384 * 34 = 557,056 bytes with fused attention; math
     # attention adds s*b*h * 5*a*s/h = 16384 * 40 = 655,360 bytes of (s, s) scores. Cross-entropy
     # keeps 4*s*b*V = 1,024,000 bytes.
-    f = memory_plan.activation_bytes
+    f = memory_formulas.activation_bytes
     assert f(SHAPE, B, S, "bf16", "flash") == 3 * 557_056 + 1_024_000
     assert f(SHAPE, B, S, "bf16", "math") == 3 * (557_056 + 655_360) + 1_024_000
     assert f(SHAPE, B, S, "fp32", "flash") == 3 * 2 * 557_056 + 1_024_000
@@ -113,17 +114,17 @@ def test_cli_table_says_what_fits():
 def test_stage_parameters_split_matrices_by_tp_and_layers_by_pp():
     # SHAPE by hand: per layer 40,960 matrix weights + 128 norm gains; embedding and lm_head
     # 64,000 each; final norm 64. count_parameters = 3 * 41,088 + 128,064 = 251,328.
-    assert memory_plan.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
+    assert memory_formulas.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
     # tp 2: matrices and tables halve, the norm gains stay whole.
-    assert memory_plan.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
+    assert memory_formulas.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
     # pp 3: one layer per stage; the embedding on the first, final norm + lm_head on the last.
-    assert memory_plan.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
+    assert memory_formulas.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
 
 
 def test_tensor_parallel_splits_matmul_activations_but_not_norms():
     # Korthikanti: s*b*h * (10 + 24/t): 16384 * 22 bytes per layer at t = 2 (bf16), and the
     # vocabulary-parallel loss keeps half of the 1,024,000 bytes of log-probabilities.
-    got = memory_plan.activation_bytes(SHAPE, B, S, "bf16", "flash", tp=2)
+    got = memory_formulas.activation_bytes(SHAPE, B, S, "bf16", "flash", tp=2)
     assert got == 3 * 16384 * 22 + 512_000
 
 
@@ -136,21 +137,21 @@ def test_pipeline_first_stage_holds_the_micro_batches_in_flight(
 ):
     # pp 3, one layer per stage. 1F1B: min(m, p) micro-batches in flight on the first stage,
     # i.e. all L layers' worth when m >= p; GPipe: all m before the first backward.
-    got = memory_plan.pipeline_in_flight(schedule, 3, micro_batches, 2)
+    got = memory_formulas.pipeline_in_flight(schedule, 3, micro_batches, 2)
     assert got == (first_layers / 3, last_micro_batches)
 
 
 def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
-    assert memory_plan.bubble_fraction("1f1b", 4, 12, 2) == 3 / 15
-    assert memory_plan.bubble_fraction("gpipe", 1, 8, 2) == 0
+    assert memory_formulas.bubble_fraction("1f1b", 4, 12, 2) == 3 / 15
+    assert memory_formulas.bubble_fraction("gpipe", 1, 8, 2) == 0
     # Interleaving v = 2 chunks per rank halves each slot: v*m slots share the same p - 1.
-    assert memory_plan.bubble_fraction("interleaved", 4, 12, 2) == 3 / 27
+    assert memory_formulas.bubble_fraction("interleaved", 4, 12, 2) == 3 / 27
 
 
 def test_communication_per_step_follows_the_ring_formulas():
     # 1e6 parameters on 4 data-parallel ranks in bf16, 2 micro-batches: DDP all-reduces 4-byte
     # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
-    c = memory_plan.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
+    c = memory_formulas.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
     assert c["data_parallel"]["ddp"] == 2 * 0.75 * 4e6
     # ZeRO-1 (ZeroRedundancyOptimizer): DDP's all-reduce, then the fp32 weights broadcast.
     assert c["data_parallel"]["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
@@ -193,7 +194,7 @@ def test_sequence_parallel_splits_the_norms_and_residuals_too():
     # 4 of the all-gathered matmul inputs, which ColwiseParallel stores whole, do not:
     # s*b*h * (4 + 6/2 + 24/2) = 16384 * 19 bytes per layer at t = 2 (TP alone: 22). With
     # checkpointing, each kept layer input (s*b*h*2 bytes) is split t ways too.
-    f = memory_plan.activation_bytes
+    f = memory_formulas.activation_bytes
     assert f(SHAPE, B, S, "bf16", "flash", tp=2, sequence_parallel=True) == (
         3 * 16384 * 19 + 512_000
     )
@@ -206,10 +207,10 @@ def test_context_parallel_splits_every_activation_and_keeps_the_gathered_keys_an
     # cp 2: 34/2 s*b*h bytes per layer, plus the other rank's half of K and V (two bf16 tensors
     # of s*b*kv_dim values, kv_dim = h here: 4 s*b*h bytes, half of them gathered); the
     # log-probabilities of half the tokens.
-    got = memory_plan.activation_bytes(SHAPE, B, S, "bf16", "flash", cp=2)
+    got = memory_formulas.activation_bytes(SHAPE, B, S, "bf16", "flash", cp=2)
     assert got == 3 * 16384 * (17 + 2) + 512_000
     # The (s, s) scores: each rank's queries (s/2) against all s keys, half of the 5as/h term.
-    math_attention = memory_plan.activation_bytes(SHAPE, B, S, "bf16", "math", cp=2)
+    math_attention = memory_formulas.activation_bytes(SHAPE, B, S, "bf16", "math", cp=2)
     assert math_attention - got == 3 * 655_360 / 2
 
 
@@ -217,7 +218,7 @@ def test_context_parallel_traffic_is_the_keys_and_values_gathered_and_reduced():
     # cp 2 on 4 ranks (dp 2): K and V of the whole sequence (s*b*kv_dim = 16384 bf16 values each)
     # all-gathered forward and reduce-scattered backward, half of them sent, per layer and
     # micro-batch (2). The ZeRO strategies shard over all 4 ranks that hold the same weights.
-    c = memory_plan.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", cp=2)
+    c = memory_formulas.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", cp=2)
     assert c["context_parallel"] == 4 * 0.5 * 16384 * 2 * 3 * 2
     p = memory_plan.plan(1_000_000, 4, "fp32", SHAPE, B, S, cp=2)
     assert p["dp"] == 2 and p["strategies"]["zero3"]["params_gb"] == 4e6 / 4 / 1e9
@@ -230,7 +231,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     assert p["strategies"]["zero3"]["params_gb"] == 4e6 / 8 / 1e9
     # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
     # 1/2 gradient shard across the 2 groups: the only bytes between groups.
-    c = memory_plan.communication_bytes(
+    c = memory_formulas.communication_bytes(
         SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", replicate=2
     )
     across = 2 * 0.5 * 4e6 / 2
