@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 import torch
 from tokenizers import Tokenizer
@@ -194,13 +195,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# The flags that fix the data order and the learning-rate schedule: a resumed run must use the
-# same, or it would not continue the run it resumes. Everything else (micro-batch size,
-# precision, intervals, workers, ...) may change between restarts.
+# The flags that fix the data order and the shape of the learning-rate schedule: a resumed run
+# must use the same, or it would not continue the run it resumes. Everything else (micro-batch
+# size, precision, intervals, workers, ...) may change between restarts, and so may --max-steps:
+# a larger one extends the run (even a finished one), its cosine then stretched to the new end
+# (resume_schedule); one below the checkpoint's step is refused.
 RESUME_MUST_MATCH = (
-    "data", "text_column", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
-    "max_steps", "lr", "min_lr_ratio", "warmup_steps",
+    "data", "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size",
+    "seed", "lr", "min_lr_ratio", "warmup_steps",
 )  # fmt: skip
+# Flags newer than some checkpoints, and the value those checkpoints were made with.
+ADDED_SINCE = {"txt_split": "auto"}
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -224,11 +229,19 @@ def checkpoint_state(model, optimizer, scheduler, scaler, step, config, args, to
 
 def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
     """ValueError if the checkpoint belongs to another run: a different model, tokenizer, data
-    order or schedule (its "config", "tokenizer_sha256" and "args" against this run's)."""
+    order or schedule (its "config", "tokenizer_sha256" and "args" against this run's), or if
+    it is already past --max-steps."""
+    if ckpt["step"] > args.max_steps:
+        raise ValueError(
+            f"the checkpoint is at step {ckpt['step']}, past --max-steps {args.max_steps}: a run "
+            f"cannot be shortened below what it has trained; give --max-steps {ckpt['step']} or "
+            f"more, or start a new run in another --out-dir"
+        )
+    recorded = {**ADDED_SINCE, **ckpt["args"]}
     changed = [
-        f"--{name.replace('_', '-')} {ckpt['args'][name]!r} (now {getattr(args, name)!r})"
+        f"--{name.replace('_', '-')} {recorded.get(name)!r} (now {getattr(args, name)!r})"
         for name in RESUME_MUST_MATCH
-        if ckpt["args"].get(name) != getattr(args, name)
+        if recorded.get(name) != getattr(args, name)
     ]
     if changed:
         raise ValueError(
@@ -253,12 +266,37 @@ def restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config, args, 
     Refuses (ValueError, before changing anything) a checkpoint of another run.
     """
     check_resumable(ckpt, config, args, tokenizer)
+    fresh_lrs = [group["lr"] for group in optimizer.param_groups]
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
+    resume_schedule(scheduler, optimizer, fresh_lrs, ckpt["step"])
     scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])
     return ckpt["step"]
+
+
+def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:
+    """Bring the fresh scheduler of this run's flags to `step`: the schedule a resumed run
+    follows is always the one its --max-steps defines, never the checkpoint's.
+
+    With the same --max-steps that is exactly the checkpoint's schedule. With a larger one
+    (extending a run) the warmup is the same and the cosine is stretched to the new end: from
+    the resumed step on, the learning rate is what a run started with the new --max-steps would
+    have at that step (higher than the old curve, which was already decaying toward its end).
+
+    fresh_lrs: the optimizer's learning rates as the fresh scheduler set them, taken before
+    optimizer.load_state_dict replaced them with the checkpoint's. The scheduler is stepped
+    `step` times from there, the same calls an uninterrupted run made: the same floats, bit for
+    bit (a closed form would differ in the last bits from the recursive cosine). A scheduler
+    step takes microseconds: a million-step run replays in seconds.
+    """
+    for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
+        group["lr"] = lr
+    with warnings.catch_warnings():
+        # Stepping the schedule before any optimizer.step() is the point here, not a mistake.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(step):
+            scheduler.step()
 
 
 def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:

@@ -3,21 +3,31 @@
     parser = cli.build_parser("Pretrain a Llama ...")    # the shared flags; a script adds its own
     args = parser.parse_args()                           # never changed afterwards
     plan = cli.plan_run(parser, args, devices, device)   # checked; micro-batch, accumulation, ...
+    ...
+    cli.record_run(args, plan, start_step)               # OUT_DIR/args.jsonl, once it all passed
 
 Other tools and the tests drive the scripts by these flags' names: keep them stable. Every
 check runs before any data is read, so a mistake costs a second, not a tokenized corpus.
+Every flag can also come from a TOML file, `--config FILE` (toml_flags.py); the command line wins.
 """
 
 import argparse
+import dataclasses
+import importlib.util
+import json
 import os
+import shlex
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 
-from checkpoints import OUT_DIR_FILES, load_config
+import toml_flags
+from checkpoints import OUT_DIR_FILES, atomic_write_text, load_config
 from metrics import NonFiniteGuard
 from model import LlamaConfig, count_parameters
+from stopping import TrainingError
 
 # -------------------------------------------------------------------------------------------------
 # Flags
@@ -47,10 +57,28 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise ValueError(f"{message} (see --help)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, with --config FILE: the file's values (toml_flags.py) are this parse's
+        defaults, so a flag given on the command line wins over the file, and the file over the
+        flag's default. The parser itself is not changed (no set_defaults): parsing again
+        without --config gives the defaults."""
+        argv = sys.argv[1:] if args is None else list(args)
+        path = toml_flags.config_path(argv)
+        if path is not None and namespace is None:
+            namespace = argparse.Namespace(**toml_flags.read_config(self, path))
+        return super().parse_known_args(argv, namespace)
+
 
 def build_parser(description: str, distributed: bool = False) -> argparse.ArgumentParser:
     """The flags every train script takes; distributed: also --backend (the torchrun scripts)."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a TOML file of flag values, keyed by the flags' names (seq-length = 512, or "
+        "seq_length); a flag given on the command line wins over the file",
+    )
     if distributed:
         p.add_argument(
             "--backend",
@@ -66,6 +94,13 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
         "file, glob or directory of .txt/.jsonl/.json/.parquet, or a hub dataset",
     )
     g.add_argument("--text-column", default="text", help="column holding the text (json/parquet)")
+    g.add_argument(
+        "--txt-split",
+        choices=["auto", "paragraph", "line", "file"],
+        default="auto",
+        help=".txt corpora only: one document per paragraph (blank-line separated), line or "
+        "file. auto: paragraph for one .txt file, file for a directory or glob",
+    )
     g.add_argument(
         "--tokenizer",
         default=None,
@@ -191,6 +226,12 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
         help="tokens to generate from the trained model at the end (0: none)",
     )
     g.add_argument("--sample-prompt", default="def ", help="prompt of the final sample")
+    g.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log every metrics.jsonl value to TensorBoard, in OUT_DIR/tensorboard "
+        "(needs pip install -r requirements-tensorboard.txt)",
+    )
 
     g = p.add_argument_group("memory")
     g.add_argument(
@@ -279,6 +320,11 @@ def plan_run(
         )
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        parser.error(
+            "--tensorboard needs the tensorboard package: pip install -r "
+            "requirements-tensorboard.txt (or drop --tensorboard: metrics.jsonl has every value)"
+        )
     auto = args.micro_batch_size == "auto"
     if auto and not torch.cuda.is_available():
         # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of
@@ -418,3 +464,43 @@ def describe_run(args, plan: RunPlan, config: LlamaConfig, device: torch.device)
             f"{args.lr * args.min_lr_ratio:g})",
         ]
     )
+
+
+# -------------------------------------------------------------------------------------------------
+# The record of a run's settings
+
+RUN_RECORD = "args.jsonl"  # in --out-dir: one line per start of the run there
+
+
+def record_run(args, plan: RunPlan, start_step: int) -> None:
+    """Add this start's settings to OUT_DIR/args.jsonl: every flag's final value (the command
+    line over --config over the defaults), the run plan, the script, its command line and the
+    step it starts from (0, or the checkpoint's).
+
+    One JSON line per start, the fresh start's first and one more for each resume, the earlier
+    lines kept as they were: the last line is what the run uses now (a resume may change
+    --max-steps, --micro-batch-size, the intervals, ...). The file is rewritten whole and
+    atomically, so a kill leaves the old lines or the new ones. Called by the process that
+    writes files, once every check has passed: a refused run leaves the out-dir unchanged.
+    """
+    path = os.path.join(args.out_dir, RUN_RECORD)
+    record = {
+        "script": os.path.basename(sys.argv[0]),
+        "command": shlex.join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "start_step": start_step,
+        "args": vars(args),
+        "plan": dataclasses.asdict(plan),
+    }
+    try:
+        try:
+            with open(path) as f:
+                previous = f.read()
+        except FileNotFoundError:
+            previous = ""
+        if previous and not previous.endswith("\n"):
+            previous += "\n"
+        atomic_write_text(path, previous + json.dumps(record) + "\n")
+    except OSError as e:
+        raise TrainingError(f"could not write {path}: {e.strerror or e}") from e

@@ -1,10 +1,11 @@
 """Data pipeline: raw text -> tokens -> (x, y) training examples.
 
-The flow, top to bottom of this file:
+The flow, the first two steps in corpus.py and the rest top to bottom of this file:
 
     load_corpus(spec)            a `datasets.Dataset` with one "text" column, one row per document:
                                  the Python stdlib's .py files, local .txt/.jsonl/.json/.parquet
-                                 files, or a Hugging Face hub dataset.
+                                 files (.txt split into documents by paragraph, line or file),
+                                 or a Hugging Face hub dataset.
     split_corpus(ds)             deterministic document-level train/validation split.
     get_tokenizer(train)         byte-level BPE trained on the training split (or a given
                                  tokenizer.json); [PAD], [BOT], [EOT] always have ids 0, 1, 2.
@@ -27,26 +28,19 @@ Measure how fast the DataLoader delivers tokens (no training code lives here):
 import argparse
 import hashlib
 import itertools
-import json
 import os
-import sysconfig
 import time
-from glob import glob
-from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow.parquet
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from corpus import TXT_SPLITS, load_corpus, split_corpus
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]  # trained first, so their ids are 0, 1, 2 in every tokenizer
-
-# Local files: suffix -> the datasets builder that reads it.
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 # The tokenizer trains on at most this many characters of the training split. The whole stdlib
 # (~31M characters) trains in about 4 s on 2 CPU cores, so it fits entirely; the cap only bounds
@@ -55,222 +49,6 @@ TOKENIZER_MAX_CHARS = 50_000_000
 
 # Packing cuts windows inside each map() batch of this many documents (see PretrainingDataset).
 PACK_BATCH_DOCS = 1000
-
-
-# -----------------------------------------------------------------------------
-# Corpus
-
-
-def load_corpus(
-    spec: str = "stdlib", text_column: str = "text", cache_dir: str = ".cache"
-) -> datasets.Dataset:
-    """Load documents as a Dataset with exactly one column, "text", in a deterministic order.
-
-    spec is "stdlib" (every .py file of this Python's standard library), a file, a glob or a
-    directory of .txt (one document per file), .jsonl/.json or .parquet files, or else a hub
-    dataset name. text_column names the text column of .jsonl/.json/.parquet/hub data.
-    Empty and whitespace-only documents are dropped. Raises ValueError on unusable input.
-    """
-    datasets_cache = os.path.join(cache_dir, "datasets")
-    if spec == "stdlib":
-        ds = _load_files(_stdlib_files(), "text", datasets_cache, spec)
-    elif os.path.exists(spec) or _is_glob(spec) or _looks_like_path(spec):
-        files, builder = _find_files(spec)
-        ds = _load_files(files, builder, datasets_cache, spec)
-        if builder != "text":
-            ds = _select_text_column(ds, text_column, spec)
-    else:
-        # Not a local path: a dataset on the Hugging Face hub (needs the network the first time).
-        try:
-            ds = datasets.load_dataset(spec, split="train", cache_dir=datasets_cache)
-        except OSError as e:  # offline and not cached (ConnectionError), or no such dataset
-            raise ValueError(
-                f"--data {spec!r} is not a local path, and no hub dataset of that name could be "
-                f"reached or found ({_first_line(e)}); --data takes stdlib, a "
-                f"{'/'.join(BUILDERS)} file, glob or directory, or a hub dataset name"
-            ) from e
-        ds = _select_text_column(ds, text_column, spec)
-
-    ds = ds.filter(_is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
-    if len(ds) == 0:
-        raise ValueError(f"corpus {spec!r} has no non-empty documents")
-    return ds
-
-
-def _stdlib_files() -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    # Third-party packages installed next to the stdlib are not part of it (and vary by machine).
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
-    ]
-    return [str(p) for p in sorted(files, key=lambda p: p.relative_to(root).as_posix())]
-
-
-def _is_glob(spec: str) -> bool:
-    return any(char in spec for char in "*?[")
-
-
-def _looks_like_path(spec: str) -> bool:
-    # A missing "data/train.txt" should fail here with a clear message, not as a hub lookup.
-    return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in BUILDERS
-
-
-def _find_files(spec: str) -> tuple[list[str], str]:
-    """Resolve a file, glob or directory to a sorted list of files and the builder to read them."""
-    path = os.path.expanduser(spec)
-    if os.path.isdir(path):
-        root = Path(path)
-        # Skip hidden paths so a corpus directory's own .cache/ (full of .json/.arrow) is ignored.
-        found = [
-            p
-            for p in root.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-        ]
-    else:
-        found = [Path(p) for p in glob(path, recursive=True)]
-        found = [p for p in found if p.is_file()]
-    files = sorted(os.path.abspath(p) for p in found if p.suffix.lower() in BUILDERS)
-    if not files:
-        raise ValueError(
-            f"--data {spec!r}: no {'/'.join(BUILDERS)} files found "
-            f"({len(found)} other files matched). Check the path or glob (quote it in the shell)."
-        )
-    suffixes = sorted({Path(f).suffix.lower() for f in files})
-    builders = {BUILDERS[s] for s in suffixes}
-    if len(builders) > 1:  # .json and .jsonl may mix: the same json builder reads both
-        raise ValueError(
-            f"--data {spec!r} mixes file types {suffixes}; use a glob that matches one type, "
-            f"e.g. '{spec.rstrip('/')}/**/*{suffixes[0]}'"
-        )
-    # An empty file holds no document (and datasets' json reader cannot even start on one).
-    nonempty = [f for f in files if os.path.getsize(f) > 0]
-    if not nonempty:
-        what = "the file is" if len(files) == 1 else f"all {len(files)} files are"
-        raise ValueError(f"--data {spec!r}: {what} empty")
-    return nonempty, builders.pop()
-
-
-def _load_files(files: list[str], builder: str, cache_dir: str, spec: str) -> datasets.Dataset:
-    # One row per .txt file. A few stdlib files are deliberately not UTF-8 (encoding tests), so
-    # there undecodable bytes become U+FFFD; a user's file that is not UTF-8 (a binary file, or
-    # another encoding) is refused below, naming it, rather than trained on as garbage.
-    options = {"sample_by": "document"} if builder == "text" else {}
-    if spec == "stdlib":
-        options["encoding_errors"] = "replace"
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
-    try:
-        return datasets.load_dataset(
-            builder, data_files=files, split="train", cache_dir=cache_dir, **options
-        )
-    except Exception as e:  # datasets wraps a bad file in many exception types
-        # datasets says what failed deep inside pyarrow or json, but rarely in which file: find
-        # the file and line ourselves (this reads the files again, but only after a failure).
-        where = _find_unreadable(files, builder)
-        raise ValueError(f"--data {spec!r}: {where or 'cannot be read: ' + _first_line(e)}") from e
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-
-
-def _find_unreadable(files: list[str], builder: str) -> str | None:
-    """Where the first unreadable file goes wrong ("FILE line 3: why"), or None if none does."""
-    any_document = False
-    for path in files:
-        if builder == "parquet":
-            try:
-                pyarrow.parquet.read_schema(path)
-            except Exception as e:  # ArrowInvalid, OSError, ...
-                return f"{path} is not a Parquet file ({_first_line(e)})"
-            continue
-        if path.endswith(".json") and _is_one_json_document(path):
-            any_document = True  # a .json file may also be one document, e.g. a list of objects
-            continue
-        with open(path, "rb") as f:
-            offset = 0
-            for number, line in enumerate(f, start=1):
-                try:
-                    text = line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    return (
-                        f"{path} line {number} (byte {offset + e.start}) is not UTF-8 text: a "
-                        f"binary file, or another encoding (convert it to UTF-8, e.g. with iconv)"
-                    )
-                offset += len(line)
-                if builder == "json" and text.strip():
-                    any_document = True
-                    if error := _json_line_error(text):
-                        return f"{path} line {number}: {error}"
-    if builder == "json" and not any_document:
-        return "its files hold no JSON documents, only blank lines"
-    return None
-
-
-def _is_one_json_document(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            json.load(f)
-        return True
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError: the line by line check says where
-        return False
-
-
-def _json_line_error(text: str) -> str | None:
-    """Why one line of a JSON-lines file is not a document (None: it is one)."""
-    try:
-        row = json.loads(text.strip())
-    except json.JSONDecodeError as e:
-        return f"invalid JSON at column {e.colno} ({e.msg})"
-    if not isinstance(row, dict):
-        return f"a JSON {type(row).__name__}, not an object (one document per line: {{...}})"
-    return None
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an exception's message, or its type if it has none."""
-    message = str(error).strip()
-    return message.splitlines()[0] if message else type(error).__name__
-
-
-def _select_text_column(ds: datasets.Dataset, text_column: str, spec: str) -> datasets.Dataset:
-    if text_column not in ds.column_names:
-        raise ValueError(
-            f"--data {spec!r} has no column {text_column!r}; its columns are {ds.column_names}. "
-            f"Pass --text-column with one of them."
-        )
-    feature = ds.features[text_column]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise ValueError(f"--data {spec!r}: column {text_column!r} holds {feature}, not text")
-    ds = ds.select_columns([text_column])
-    return ds if text_column == "text" else ds.rename_column(text_column, "text")
-
-
-def _is_nonempty(texts: list[str | None]) -> list[bool]:
-    return [text is not None and text.strip() != "" for text in texts]
-
-
-def split_corpus(
-    ds: datasets.Dataset, val_fraction: float = 0.01, seed: int = 0
-) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Split documents into (train, validation), the same way in every process and every run.
-
-    Whole documents go to one side, so no validation text is ever trained on. Each side keeps
-    the corpus order. The validation side has round(val_fraction * n) documents, at least 1.
-    """
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
-    n = len(ds)
-    n_val = max(1, round(val_fraction * n))
-    if n - n_val < 1:
-        raise ValueError(
-            f"cannot split {n} document(s) into train and validation with "
-            f"val_fraction={val_fraction}: need at least 2 documents and 1 left for training"
-        )
-    # A seeded numpy generator gives the same permutation on every machine and process.
-    order = np.random.default_rng(seed).permutation(n)
-    val_indices, train_indices = np.sort(order[:n_val]), np.sort(order[n_val:])
-    return ds.select(train_indices), ds.select(val_indices)
 
 
 # -----------------------------------------------------------------------------
@@ -544,6 +322,9 @@ def main() -> None:
     parser.add_argument(
         "--text-column", default="text", help="text column of json/parquet/hub data"
     )
+    parser.add_argument(
+        "--txt-split", choices=TXT_SPLITS, default="auto", help=".txt documents: see docs/data.md"
+    )
     parser.add_argument("--seq-length", type=int, default=256, help="tokens per example")
     parser.add_argument("--batch-size", type=int, default=32, help="examples per batch")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
@@ -557,7 +338,7 @@ def main() -> None:
         parser.error("nothing to do: pass --bench")
 
     start = time.perf_counter()
-    corpus = load_corpus(args.data, args.text_column, args.cache_dir)
+    corpus = load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
     train, val = split_corpus(corpus)
     print(f"corpus: {len(train)} train + {len(val)} val docs in {time.perf_counter() - start:.1f}s")
     start = time.perf_counter()

@@ -15,11 +15,26 @@ from stopping import TrainingError
 
 
 class Metrics:
-    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0)."""
+    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0).
 
-    def __init__(self, out_dir: str, enabled: bool, resume_step: int):
+    tensorboard=True (--tensorboard): every number of every record also goes to TensorBoard
+    event files in out_dir/tensorboard, as train/<name> or val/<name> against the step. The
+    package is imported only then (cli.plan_run has checked that it is installed).
+    """
+
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int, tensorboard: bool = False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides what an earlier run logged after the step this run
+            # starts from (a killed run's steps after its checkpoint; at step 0, a previous
+            # run's, whose metrics.jsonl out_dir.start_fresh moved aside), as the lines of
+            # metrics.jsonl are cut below.
+            directory = os.path.join(out_dir, "tensorboard")
+            self.writer = SummaryWriter(directory, purge_step=resume_step + 1)
         if enabled and os.path.exists(self.path):
             # A run killed after its last checkpoint logged steps that this run will log again
             # (one killed before its first: see start_fresh), and a kill in the middle of a
@@ -42,6 +57,13 @@ class Metrics:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            group = "val" if "val_loss" in record else "train"
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    tag = f"{group}/{name.removeprefix('val_')}"
+                    self.writer.add_scalar(tag, value, record["step"])
+            self.writer.flush()  # on disk now: a killed run loses nothing it logged
 
     def log_validation(self, step: int, val_loss: float) -> None:
         """An evaluation's record, also printed above the progress bar (where enabled)."""

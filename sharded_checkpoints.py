@@ -22,6 +22,7 @@ from checkpoints import (
     check_resumable,
     list_checkpoints,
     load_checkpoint,
+    resume_schedule,
     rng_state,
     save_failed,
     set_rng_state,
@@ -139,6 +140,7 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tok
     """
     train_state = load_checkpoint(os.path.join(path, TRAIN_STATE))
     check_resumable(train_state, config, args, tokenizer)  # before changing anything
+    fresh_lrs = [group["lr"] for group in optimizer.param_groups]
     model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state}
     try:
@@ -161,6 +163,7 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tok
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
         options=STATE_DICT_OPTIONS,
     )  # fmt: skip
-    scheduler.load_state_dict(train_state["scheduler"])
+    # The schedule of this run's --max-steps, at the checkpoint's step (see resume_schedule).
+    resume_schedule(scheduler, optimizer, fresh_lrs, train_state["step"])
     set_rng_state(train_state["rng"])
     return train_state["step"]

@@ -82,6 +82,7 @@ def main():
     # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
     val_loader = DataLoader(val_set, batch_size=plan.micro_batch_size * devices)
     print(cli.describe_run(args, plan, config, device))
+    cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
     if args.plan:
         print(memory_plan.plan_for_run(args, plan, config, devices))
 
@@ -96,7 +97,7 @@ def main():
         args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    metrics = Metrics(args.out_dir, True, start_step)
+    metrics = Metrics(args.out_dir, True, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

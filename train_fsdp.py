@@ -182,6 +182,7 @@ def main():
     val_loader = DataLoader(val_shard, batch_size=plan.micro_batch_size)
     if is_main:
         print(cli.describe_run(args, plan, config, device))
+        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
         sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
         if args.replicate > 1:
             sharding = (
@@ -207,7 +208,7 @@ def main():
         args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    metrics = Metrics(args.out_dir, is_main, start_step)
+    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

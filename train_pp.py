@@ -302,6 +302,7 @@ def main():
     is_last = any(stage.is_last for stage in stages)  # this rank computes the loss
     if is_main:
         print(cli.describe_run(args, plan, config, device))
+        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
         layers = [len(r) for r in split_layers(config.num_hidden_layers, num_stages)]
         bubble = memory_plan.bubble_fraction(args.schedule, pp, microbatches, v)
         formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
@@ -330,7 +331,7 @@ def main():
         args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    metrics = Metrics(args.out_dir, is_main, start_step)
+    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

@@ -198,6 +198,7 @@ def main():
             print(f"resumed from {resume_path} at step {start_step}")
     if is_main:
         print(cli.describe_run(args, plan, config, device))
+        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
         print(
             f"parallelism: {world_size} ranks = dp {dp} x tp {tp} (tensor parallel "
             f"{tp > 1}, sequence parallel {args.sequence_parallel}, FSDP {dp > 1}), activation "
@@ -221,7 +222,7 @@ def main():
         args.num_workers,
         pin_memory=device.type == "cuda",
     )
-    metrics = Metrics(args.out_dir, is_main, start_step)
+    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
+import corpus
 import data
 from checkpoints import load_model, save_final
 from distributed import main_process_first
@@ -39,8 +40,8 @@ def build_datasets(
     wait, then read what it cached: nobody tokenizes twice.
     """
     with main_process_first():
-        corpus = data.load_corpus(args.data, args.text_column, args.cache_dir)
-        train_docs, val_docs = data.split_corpus(corpus, args.val_fraction, seed=0)
+        docs = corpus.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
+        train_docs, val_docs = corpus.split_corpus(docs, args.val_fraction, seed=0)
         tokenizer = data.get_tokenizer(train_docs, args.vocab_size, args.cache_dir, tokenizer_path)
         pad_id = tokenizer.token_to_id(data.PAD)
         train, val = (

@@ -16,10 +16,12 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from harness import DDP, DP, build_args, cmd, run_script, snapshot
+from harness import DDP, DP, build_args, cmd, load_checkpoint, run_script, snapshot
 
+import checkpoints
 import data
 import distributed
+from model import LlamaConfig
 
 
 @pytest.fixture
@@ -256,9 +258,22 @@ def test_resuming_with_another_tokenizer_is_refused(existing_run, corpus, cache_
 
 
 def test_resuming_with_another_data_order_or_schedule_is_refused(existing_run, corpus, cache_dir):
-    argv = cmd(corpus, cache_dir, existing_run, batch_size=16, max_steps=20)
+    argv = cmd(corpus, cache_dir, existing_run, batch_size=16, warmup_steps=5, txt_split="line")
     proc = assert_refused(DP, argv, "the checkpoint was made with", existing_run, cache_dir)
-    assert "--batch-size 8 (now 16)" in proc.stderr and "--max-steps 8 (now 20)" in proc.stderr
+    assert "--batch-size 8 (now 16)" in proc.stderr and "--warmup-steps 2 (now 5)" in proc.stderr
+    assert "--txt-split 'auto' (now 'line')" in proc.stderr
+
+
+def test_a_checkpoint_from_before_txt_split_counts_as_auto(trained, corpus, cache_dir):
+    ckpt = load_checkpoint(trained(DP), 8)
+    del ckpt["args"]["txt_split"]  # what checkpoints made before the flag hold
+    config = LlamaConfig(**ckpt["config"])
+    tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
+    args, _ = build_args(corpus, cache_dir)
+    checkpoints.check_resumable(ckpt, config, args, tokenizer)  # auto: resumable
+    args, _ = build_args(corpus, cache_dir, txt_split="paragraph")
+    with pytest.raises(ValueError, match="--txt-split 'auto' \\(now 'paragraph'\\)"):
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
 
 
 # -------------------------------------------------------------------------------------------------

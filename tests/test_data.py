@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+import corpus
 import data
 import distributed
 from data import BOT, EOT, IGNORE_INDEX, PAD
@@ -125,7 +126,7 @@ def test_get_tokenizer_rejects_tokenizer_without_special_tokens(tmp_path):
 def test_load_corpus_txt_gives_one_document_per_file_in_sorted_order(tmp_path):
     write(tmp_path / "b.txt", "second file\n\nwith a blank line\n")
     write(tmp_path / "a.txt", "first file\nline two\n")
-    ds = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    ds = corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
     assert ds.column_names == ["text"]
     assert ds["text"] == ["first file\nline two\n", "second file\n\nwith a blank line\n"]
 
@@ -133,7 +134,7 @@ def test_load_corpus_txt_gives_one_document_per_file_in_sorted_order(tmp_path):
 def test_load_corpus_jsonl_uses_custom_text_column_and_drops_others(tmp_path):
     rows = [{"id": 1, "body": "alpha"}, {"id": 2, "body": "beta"}]
     path = write_jsonl(tmp_path / "docs.jsonl", rows)
-    ds = data.load_corpus(str(path), text_column="body", cache_dir=str(tmp_path / ".cache"))
+    ds = corpus.load_corpus(str(path), text_column="body", cache_dir=str(tmp_path / ".cache"))
     assert ds.column_names == ["text"]
     assert ds["text"] == ["alpha", "beta"]
 
@@ -141,19 +142,19 @@ def test_load_corpus_jsonl_uses_custom_text_column_and_drops_others(tmp_path):
 def test_load_corpus_parquet(tmp_path):
     path = tmp_path / "docs.parquet"
     datasets.Dataset.from_dict({"text": ["one", "two"], "n": [1, 2]}).to_parquet(str(path))
-    ds = data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+    ds = corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
     assert ds.column_names == ["text"]
     assert ds["text"] == ["one", "two"]
 
 
 def test_load_corpus_directory_recurses_sorts_and_skips_hidden_paths(tmp_path):
-    corpus = tmp_path / "corpus"
-    write(corpus / "z.txt", "z")
-    write(corpus / "sub" / "a.txt", "sub/a")
-    write(corpus / "m.txt", "m")
-    write(corpus / "notes.md", "not a supported file")
-    write(corpus / ".hidden" / "x.txt", "hidden")
-    ds = data.load_corpus(str(corpus), cache_dir=str(tmp_path / ".cache"))
+    folder = tmp_path / "corpus"
+    write(folder / "z.txt", "z")
+    write(folder / "sub" / "a.txt", "sub/a")
+    write(folder / "m.txt", "m")
+    write(folder / "notes.md", "not a supported file")
+    write(folder / ".hidden" / "x.txt", "hidden")
+    ds = corpus.load_corpus(str(folder), cache_dir=str(tmp_path / ".cache"))
     assert ds["text"] == ["m", "sub/a", "z"]
 
 
@@ -161,44 +162,44 @@ def test_load_corpus_glob_matches_only_its_files(tmp_path):
     write_jsonl(tmp_path / "train_1.jsonl", [{"text": "a"}])
     write_jsonl(tmp_path / "train_2.jsonl", [{"text": "b"}, {"text": "c"}])
     write_jsonl(tmp_path / "test_1.jsonl", [{"text": "held out"}])
-    ds = data.load_corpus(str(tmp_path / "train_*.jsonl"), cache_dir=str(tmp_path / ".cache"))
+    ds = corpus.load_corpus(str(tmp_path / "train_*.jsonl"), cache_dir=str(tmp_path / ".cache"))
     assert ds["text"] == ["a", "b", "c"]
 
 
 def test_load_corpus_missing_text_column_lists_existing_columns(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl", [{"content": "x", "meta": "y"}])
     with pytest.raises(ValueError, match=r"no column 'text'.*\['content', 'meta'\]"):
-        data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+        corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_no_matching_files_is_an_error(tmp_path):
     write(tmp_path / "readme.md", "unsupported")
     with pytest.raises(ValueError, match="no .txt/.jsonl/.json/.parquet files found"):
-        data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+        corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
     with pytest.raises(ValueError, match="no .txt/.jsonl/.json/.parquet files found"):
-        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+        corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_missing_path_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch):
     def no_hub(*args, **kwargs):
         raise AssertionError("must not reach datasets.load_dataset")
 
-    monkeypatch.setattr(data.datasets, "load_dataset", no_hub)
+    monkeypatch.setattr(corpus.datasets, "load_dataset", no_hub)
     with pytest.raises(ValueError, match="no .txt"):
-        data.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
+        corpus.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_mixed_file_types_is_an_error(tmp_path):
     write(tmp_path / "a.txt", "a")
     write_jsonl(tmp_path / "b.jsonl", [{"text": "b"}])
     with pytest.raises(ValueError, match=r"mixes file types \['.jsonl', '.txt'\]"):
-        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+        corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_drops_empty_documents(tmp_path):
     rows = [{"text": "keep"}, {"text": ""}, {"text": " \n\t"}, {"text": None}, {"text": "too"}]
     path = write_jsonl(tmp_path / "docs.jsonl", rows)
-    assert data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))["text"] == [
+    assert corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))["text"] == [
         "keep",
         "too",
     ]
@@ -208,13 +209,134 @@ def test_load_corpus_with_only_empty_documents_is_an_error(tmp_path):
     write(tmp_path / "a.txt", "")
     write(tmp_path / "b.txt", "  \n\n")
     with pytest.raises(ValueError, match="no non-empty documents"):
-        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+        corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_stdlib_has_every_module_including_os(tmp_path):
-    ds = data.load_corpus("stdlib", cache_dir=str(tmp_path / ".cache"))
+    ds = corpus.load_corpus("stdlib", cache_dir=str(tmp_path / ".cache"))
     assert len(ds) > 1000
     assert Path(os.__file__).read_text() in set(ds["text"])
+
+
+# -----------------------------------------------------------------------------
+# .txt corpora: documents by paragraph, line or file (--txt-split)
+
+PARAGRAPHS = (
+    "First Citizen:\nBefore we proceed.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:\nYou are.\n"
+)
+
+
+def test_one_txt_file_is_split_by_paragraph_by_default(tmp_path):
+    path = write(tmp_path / "input.txt", PARAGRAPHS + "\n\n")  # nanoGPT's single input.txt
+    ds = corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+    assert ds["text"] == [
+        "First Citizen:\nBefore we proceed.",
+        "All:\nSpeak, speak.",
+        "First Citizen:\nYou are.",  # the trailing blank lines are an empty paragraph, dropped
+    ]
+    assert corpus.txt_split_mode(str(path)) == "paragraph"
+    explicit = corpus.load_corpus(
+        str(path), cache_dir=str(tmp_path / ".cache"), txt_split="paragraph"
+    )
+    assert explicit["text"] == ds["text"]
+
+
+def test_txt_split_line_gives_one_document_per_non_empty_line(tmp_path):
+    path = write(tmp_path / "input.txt", PARAGRAPHS)
+    ds = corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"), txt_split="line")
+    assert ds["text"] == [
+        "First Citizen:",
+        "Before we proceed.",
+        "All:",
+        "Speak, speak.",
+        "First Citizen:",
+        "You are.",
+    ]
+
+
+def test_txt_split_file_keeps_each_file_whole_and_one_file_is_refused_saying_why(tmp_path):
+    write(tmp_path / "a.txt", PARAGRAPHS)
+    write(tmp_path / "b.txt", "second\n\nfile\n")
+    cache = str(tmp_path / ".cache")
+    ds = corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=cache, txt_split="file")
+    assert ds["text"] == [PARAGRAPHS, "second\n\nfile\n"]
+    with pytest.raises(ValueError, match="is 1 document.*pass --txt-split paragraph or line"):
+        corpus.load_corpus(str(tmp_path / "a.txt"), cache_dir=cache, txt_split="file")
+    write(tmp_path / "one.txt", "one paragraph\nof two lines\n\n")
+    with pytest.raises(
+        ValueError, match=r"\(one paragraph, with --txt-split auto\).*--txt-split line"
+    ):
+        corpus.load_corpus(str(tmp_path / "one.txt"), cache_dir=cache)
+
+
+def test_a_directory_or_glob_keeps_one_document_per_file_unless_told(tmp_path):
+    folder = tmp_path / "corpus"
+    write(folder / "a.txt", PARAGRAPHS)
+    write(folder / "b.txt", "second\n\nfile\n")
+    cache = str(tmp_path / ".cache")
+    for spec in (str(folder), str(folder / "*.txt"), str(folder / "a*.txt")):
+        assert corpus.txt_split_mode(spec) == "file"  # a glob of one file too: its form decides
+    assert corpus.load_corpus(str(folder), cache_dir=cache)["text"] == [
+        PARAGRAPHS,
+        "second\n\nfile\n",
+    ]
+    split = corpus.load_corpus(str(folder), cache_dir=cache, txt_split="paragraph")
+    assert len(split) == 3 + 2
+    with pytest.raises(
+        ValueError, match=r"is 1 document \(each .txt file is one, with --txt-split auto"
+    ):
+        corpus.load_corpus(str(folder / "a*.txt"), cache_dir=cache)
+
+
+def test_switching_txt_split_never_reuses_the_other_splits_tokens(tokenizer, tmp_path):
+    path = write(tmp_path / "input.txt", "\n".join([PARAGRAPHS] * 3))  # 9 paragraphs
+    cache = str(tmp_path / ".cache")
+    tokens = {}
+    for mode in ("paragraph", "line", "auto"):
+        docs = corpus.load_corpus(str(path), cache_dir=cache, txt_split=mode)
+        tokens[mode] = data.tokenize(docs, tokenizer)
+        assert tokens[mode]["input_ids"] == [
+            [1, *tokenizer.encode(text).ids, 2] for text in docs["text"]
+        ]
+    files = {mode: {f["filename"] for f in ds.cache_files} for mode, ds in tokens.items()}
+    assert files["paragraph"].isdisjoint(files["line"])
+    assert len(tokens["paragraph"]) == 9 and len(tokens["line"]) == 18
+    assert files["auto"] == files["paragraph"]  # the same split: the same cache
+
+
+@pytest.mark.parametrize(
+    ("spec", "what"),
+    [("docs.jsonl", ".jsonl files"), ("stdlib", "the standard library"), ("org/name", "a hub")],
+)
+def test_txt_split_is_refused_for_data_that_is_not_txt(tmp_path, monkeypatch, spec, what):
+    def no_load(*args, **kwargs):
+        raise AssertionError("must be refused before any data is read")
+
+    monkeypatch.setattr(corpus.datasets, "load_dataset", no_load)
+    if spec.endswith(".jsonl"):
+        spec = str(write_jsonl(tmp_path / spec, [{"text": "a"}, {"text": "b"}]))
+    with pytest.raises(ValueError, match=f"--txt-split line applies to .txt files only.*{what}"):
+        corpus.load_corpus(spec, cache_dir=str(tmp_path / ".cache"), txt_split="line")
+    with pytest.raises(ValueError, match="--txt-split must be one of auto, paragraph, line, file"):
+        corpus.load_corpus(spec, cache_dir=str(tmp_path / ".cache"), txt_split="lines")
+
+
+def test_train_dp_trains_on_one_input_txt_and_refuses_txt_split_for_jsonl(tmp_path):
+    from harness import DP, cmd, run_script, write_corpus
+
+    # nanoGPT's case: one input.txt, no flag. Its paragraphs are the documents.
+    docs = write_corpus(tmp_path / "docs")
+    text = "\n\n".join(p.read_text().strip() for p in sorted(docs.glob("*.txt")))
+    input_txt = write(tmp_path / "input.txt", text + "\n")
+    out = tmp_path / "out"
+    proc = run_script(DP, cmd(input_txt, tmp_path / ".cache", out, max_steps=2, eval_interval=2))
+    assert (out / "model.pt").is_file(), proc.stdout[-2000:]
+
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"text": "a"}, {"text": "b"}])
+    argv = cmd(jsonl, tmp_path / ".cache", tmp_path / "out2", txt_split="line")
+    proc = run_script(DP, argv, expect_rc=2)
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--txt-split line applies to .txt files only" in proc.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -223,8 +345,8 @@ def test_load_corpus_stdlib_has_every_module_including_os(tmp_path):
 
 def test_split_corpus_is_deterministic_disjoint_and_complete():
     ds = texts_dataset([f"doc {i}" for i in range(200)])
-    train, val = data.split_corpus(ds, val_fraction=0.05, seed=3)
-    train_again, val_again = data.split_corpus(ds, val_fraction=0.05, seed=3)
+    train, val = corpus.split_corpus(ds, val_fraction=0.05, seed=3)
+    train_again, val_again = corpus.split_corpus(ds, val_fraction=0.05, seed=3)
     assert val["text"] == val_again["text"] and train["text"] == train_again["text"]
     assert len(val) == 10
     assert not set(train["text"]) & set(val["text"])
@@ -232,10 +354,10 @@ def test_split_corpus_is_deterministic_disjoint_and_complete():
 
 
 def test_split_corpus_keeps_one_validation_document_and_needs_two():
-    train, val = data.split_corpus(texts_dataset(["a", "b"]), val_fraction=0.01)
+    train, val = corpus.split_corpus(texts_dataset(["a", "b"]), val_fraction=0.01)
     assert (len(train), len(val)) == (1, 1)
     with pytest.raises(ValueError, match="at least 2 documents"):
-        data.split_corpus(texts_dataset(["only one"]))
+        corpus.split_corpus(texts_dataset(["only one"]))
 
 
 # -----------------------------------------------------------------------------
@@ -260,13 +382,13 @@ def test_tokenize_in_worker_processes_still_encodes_special_text_as_text(tokeniz
 def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
     write(tmp_path / "a.txt", "import os\nprint(os.getcwd())\n")
     write(tmp_path / "b.txt", "x = [i * i for i in range(10)]\n")
-    corpus = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
-    first = data.tokenize(corpus, tokenizer)
+    docs = corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    first = data.tokenize(docs, tokenizer)
     [cache_file] = {f["filename"] for f in first.cache_files}
     stat = os.stat(cache_file)
 
     # A fresh tokenizer object from the same JSON, as in a new process.
-    second = data.tokenize(corpus, Tokenizer.from_str(tokenizer.to_str()))
+    second = data.tokenize(docs, Tokenizer.from_str(tokenizer.to_str()))
     assert {f["filename"] for f in second.cache_files} == {cache_file}
     assert (os.stat(cache_file).st_ino, os.stat(cache_file).st_mtime_ns) == (
         stat.st_ino,
@@ -276,12 +398,12 @@ def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
 
 
 def test_tokenize_with_a_different_tokenizer_does_not_reuse_the_cache(tokenizer, tmp_path):
-    write(tmp_path / "a.txt", "import os\nprint(os.getcwd())\n")
-    corpus = data.load_corpus(str(tmp_path / "a.txt"), cache_dir=str(tmp_path / ".cache"))
+    write(tmp_path / "a.txt", "import os\n\nprint(os.getcwd())\n")  # two paragraphs
+    docs = corpus.load_corpus(str(tmp_path / "a.txt"), cache_dir=str(tmp_path / ".cache"))
     other = data.get_tokenizer(texts_dataset(["print(os.getcwd())\n" * 20]), VOCAB, str(tmp_path))
-    first, second = data.tokenize(corpus, tokenizer), data.tokenize(corpus, other)
+    first, second = data.tokenize(docs, tokenizer), data.tokenize(docs, other)
     assert first.cache_files != second.cache_files
-    assert second["input_ids"][0] == [1, *other.encode(corpus["text"][0]).ids, 2]
+    assert second["input_ids"][0] == [1, *other.encode(docs["text"][0]).ids, 2]
 
 
 # -----------------------------------------------------------------------------
@@ -309,8 +431,8 @@ def test_pad_mode_clips_long_documents_and_has_one_example_per_document():
 def test_pack_mode_covers_every_token_exactly_once(tokenizer, tmp_path):
     for i in range(12):
         write(tmp_path / f"doc{i:02}.txt", SAMPLE_TEXTS[i] * (i % 3 + 1))
-    corpus = data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
-    ids = data.tokenize(corpus, tokenizer)
+    docs = corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+    ids = data.tokenize(docs, tokenizer)
     stream = [t for row in ids["input_ids"] for t in row]  # 12 docs: all in one map batch
     seq_length = 16
     ds = data.PretrainingDataset(ids, seq_length)

@@ -1,0 +1,44 @@
+"""Specification of --tensorboard: every value metrics.jsonl logs also reaches TensorBoard's
+event files, read back here with TensorBoard's own reader; without the package, the flag is
+refused in one line before any work."""
+
+import importlib.util
+
+import pytest
+import torch
+from harness import DP, cmd, read_metrics, run_script
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import cli
+
+
+def scalars(out_dir, tag: str) -> dict[int, float]:
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def test_tensorboard_gets_every_logged_value(corpus, cache_dir, tmp_path):
+    out = tmp_path / "out"
+    run_script(DP, cmd(corpus, cache_dir, out, max_steps=4) + ["--tensorboard"])
+    train, val = read_metrics(out)
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and val
+    for name in ("loss", "lr", "grad_norm", "tokens_per_sec"):
+        logged = {r["step"]: r[name] for r in train}
+        assert scalars(out, f"train/{name}") == pytest.approx(logged, rel=1e-6), name
+    assert scalars(out, "val/loss") == pytest.approx({r["step"]: r["val_loss"] for r in val})
+
+
+def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_dir, monkeypatch):
+    # cli.plan_run's errors are ValueErrors that stopping.run prints in one line with exit code 2
+    # (tests/test_bad_input.py holds that for every such error).
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+    parser = cli.build_parser("test")
+    args = parser.parse_args(cmd(corpus, cache_dir, "unused") + ["--tensorboard"])
+    with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package: pip"):
+        cli.plan_run(parser, args, 1, torch.device("cpu"))
+    args = parser.parse_args(cmd(corpus, cache_dir, "unused"))
+    cli.plan_run(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error
