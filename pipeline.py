@@ -3,8 +3,6 @@ each rank holds, the loss of the last stage, and the sums and gradient clipping 
 pipeline's ranks. The schedule that runs them (torch.distributed.pipelining) is in train_pp.py.
 """
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,7 +13,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Subset
 
 import training
 from model import IGNORE_INDEX, LlamaForPretraining
@@ -183,29 +180,3 @@ def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch
     total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
-
-
-# -------------------------------------------------------------------------------------------------
-# Validation data
-
-
-def validation_batches(val_set, dp_rank: int, dp: int, rows: int, pad_id: int):
-    """This dp rank's share of the validation set, in (x, y) batches of exactly `rows` rows.
-
-    A pipeline runs one fixed shape: every batch must split into the schedule's m micro-batches
-    of the training shape. The last batch is topped up with rows of padding whose targets are
-    all IGNORE_INDEX: they add nothing to the loss sum or the token count. Every dp rank gets the
-    same number of batches (FSDP's all-gathers need every rank in every forward).
-    """
-    shard = Subset(val_set, range(dp_rank, len(val_set), dp))
-    num_batches = math.ceil(math.ceil(len(val_set) / dp) / rows)
-    batches = []
-    for x, y in DataLoader(shard, batch_size=rows):
-        missing = rows - x.size(0)
-        x = torch.cat([x, x.new_full((missing, x.size(1)), pad_id)])  # (rows, T)
-        y = torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)])  # (rows, T)
-        batches.append((x, y))
-    T = val_set[0][0].size(0) if len(val_set) else 1
-    while len(batches) < num_batches:  # a rank whose shard is shorter: all padding
-        batches.append((torch.full((rows, T), pad_id), torch.full((rows, T), IGNORE_INDEX)))
-    return batches

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
 import cli
@@ -134,7 +134,9 @@ def main():
             "train_cp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
         )
-    if args.replicate < 1 or world_size % args.replicate:
+    if args.replicate < 1:
+        raise ValueError(f"--replicate {args.replicate} must be at least 1 (1: plain FSDP)")
+    if world_size % args.replicate:
         raise ValueError(
             f"--replicate {args.replicate} must divide the number of ranks ({world_size}): the "
             f"ranks form a grid of replicas x shards; launch a multiple of it or choose another"
@@ -170,9 +172,6 @@ def main():
         return list(sampler)
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-    # Every dp-th validation sample, nothing dropped or repeated (a DistributedSampler would pad
-    # or drop to even out the shards): the summed loss is that of the whole set.
-    val_shard = Subset(val_set, range(dp_rank, len(val_set), dp))
 
     # ---- model, sharding, optimizer, resume -----------------------------------------------------
     model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
@@ -229,7 +228,9 @@ def main():
         plan = auto_micro_batch_size(
             args, plan, cp_model, doc_ids, optimizer, config.vocab_size, device
         )
-    val_loader = DataLoader(val_shard, batch_size=plan.micro_batch_size)
+    # Every dp-th validation sample, nothing dropped or repeated, and the same number of
+    # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, plan.micro_batch_size)
     if is_main:
         print(cli.describe_run(args, plan, config, device))
         cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings

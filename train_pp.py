@@ -71,7 +71,6 @@ from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
 import cli
-import data
 import memory_plan
 import safe_dcp
 import stopping
@@ -89,7 +88,6 @@ from pipeline import (
     stage_ids_of_rank,
     sum_over_mesh,
     tied_embeddings_error,
-    validation_batches,
 )
 from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
 from tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -243,7 +241,7 @@ def main():
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
     rows = microbatches * plan.micro_batch_size  # sequences per pipeline per step
-    val_batches = validation_batches(val_set, dp_rank, dp, rows, tokenizer.token_to_id(data.PAD))
+    val_batches = training.ValidationShard(val_set, dp_rank, dp, rows)
 
     # ---- model, stages, data parallelism, optimizer, resume ------------------------------------
     model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())

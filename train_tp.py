@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
 import cli
@@ -150,10 +150,9 @@ def main():
         return list(sampler)
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-    # Every dp-th validation sample, nothing dropped or repeated (a DistributedSampler would pad
-    # or drop to even out the shards): the summed loss is that of the whole set.
-    val_shard = Subset(val_set, range(dp_rank, len(val_set), dp))
-    val_loader = DataLoader(val_shard, batch_size=plan.micro_batch_size)
+    # Every dp-th validation sample, nothing dropped or repeated, and the same number of
+    # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, plan.micro_batch_size)
 
     # ---- model, sharding, optimizer, resume -----------------------------------------------------
     model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
 import checkpoints
@@ -68,9 +68,6 @@ def main():
         return list(sampler)
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-    # Every world_size-th validation sample, nothing dropped or repeated (a DistributedSampler
-    # would pad or drop to even out the shards): the summed loss is that of the whole set.
-    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
 
     # ---- model, optimizer, resume --------------------------------------------------------------
     model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
@@ -106,7 +103,9 @@ def main():
         plan = auto_micro_batch_size(
             args, plan, ddp_model, attn_mask, optimizer, config.vocab_size, device
         )
-    val_loader = DataLoader(val_shard, batch_size=plan.micro_batch_size)
+    # Every world_size-th validation sample, nothing dropped or repeated, and the same number of
+    # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
+    val_loader = training.ValidationShard(val_set, rank, world_size, plan.micro_batch_size)
     if is_main:
         print(cli.describe_run(args, plan, config, device))
         cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings

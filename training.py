@@ -9,11 +9,12 @@ concept each one adds.
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 import corpus
 import data
@@ -21,7 +22,7 @@ from checkpoints import load_model, save_final
 from distributed import main_process_first
 from generate import generate_text
 from masks import create_causal_mask, create_document_block_mask, create_document_mask, document_ids
-from model import LlamaConfig, LlamaForPretraining
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
 from stopping import ignore_stop_signals
 
 # -------------------------------------------------------------------------------------------------
@@ -216,6 +217,42 @@ def attention_masks(args, plan, tokenizer) -> Callable[[torch.Tensor], torch.Ten
 
 # -------------------------------------------------------------------------------------------------
 # Evaluation and the end of a run
+
+
+class ValidationShard:
+    """This rank's share of the validation set, in batches of `rows`, the same number of batches
+    on every rank: iterate it (once per evaluation) like a DataLoader.
+
+    Every `ranks`-th sample from `rank` on, so that over the ranks each sample counts once. The
+    ranks' shards differ by one sample where the ranks do not divide the set, hence by one batch;
+    but every forward of a sharded model (FSDP's all-gathers, TP's all-reduces, CP's gathers, a
+    pipeline's sends) needs every rank, and a rank that stopped early would leave the others
+    waiting forever. So the last batch is topped up to `rows` rows and a shorter shard gets
+    batches of padding: token 0 as input (any id will do) and all targets IGNORE_INDEX, which add
+    nothing to the loss sum or the token count. Full rows also keep one shape for a pipeline.
+    """
+
+    def __init__(self, val_set, rank: int, ranks: int, rows: int):
+        self.shard = Subset(val_set, range(rank, len(val_set), ranks))
+        self.rows = rows
+        self.num_batches = math.ceil(math.ceil(len(val_set) / ranks) / rows)  # rank 0's count
+        self.seq_len = val_set[0][0].size(0) if len(val_set) else 1
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        done = 0
+        for x, y in DataLoader(self.shard, batch_size=self.rows):
+            missing = self.rows - x.size(0)
+            yield (
+                torch.cat([x, x.new_zeros((missing, x.size(1)))]),  # (rows, T)
+                torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)]),
+            )
+            done += 1
+        for _ in range(self.num_batches - done):  # a rank whose shard is shorter: all padding
+            shape = (self.rows, self.seq_len)
+            yield torch.zeros(shape, dtype=torch.long), torch.full(shape, IGNORE_INDEX)
 
 
 @torch.no_grad()

@@ -90,18 +90,41 @@ def test_ddp_two_ranks_matches_single_process_pad_mode(trained, corpus, cache_di
     assert_same_losses(ddp, dp)
 
 
-def test_ddp_validation_loss_counts_every_validation_sample(trained):
-    # 3 validation documents (pad mode: 3 rows) for 2 ranks. train_dp.py evaluates all 3; DDP
-    # must too, however it splits them, or its val_loss is that of a different data set.
-    # val_fraction 3/32 -> round(3.0) = 3 of the 32 documents; one step is enough.
+@pytest.mark.parametrize(
+    "script, micro_batch", [(DDP, None), ("train_fsdp.py", 1)], ids=["ddp", "fsdp-uneven-batches"]
+)
+def test_validation_loss_counts_every_validation_sample(trained, script, micro_batch):
+    # 3 validation documents (pad mode: 3 rows) for 2 ranks. train_dp.py evaluates all 3; the
+    # ranks must too, however they split them, or val_loss is that of a different data set.
+    # val_fraction 3/32 -> round(3.0) = 3 of the 32 documents; one step is enough. FSDP with
+    # micro-batches of 1: 2 validation batches on rank 0 and 1 on rank 1, where every forward is
+    # a collective: without the padding batch of training.ValidationShard, rank 0 waits forever.
     overrides = {"data_mode": "pad", "val_fraction": 3 / NUM_DOCS, "max_steps": 1}
-    ddp, dp = trained(DDP, world=2, **overrides), trained(DP, **overrides)
-    (_, ddp_evals), (_, dp_evals) = read_metrics(ddp), read_metrics(dp)
-    assert ddp_evals[0]["val_loss"] == pytest.approx(dp_evals[0]["val_loss"], rel=LOSS_RTOL), (
-        "train_ddp.py's validation loss differs from train_dp.py's on the same validation set: "
+    extra = {} if micro_batch is None else {"micro_batch_size": micro_batch}
+    run = trained(script, world=2, **overrides, **extra)
+    dp = trained(DP, **overrides)
+    (_, evals), (_, dp_evals) = read_metrics(run), read_metrics(dp)
+    assert evals[0]["val_loss"] == pytest.approx(dp_evals[0]["val_loss"], rel=LOSS_RTOL), (
+        f"{script}'s validation loss differs from train_dp.py's on the same validation set: "
         "DistributedSampler(drop_last=True) drops samples when the set does not divide by the "
         "world size"
     )
+
+
+@pytest.mark.parametrize("size, ranks, rows", [(3, 2, 1), (7, 3, 2), (1, 2, 4), (8, 2, 2)])
+def test_validation_shards_cover_the_set_once_in_as_many_batches_on_every_rank(size, ranks, rows):
+    val_set = [(torch.full((4,), i), torch.full((4,), 100 + i)) for i in range(size)]
+    shards = [list(training.ValidationShard(val_set, r, ranks, rows)) for r in range(ranks)]
+    assert len({len(batches) for batches in shards}) == 1  # the same count on every rank
+    targets = [
+        int(row[0]) for batches in shards for _, y in batches for row in y if row[0] != IGNORE_INDEX
+    ]
+    assert sorted(targets) == [100 + i for i in range(size)]  # each sample once
+    for batches in shards:
+        for x, y in batches:
+            assert x.shape == y.shape == (rows, 4)
+            padding = y[:, 0] == IGNORE_INDEX
+            assert (y[padding] == IGNORE_INDEX).all() and (x[padding] == 0).all()
 
 
 # -------------------------------------------------------------------------------------------------
