@@ -71,6 +71,13 @@ def plan(
             f"every data-parallel replica needs tp x pp x cp GPUs"
         )
     dp = world_size // (tp * pp * cp)
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel splits a layer's activations over --tp: give --tp 2+")
+    if cp > 1 and config is not None and seq_length % (2 * cp):
+        raise ValueError(
+            f"--seq-length {seq_length} must be divisible by 2 x --cp = {2 * cp} (the zigzag "
+            f"split of train_cp.py: two equal chunks of every sequence per rank)"
+        )
     if (dp * cp) % replicate:
         raise ValueError(
             f"--replicate {replicate} does not divide the {dp * cp} ranks that hold the same "

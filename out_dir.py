@@ -136,7 +136,10 @@ def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
     if sharded:
         pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
     else:
-        pattern, writers = CHECKPOINT_DIR_RE, "train_fsdp.py/train_tp.py/train_pp.py (directories)"
+        pattern, writers = (
+            CHECKPOINT_DIR_RE,
+            "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py (directories)",
+        )
     if list_checkpoints(out_dir, pattern):
         raise ValueError(
             f"{out_dir} holds checkpoints of {writers}, which {os.path.basename(sys.argv[0])} can "

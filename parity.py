@@ -2,7 +2,7 @@
 
     python parity.py                              # every strategy on CPU (gloo): ~10 min, 2 cores
     python parity.py --only ddp,cp,tp-sp          # some of them (the reference always runs)
-    python parity.py --png docs/parity.png --json parity.json
+    python parity.py --png docs/parity.png --json parity.json   # renew the README's picture
 
 Each strategy runs the same short training -- same corpus, tokenizer, seed, global batch of
 sequences, fp32, document masks on -- as a user would launch it (`torchrun --nproc_per_node=N
@@ -198,13 +198,19 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
     p.add_argument("--vocab-size", type=int, default=512, help="of the trained tokenizer")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="of every run")
     p.add_argument("--val-fraction", type=float, default=0.01, help="documents held out")
-    p.add_argument("--png", default="docs/parity.png", help="the picture ('' for none)")
+    p.add_argument(
+        "--png",
+        default="parity.png",
+        help="the picture ('' for none; docs/parity.png is the README's: pass that to renew it)",
+    )
     p.add_argument("--json", default=None, help="also write the table as JSON to this file")
-    p.add_argument("--work-dir", default=None, help="keep the runs here (default: a temp dir)")
+    p.add_argument("--work-dir", default=None, help="keep the runs here (none: a temp dir)")
     args = p.parse_args()
     names = list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",")]
+    if not all(names):
+        p.error(f"--only: a comma-separated list of: {', '.join(STRATEGIES)}")
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         p.error(

@@ -1,8 +1,8 @@
-"""Sharded checkpoints of train_fsdp.py, train_tp.py and train_pp.py, written and read with
-torch.distributed.checkpoint (DCP): checkpoints/step_NNNNNNN/ holds DCP's files (one per rank,
-plus the .metadata that maps every tensor's pieces) and train_state.pt (schedule, RNG, step,
-config). Every rank writes only its own shards; DCP reads back, on each rank, just the pieces its
-shards cover, whatever the number of ranks that wrote them.
+"""Sharded checkpoints of train_fsdp.py, train_tp.py, train_pp.py and train_cp.py, written and
+read with torch.distributed.checkpoint (DCP): checkpoints/step_NNNNNNN/ holds DCP's files (one
+per rank, plus the .metadata that maps every tensor's pieces) and train_state.pt (schedule, RNG,
+step, config). Every rank writes only its own shards; DCP reads back, on each rank, just the
+pieces its shards cover, whatever the number of ranks that wrote them.
 """
 
 import os

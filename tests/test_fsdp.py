@@ -356,12 +356,17 @@ def test_fsdp_refuses_fp16_in_one_line(corpus, cache_dir, tmp_path):
     assert not out.exists(), "nothing is written before the flags are checked"
 
 
-@pytest.mark.parametrize("flags", [["--replicate", "2"], ["--replicate", "0", "--check"]])
+@pytest.mark.parametrize(
+    "flags, expect",
+    [
+        (["--replicate", "2"], "--replicate 2 must divide the number of ranks (1)"),
+        (["--replicate", "0", "--check"], "--replicate 0 must be at least 1"),
+    ],
+)
 def test_fsdp_refuses_a_replicate_that_does_not_divide_the_ranks(
-    corpus, cache_dir, tmp_path, flags
+    corpus, cache_dir, tmp_path, flags, expect
 ):
     # One process: a grid of 2 (or 0) replicas cannot be made of 1 rank. --check sees it too.
     out = tmp_path / "out"
-    expect = f"--replicate {flags[1]} must divide the number of ranks (1)"
     assert_refused(FSDP, cmd(corpus, cache_dir, out) + flags, expect, out, cache_dir)
     assert not out.exists(), "nothing is written before the flags are checked"

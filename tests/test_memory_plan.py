@@ -245,6 +245,8 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     [
         (["--world-size", "8", "--replicate", "3"], "--replicate 3 does not divide"),
         (["--world-size", "8", "--tp", "2", "--cp", "3"], "not a multiple of --tp 2 x --pp 1 x"),
+        (["--world-size", "8", "--cp", "2", "--seq-length", "2047"], "divisible by 2 x --cp = 4"),
+        (["--world-size", "8", "--sequence-parallel"], "--sequence-parallel splits a layer's"),
     ],
 )
 def test_layouts_that_do_not_divide_are_refused(flags, message):
