@@ -28,6 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from distributed import divide_ranks
+
 # -------------------------------------------------------------------------------------------------
 # The zigzag split
 
@@ -35,20 +37,13 @@ from torch.nn.attention.bias import causal_lower_right
 def data_parallel_size(world_size: int, cp: int, seq_length: int) -> int:
     """dp = world_size / cp; ValueError unless --cp divides the number of ranks and every
     sequence splits into 2 x cp equal chunks."""
-    if cp < 1:
-        raise ValueError(f"--cp {cp} must be at least 1")
-    if cp > world_size or world_size % cp:
-        raise ValueError(
-            f"--cp {cp} must divide the number of ranks ({world_size}): the ranks form a grid of "
-            f"dp x cp; launch a multiple of {cp} processes (torchrun --nproc_per_node) or "
-            f"choose a --cp that divides {world_size}"
-        )
+    dp = divide_ranks(world_size, "--cp", cp, "dp x cp")
     if seq_length % (2 * cp):
         raise ValueError(
             f"--seq-length {seq_length} must be divisible by 2 x --cp = {2 * cp}: each of the "
             f"{cp} ranks of a group holds two equal chunks of every sequence (the zigzag split)"
         )
-    return world_size // cp
+    return dp
 
 
 def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -83,40 +78,56 @@ def in_sequence_order(gathered: torch.Tensor) -> torch.Tensor:
 # Attention of this rank's queries to the whole sequence
 
 
+def chunk_masks(
+    seq_len: int, cp_rank: int, cp: int, document_ids: torch.Tensor | None, device=None
+) -> list:
+    """The attention masks of cp rank `cp_rank`'s two query chunks, for attend_to_sequence:
+    chunk c's L queries against keys 0..(c+1)L-1 (those after it are masked anyway).
+
+    The same in every layer: ContextParallel builds them once per forward, and every layer uses
+    (and autograd keeps) that one copy. Without document_ids: the queries are the last L of
+    those positions, so the causal mask is aligned to the bottom-right corner
+    (causal_lower_right), which lets SDPA use its causal kernels (flash attention on GPU) instead
+    of a dense mask. With document_ids (B, T), of the whole sequence (masks.document_ids): the
+    rule of masks.create_causal_mask + create_document_mask as a boolean mask of just these rows,
+    (B, 1, L, (c+1)L) per chunk, never the (T, T) mask.
+    """
+    L = seq_len // (2 * cp)
+    masks = []
+    for c in zigzag_chunks(cp_rank, cp):
+        keys = (c + 1) * L
+        if document_ids is None:
+            masks.append(causal_lower_right(L, keys))
+            continue
+        q_pos = torch.arange(c * L, keys, device=device)
+        k_pos = torch.arange(keys, device=device)
+        causal = q_pos[:, None] >= k_pos[None, :]  # (L, keys)
+        docs = document_ids[:, :keys]  # (B, keys)
+        same_document = docs[:, c * L :, None] == docs[:, None, :]  # (B, L, keys)
+        masks.append((causal & same_document)[:, None])  # (B, 1, L, keys); True = attend
+    return masks
+
+
 def attend_to_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cp_rank: int,
     cp: int,
-    document_ids: torch.Tensor | None,
+    masks: list,
     enable_gqa: bool,
 ) -> torch.Tensor:
     """Causal attention of cp rank `cp_rank`'s queries q (B, nh, T / cp, hd) to the keys and
     values of the whole sequence, k and v (B, nkv, T, hd) in position order; (B, nh, T / cp, hd).
 
-    Each of the rank's two query chunks, chunk c, attends to keys 0..(c+1)L-1 only (those after
-    it are masked anyway): the queries are the last L of those positions, so the causal mask is
-    aligned to the bottom-right corner (causal_lower_right), which lets SDPA use its causal
-    kernels (flash attention on GPU) instead of a dense mask. With document_ids (B, T), of the
-    whole sequence (masks.document_ids), the rule of masks.create_causal_mask +
-    create_document_mask as a boolean mask of just these rows: a (L, (c+1)L) block per chunk,
-    never the (T, T) mask.
+    Each of the rank's two query chunks, chunk c, attends to keys 0..(c+1)L-1 only, under its
+    mask from chunk_masks.
     """
     L = q.size(2) // 2
     outputs = []
-    for j, c in enumerate(zigzag_chunks(cp_rank, cp)):
+    for j, (c, mask) in enumerate(zip(zigzag_chunks(cp_rank, cp), masks, strict=True)):
         q_chunk = q[:, :, j * L : (j + 1) * L]  # (B, nh, L, hd): positions cL..(c+1)L-1
         keys = (c + 1) * L
-        if document_ids is None:
-            mask = causal_lower_right(L, keys)
-        else:
-            q_pos = torch.arange(c * L, keys, device=q.device)
-            k_pos = torch.arange(keys, device=q.device)
-            causal = q_pos[:, None] >= k_pos[None, :]  # (L, keys)
-            docs = document_ids[:, :keys]  # (B, keys)
-            same_document = docs[:, c * L :, None] == docs[:, None, :]  # (B, L, keys)
-            mask = (causal & same_document)[:, None]  # (B, 1, L, keys); True = attend
         y = F.scaled_dot_product_attention(
             q_chunk, k[:, :, :keys], v[:, :, :keys], attn_mask=mask, enable_gqa=enable_gqa
         )
@@ -175,6 +186,7 @@ class ContextParallel(nn.Module):
     def forward(self, input_ids, targets, document_ids=None):
         T = input_ids.size(1)
         positions = zigzag_positions(T, self.cp_rank, self.cp, input_ids.device)  # (T / cp,)
+        masks = chunk_masks(T, self.cp_rank, self.cp, document_ids, input_ids.device)
 
         # Called by every attention layer with this rank's queries, keys and values (B, heads,
         # T / cp, hd), rotated by their own positions. Autograd sees the gather: in backward,
@@ -183,9 +195,7 @@ class ContextParallel(nn.Module):
         def attend(q, k, v, enable_gqa):
             kv = GatherFromRanks.apply(torch.stack((k, v)), self.group)  # (cp, 2, B, nkv, T/cp, hd)
             k_all, v_all = in_sequence_order(kv)  # (B, nkv, T, hd) each
-            return attend_to_sequence(
-                q, k_all, v_all, self.cp_rank, self.cp, document_ids, enable_gqa
-            )
+            return attend_to_sequence(q, k_all, v_all, self.cp_rank, self.cp, masks, enable_gqa)
 
         return self.model(
             zigzag_slice(input_ids, self.cp_rank, self.cp),

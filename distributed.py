@@ -60,6 +60,21 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
     return rank, local_rank, world_size, device
 
 
+def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
+    """world_size / size: the other side of a grid of ranks one of whose sides is `flag`'s value
+    (e.g. "--tp", 2, "dp x tp"). ValueError in one line unless size is at least 1 and divides
+    the number of ranks."""
+    if size < 1:
+        raise ValueError(f"{flag} {size} must be at least 1")
+    if world_size % size:
+        raise ValueError(
+            f"{flag} {size} must divide the number of ranks ({world_size}): the ranks form a grid "
+            f"of {grid}; launch a multiple of {size} processes (torchrun --nproc_per_node) or "
+            f"choose a {flag} that divides {world_size}"
+        )
+    return world_size // size
+
+
 def from_rank0(fn, is_main: bool, *args):
     """Run fn(*args) on global rank 0 alone; every rank gets its result, or raises its error
     (a ValueError or TrainingError).

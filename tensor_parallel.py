@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import training
+from distributed import divide_ranks
 from model import LlamaConfig
 
 # Tensor parallelism. A linear layer computes Y = X A (nn.Linear stores A transposed, as weight
@@ -44,15 +45,7 @@ from model import LlamaConfig
 
 def data_parallel_size(world_size: int, tp: int) -> int:
     """dp = world_size / tp; ValueError unless --tp divides the number of ranks."""
-    if tp < 1:
-        raise ValueError(f"--tp {tp} must be at least 1")
-    if tp > world_size or world_size % tp:
-        raise ValueError(
-            f"--tp {tp} must divide the number of ranks ({world_size}): the ranks form a grid of "
-            f"dp x tp; launch a multiple of {tp} processes (torchrun --nproc_per_node) or "
-            f"choose a --tp that divides {world_size}"
-        )
-    return world_size // tp
+    return divide_ranks(world_size, "--tp", tp, "dp x tp")
 
 
 def check_tensor_parallel(config: LlamaConfig, tp: int) -> None:

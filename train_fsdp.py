@@ -57,7 +57,7 @@ import memory_plan
 import stopping
 import training
 from auto_batch import auto_micro_batch_size
-from distributed import from_rank0, setup_distributed
+from distributed import divide_ranks, from_rank0, setup_distributed
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX, LlamaForPretraining
 from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
@@ -98,13 +98,8 @@ def main():
             "train_fsdp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
         )
-    if args.replicate < 1:
-        raise ValueError(f"--replicate {args.replicate} must be at least 1 (1: plain FSDP)")
-    if world_size % args.replicate:
-        raise ValueError(
-            f"--replicate {args.replicate} must divide the number of ranks ({world_size}): the "
-            f"ranks form a grid of replicas x shards; launch a multiple of it or choose another"
-        )
+    # HSDP's grid: --replicate replicas of shard groups of `shards` ranks (or ValueError).
+    shards = divide_ranks(world_size, "--replicate", args.replicate, "replicas x shards")
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
@@ -148,7 +143,6 @@ def main():
     # group (consecutive ranks: one node, with torchrun's numbering), mesh["replicate"] the ranks
     # that hold the same shard in the other groups. A 2-D mesh makes fully_shard do HSDP; with
     # --replicate 1, the 1-D mesh of all ranks is plain FSDP (no all-reduce step at all).
-    shards = world_size // args.replicate
     mesh = init_device_mesh(
         device.type, (args.replicate, shards), mesh_dim_names=("replicate", "shard")
     )
