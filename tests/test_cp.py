@@ -41,6 +41,7 @@ from test_fsdp import (
 import cli
 from context_parallel import (
     attend_to_sequence,
+    chunk_masks,
     in_sequence_order,
     zigzag_positions,
     zigzag_slice,
@@ -107,7 +108,8 @@ def test_each_ranks_attention_is_its_rows_of_full_causal_attention(cp, document_
     )
     for r in range(cp):
         rows = zigzag_positions(T, r, cp)
-        y = attend_to_sequence(q[:, :, rows], k, v, r, cp, doc_ids, enable_gqa=True)
+        masks = chunk_masks(T, r, cp, doc_ids)
+        y = attend_to_sequence(q[:, :, rows], k, v, r, cp, masks, enable_gqa=True)
         torch.testing.assert_close(y, full[:, :, rows], atol=1e-12, rtol=0)
 
 
@@ -131,7 +133,7 @@ def test_the_model_on_the_ranks_slices_gives_the_logits_of_the_whole_sequence(cp
         k_all, v_all = in_sequence_order(kv)  # (B, nkv, T, hd)
         ranks = q.split(B)  # (B, nh, T/cp, hd) each
         ys = [
-            attend_to_sequence(q_r, k_all, v_all, r, cp, doc_ids, enable_gqa)
+            attend_to_sequence(q_r, k_all, v_all, r, cp, chunk_masks(T, r, cp, doc_ids), enable_gqa)
             for r, q_r in enumerate(ranks)
         ]
         return torch.cat(ys)

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model
 
 import masks
-from context_parallel import attend_to_sequence, zigzag_positions
+from context_parallel import attend_to_sequence, chunk_masks, zigzag_positions
 from model import LlamaForPretraining
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -100,7 +100,8 @@ def test_context_parallel_attention_is_each_ranks_rows_of_full_attention_on_cuda
     )
     rows = torch.cat([zigzag_positions(T, r, cp, "cuda") for r in range(cp)])
     mine = torch.cat(
-        [attend_to_sequence(q[:, :, zigzag_positions(T, r, cp, "cuda")], k, v, r, cp, None, True)
+        [attend_to_sequence(q[:, :, zigzag_positions(T, r, cp, "cuda")], k, v, r, cp,
+                            chunk_masks(T, r, cp, None), True)
          for r in range(cp)], dim=2,
     )  # fmt: skip
     tolerance = FP32_REL if dtype == torch.float32 else 3e-2  # bf16: 8 bits, sums reordered
