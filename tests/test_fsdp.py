@@ -65,6 +65,17 @@ def sharded_checkpoint_state(out_dir: Path, step: int, tmp_path: Path) -> dict:
     return flatten(torch.load(path, weights_only=True))
 
 
+def assert_same_sharded_checkpoint(out_dir: Path, reference: Path, step: int, tmp_path) -> None:
+    """Two runs' DCP checkpoints at `step` hold the same tensors and values, optimizer included,
+    bit for bit."""
+    got = sharded_checkpoint_state(out_dir, step, tmp_path)
+    want = sharded_checkpoint_state(reference, step, tmp_path)
+    assert got.keys() == want.keys() and any("optimizer" in key for key in want)
+    for key, value in want.items():
+        same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
+        assert same, f"{key} differs after resuming"
+
+
 def assert_same_logged_losses_after_step_4(resumed: Path, full: Path) -> None:
     """The resumed run (started from step 4 in an empty out-dir) logged steps 5-8 exactly."""
     got = [(r["step"], r["loss"]) for r in read_metrics(resumed)[0]]
@@ -178,12 +189,7 @@ def test_fsdp_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path, fla
     hsdp = "sharding: HSDP 2 x 1 (replicas x shard group)" in proc.stdout
     assert hsdp == (flags == HSDP), proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(full))
-    got = sharded_checkpoint_state(out, 8, tmp_path)
-    want = sharded_checkpoint_state(full, 8, tmp_path)
-    assert got.keys() == want.keys() and any("optimizer" in key for key in want)
-    for key, value in want.items():
-        same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
-        assert same, f"{key} differs after resuming"
+    assert_same_sharded_checkpoint(out, full, 8, tmp_path)
     assert_same_logged_losses_after_step_4(out, full)
 
 

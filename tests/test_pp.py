@@ -26,12 +26,14 @@ from harness import (
     assert_state_dicts_equal,
     assert_train_dp_starts_from,
     cmd,
-    flatten,
     load_weights,
-    read_metrics,
     run_script,
 )
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from test_fsdp import (
+    assert_same_logged_losses_after_step_4,
+    assert_same_sharded_checkpoint,
+    sharded_checkpoint_state,
+)
 
 import train_pp
 from checkpoints import load_model
@@ -81,13 +83,6 @@ def launched(tmp_path_factory, corpus, cache_dir):
 def pp_run(launched):
     """pp_run(layout) -> the out-dir of that LAYOUTS run (do not write into it)."""
     return lambda layout: launched(layout)[0]
-
-
-def checkpoint_tensors(out_dir: Path, step: int, tmp_path: Path) -> dict:
-    """A DCP checkpoint's model and optimizer entries, gathered into one flat dict."""
-    path = tmp_path / f"{out_dir.name}_{step}.pt"
-    dcp_to_torch_save(out_dir / "checkpoints" / f"step_{step:07d}", path)
-    return flatten(torch.load(path, weights_only=True))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -157,20 +152,15 @@ def test_resume_is_bit_identical(pp_run, corpus, cache_dir, tmp_path):
     proc = run_script(PP, cmd(corpus, cache_dir, out) + list(flags), world)
     assert "at step 4" in proc.stdout
     assert_state_dicts_equal(load_weights(out), load_weights(full))
-    got, want = checkpoint_tensors(out, 8, tmp_path), checkpoint_tensors(full, 8, tmp_path)
-    assert got.keys() == want.keys() and any("optimizer" in key for key in want)
-    for key, value in want.items():
-        same = torch.equal(got[key], value) if torch.is_tensor(value) else got[key] == value
-        assert same, f"{key} differs after resuming"
-    got = [(r["step"], r["loss"]) for r in read_metrics(out)[0]]
-    assert got == [(r["step"], r["loss"]) for r in read_metrics(full)[0] if r["step"] > 4]
+    assert_same_sharded_checkpoint(out, full, 8, tmp_path)
+    assert_same_logged_losses_after_step_4(out, full)
 
 
 def test_checkpoint_holds_the_whole_model_under_its_own_names(pp_run, tmp_path):
     # Each pipeline rank wrote only its own stages; together they are the whole model, with
     # AdamW's state of every parameter.
     out = pp_run("gpipe")
-    tensors = checkpoint_tensors(out, 8, tmp_path)
+    tensors = sharded_checkpoint_state(out, 8, tmp_path)
     names = set(load_weights(out))
     assert {k.removeprefix("/model/") for k in tensors if k.startswith("/model/")} == names
     for name in names:
