@@ -156,6 +156,15 @@ class StopRequest:
             self._wait = work.wait
         return 0
 
+    def finish(self) -> None:
+        """After the last step, before the process group goes: wait for the all-reduce that
+        agreed() left in flight. Its handle would otherwise outlive the process group, and a
+        collective's work freed only at interpreter exit can abort the process there (gloo:
+        "terminate called without an active exception")."""
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
+
 
 def ignore_stop_signals(worker_id: int) -> None:
     """A DataLoader worker ignores STOP_SIGNALS, which a terminal's Ctrl-C and Slurm (its

@@ -188,12 +188,14 @@ def main():
     # The grid of ranks: rank = replica * shards + shard. mesh["shard"] is this rank's shard
     # group (consecutive ranks: one node, with torchrun's numbering), mesh["replicate"] the ranks
     # that hold the same shard in the other groups. A 2-D mesh makes fully_shard do HSDP; with
-    # --replicate 1, the 1-D mesh of all ranks is plain FSDP (no all-reduce step at all).
-    mesh = init_device_mesh(
-        device.type, (args.replicate, shards), mesh_dim_names=("replicate", "shard")
-    )
+    # --replicate 1 there is none: plain FSDP over all ranks (no all-reduce step, no new groups).
+    mesh = None
+    if args.replicate > 1:
+        mesh = init_device_mesh(
+            device.type, (args.replicate, shards), mesh_dim_names=("replicate", "shard")
+        )
     shard_options = dict(
-        mesh=mesh if args.replicate > 1 else mesh["shard"],
+        mesh=mesh,
         reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy,
         **(offload if args.cpu_offload else {}),
     )  # fmt: skip
@@ -364,6 +366,7 @@ def main():
         plain = LlamaForPretraining(config)
         plain.load_state_dict(full_state)
         training.finish_run(args, plain, config, tokenizer, device)
+    stop_request.finish()  # no collective of it left in flight when the process group goes
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()
 

@@ -448,6 +448,7 @@ def main():
             safe_dcp.load(state, final_checkpoint, no_dist=True)
         plain.load_state_dict(state["model"])
         training.finish_run(args, plain, config, tokenizer, device)
+    stop_request.finish()  # no collective of it left in flight when the process group goes
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()
 

@@ -330,6 +330,7 @@ def main():
         plain = LlamaForPretraining(config)
         plain.load_state_dict(full_state)
         training.finish_run(args, plain, config, tokenizer, device)
+    stop_request.finish()  # no collective of it left in flight when the process group goes
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     dist.destroy_process_group()
 

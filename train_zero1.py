@@ -229,6 +229,7 @@ def main():
     if is_main:
         # model, not ddp_model: the plain weights, with no `module.` prefix on every name.
         training.finish_run(args, model, config, tokenizer, device)
+    stop_request.finish()  # no collective of it left in flight when the process group goes
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
     # Release DDP's reducer (it holds the process group from C++) while the group still exists:
     # were the group destroyed by it at exit, gloo's destructor would wait for its worker
