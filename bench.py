@@ -53,10 +53,11 @@ import checkpoints
 import cli
 import data
 import metrics
+import model_flags
 import stopping
 import training
 from distributed import setup_distributed  # the scripts' own setup: a group of one without torchrun
-from model import IGNORE_INDEX, LlamaConfig, count_parameters
+from model import IGNORE_INDEX, count_parameters
 from replica import Replica
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "fsdp")
@@ -74,7 +75,7 @@ AHEAD = 10  # the data loader should deliver at least this many times what the s
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         description="Time the training step of every parallel strategy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=cli.HelpFormatter,
     )
     g = p.add_argument_group("what to time")
     g.add_argument(
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model and step (the training scripts' flags)")
     g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
+    model_flags.add_shape_flags(g)
     g.add_argument("--seq-length", type=int, default=256, help="tokens per sequence")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per device per step")
     g.add_argument(
@@ -120,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--vocab-size",
         type=int,
-        default=4096,
-        help="vocabulary of a trained tokenizer; the model's is the tokenizer's, as in training",
+        default=None,
+        help="vocabulary of a trained tokenizer (default: the preset's); the model's is the "
+        "tokenizer's, as in training",
     )
     g.add_argument("--data-mode", choices=["pack", "pad"], default="pack", help="example layout")
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
@@ -131,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """ValueError (through parser.error) on a bad flag; returns the strategies, single first."""
-    for name in ("steps", "seq_length", "micro_batch_size", "vocab_size"):
+    for name in ("steps", "seq_length", "micro_batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.warmup < 0 or args.num_workers < 0:
@@ -142,9 +145,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
         what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no strategy given"
         parser.error(f"--strategies: {what}; choose from {', '.join(STRATEGIES)}")
     try:
-        config = LlamaConfig.from_preset(args.model)
+        config = model_flags.preset_config(args, args.model)  # shape flags, --vocab-size checked
     except ValueError as e:
-        parser.error(f"--model: {e}")
+        parser.error(str(e))
     if args.seq_length > config.max_position_embeddings:
         parser.error(
             f"--seq-length {args.seq_length} exceeds the {args.model} model's "
@@ -413,7 +416,7 @@ def main():
 
     # ---- every strategy -------------------------------------------------------------------------
     vocab_size = tokenizer.get_vocab_size()
-    config = LlamaConfig.from_preset(args.model, vocab_size=vocab_size)
+    config = model_flags.preset_config(args, args.model, vocab_size)
     flops_per_token = metrics.flops_per_token(config, args.seq_length)
     peak_flops = metrics.peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
     tokens_per_device = args.steps * args.micro_batch_size * args.seq_length
@@ -455,7 +458,7 @@ def main():
         "device": device_name(device),
         "world_size": world_size,
         "settings": dict(
-            model=args.model,
+            model=model_flags.model_name(args, args.model),
             parameters=count_parameters(config),
             vocab_size=vocab_size,
             seq_length=args.seq_length,

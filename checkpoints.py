@@ -199,13 +199,16 @@ def set_rng_state(state: dict) -> None:
 # must use the same, or it would not continue the run it resumes. Everything else (micro-batch
 # size, precision, intervals, workers, ...) may change between restarts, and so may --max-steps:
 # a larger one extends the run (even a finished one), its cosine then stretched to the new end
-# (resume_schedule); one below the checkpoint's step is refused.
+# (resume_schedule); one below the checkpoint's step is refused. The flags that make the model
+# (--model, the shape flags, --vocab-size) are not listed: check_resumable compares the config
+# they make, so flags that make the same model resume (a recorded --vocab-size 4096 and a tiny
+# run's default, which is 4096).
 RESUME_MUST_MATCH = (
     "data", "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size",
-    "seed", "lr", "min_lr_ratio", "warmup_steps",
+    "seed", "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token",
 )  # fmt: skip
 # Flags newer than some checkpoints, and the value those checkpoints were made with.
-ADDED_SINCE = {"txt_split": "auto"}
+ADDED_SINCE = {"txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None}
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -248,10 +251,17 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
             f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
             f"start a new run in another --out-dir"
         )
-    if ckpt["config"] != config.to_dict():
+    saved = {"rope_scaling": None, **ckpt["config"]}  # a field newer than some checkpoints
+    if saved != config.to_dict():
+        changed = [
+            f"{name} {saved.get(name)} (now {value})"
+            for name, value in config.to_dict().items()
+            if saved.get(name) != value
+        ]
         raise ValueError(
-            f"the checkpoint holds a model with config {ckpt['config']}, but this run builds "
-            f"{config.to_dict()}; use the same --model and tokenizer, or another --out-dir"
+            f"the checkpoint holds a model with config {', '.join(changed)}; resume with that "
+            f"run's --model, shape flags (--num-layers, ...) and --vocab-size or --tokenizer, or "
+            f"start a new run in another --out-dir"
         )
     if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
         raise ValueError(
@@ -300,7 +310,11 @@ def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> 
 
 
 def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
-    """model.pt (a plain state_dict), config.json and tokenizer.json: all generate.py needs."""
+    """model.pt (a plain state_dict), config.json and tokenizer.json: all generate.py needs; and
+    tokenizer_config.json, which names the tokenizer's special tokens as Hugging Face does, so
+    that whoever loads tokenizer.json again (data.load_tokenizer) finds the ones used here."""
     atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+    special = json.dumps(tokenizer.config(), indent=2)
+    atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)

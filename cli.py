@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+import model_flags
 import toml_flags
 from checkpoints import OUT_DIR_FILES, atomic_write_text, load_config
+from data import load_tokenizer
 from metrics import NonFiniteGuard
 from model import LlamaConfig, count_parameters
 from stopping import TrainingError
@@ -104,9 +106,17 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     g.add_argument(
         "--tokenizer",
         default=None,
-        help="an existing tokenizer.json; default: train a byte-level BPE and cache it",
+        help="an existing tokenizer.json (this suite's or any Hugging Face one); default: train "
+        "a byte-level BPE and cache it",
     )
-    g.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained tokenizer")
+    add_special_token_flags(g)
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary of a trained tokenizer (default: the --model preset's vocab_size: 4096 "
+        "for tiny, 32000 for the others)",
+    )
     g.add_argument(
         "--data-mode",
         choices=["pack", "pad"],
@@ -135,6 +145,13 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     )
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
     g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+    g.add_argument(
+        "--num-proc",
+        type=int,
+        default=None,
+        help="processes that tokenize the corpus (default: one, whose tokenizer already uses "
+        "every core); the tokens and the windows are the same for any value",
+    )
 
     g = p.add_argument_group("model and batch")
     g.add_argument(
@@ -143,6 +160,7 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
         help="preset: tiny, small, medium, 1b, 7b, 13b, 70b (default: tiny; with --init-from, "
         "its architecture)",
     )
+    model_flags.add_shape_flags(g)
     g.add_argument(
         "--init-from",
         default=None,
@@ -254,6 +272,22 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     return p
 
 
+def add_special_token_flags(group) -> None:
+    """--bot-token, --eot-token, --pad-token: the train scripts' and export_hf.py --from-hf's."""
+    for role, what, examples in (
+        ("bot", "begins each document", "<|begin_of_text|>, <s>, <|endoftext|>"),
+        ("eot", "ends each document", "<|end_of_text|>, </s>, <|endoftext|>"),
+        ("pad", "pads rows in --data-mode pad", "<pad>; else the end token"),
+    ):
+        group.add_argument(
+            f"--{role}-token",
+            default=None,
+            metavar="TOKEN",
+            help=f"for a tokenizer made elsewhere: the token that {what} (default: the one its "
+            f"tokenizer_config.json names, else the usual one: {examples})",
+        )
+
+
 def micro_batch_size_arg(value: str) -> int | str:
     """--micro-batch-size: a number, or 'auto'."""
     if value == "auto":
@@ -306,10 +340,12 @@ def plan_run(
         "save_interval",
         "vocab_size",
     ):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:  # None: the preset's
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.lr <= 0 or args.warmup_steps < 0 or args.num_workers < 0 or args.sample_tokens < 0:
         parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
+    if args.num_proc is not None and args.num_proc <= 0:
+        parser.error(f"--num-proc must be positive, got {args.num_proc}")
     if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
         print(
@@ -356,17 +392,29 @@ def plan_run(
     # preparation, not after.
     model, tokenizer = args.model or "tiny", args.tokenizer
     if args.init_from is not None:
-        if args.model is not None or args.tokenizer is not None:
+        shaping = ["model", "tokenizer", "vocab_size", *model_flags.SHAPE_FLAGS]
+        given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
+        if given:
             parser.error(
                 f"--init-from {args.init_from} brings its own architecture (config.json) and "
-                f"tokenizer (tokenizer.json): leave out --model and --tokenizer"
+                f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
             )
         # The weights only mean something with the tokenizer they were trained with.
         model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
     try:
         config = model_shape(args)
     except ValueError as e:
-        parser.error(f"--model: {e}" if args.init_from is None else str(e))
+        parser.error(str(e))
+    if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
+        try:
+            load_tokenizer(tokenizer, special_tokens(args))
+        except ValueError as e:
+            parser.error(str(e))
+    elif any(special_tokens(args).values()):
+        parser.error(
+            "--bot-token, --eot-token and --pad-token name tokens of --tokenizer's (or "
+            "--init-from's) tokenizer; the one a run trains has its own: [BOT], [EOT], [PAD]"
+        )
     if args.seq_length > config.max_position_embeddings:
         parser.error(
             f"--seq-length {args.seq_length} exceeds the {model or args.init_from} model's "
@@ -389,10 +437,11 @@ def plan_run(
 
 def model_shape(args) -> LlamaConfig:
     """The architecture this run will train, known before any data is read: --init-from's
-    config.json, or the --model preset (its vocab_size is the tokenizer's later, which changes
-    no check made with this). ValueError saying why if there is none."""
+    config.json, or the --model preset with the shape flags applied. Its vocab_size is the one a
+    tokenizer trained by the run gets (vocab_size below); the model's is that tokenizer's, or
+    --tokenizer's, which changes no check made with this. ValueError saying why if none."""
     if args.init_from is None:
-        return LlamaConfig.from_preset(args.model or "tiny")
+        return model_flags.preset_config(args, args.model or "tiny")
     missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
     if missing:
         raise ValueError(
@@ -400,6 +449,16 @@ def model_shape(args) -> LlamaConfig:
             f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
         )
     return load_config(args.init_from)
+
+
+def vocab_size(args) -> int:
+    """The vocabulary of a tokenizer this run trains: --vocab-size, or the preset's own."""
+    return model_shape(args).vocab_size
+
+
+def special_tokens(args) -> dict[str, str | None]:
+    """The special tokens the flags name (None: found in the tokenizer, see data.load_tokenizer)."""
+    return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -451,7 +510,7 @@ def describe_run(args, plan: RunPlan, config: LlamaConfig, device: torch.device)
     tokens_per_step = args.batch_size * args.seq_length
     return "\n".join(
         [
-            f"model: {plan.model or 'from ' + args.init_from}, "
+            f"model: {model_flags.model_name(args, plan.model)}, "
             f"{count_parameters(config) / 1e6:.2f}M parameters, "
             f"vocab {config.vocab_size}",
             f"device: {device} x {plan.devices}, precision {plan.precision}, compile {args.compile}"

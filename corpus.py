@@ -6,14 +6,15 @@ per document, and split into training and validation documents.
 
 The forms of --data: "stdlib" (every .py file of this Python's standard library), a file, a glob
 or a directory of .txt/.jsonl/.json/.parquet files (.txt split into documents by paragraph, line
-or file: --txt-split), or a Hugging Face hub dataset name. datasets' own cache under --cache-dir
-holds what was read. A corpus that cannot be read stops with one line naming the file and why.
-data.py takes it from here: tokenizer, tokens, training examples.
+or file: --txt-split), or a Hugging Face hub dataset, NAME or NAME:CONFIG. datasets' own cache
+under --cache-dir holds what was read. A corpus that cannot be read stops with one line naming the
+file and why. data.py takes it from here: tokenizer, tokens, training examples.
 """
 
 import json
 import os
 import sysconfig
+from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
 
@@ -40,55 +41,82 @@ def load_corpus(
     """Load documents as a Dataset with exactly one column, "text", in a deterministic order.
 
     spec is "stdlib" (every .py file of this Python's standard library), a file, a glob or a
-    directory of .txt, .jsonl/.json or .parquet files, or else a hub dataset name. text_column
-    names the text column of .jsonl/.json/.parquet/hub data. txt_split says how .txt files
-    become documents (see txt_split_mode); any value but "auto" is refused for other data.
+    directory of .txt, .jsonl/.json or .parquet files, or else a hub dataset NAME or NAME:CONFIG.
+    text_column names the text column of .jsonl/.json/.parquet/hub data. txt_split says how .txt
+    files become documents (see txt_split_mode); any value but "auto" is refused for other data.
     Empty and whitespace-only documents are dropped. Raises ValueError on unusable input.
     """
-    if txt_split not in TXT_SPLITS:
-        raise ValueError(f"--txt-split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
-    datasets_cache = os.path.join(cache_dir, "datasets")
-    mode = None  # how .txt files were split, for the one-document hint below
-    if spec == "stdlib":
-        _check_txt_split_unused(txt_split, spec, "the standard library's .py files")
-        ds = _load_files(_stdlib_files(), "text", datasets_cache, spec, sample_by="document")
-    elif os.path.exists(spec) or _is_glob(spec) or _looks_like_path(spec):
-        files, builder = _find_files(spec)
-        if builder == "text":
-            mode = txt_split_mode(spec, txt_split)
-            ds = _load_files(files, builder, datasets_cache, spec, sample_by=SAMPLE_BY[mode])
-        else:
-            kinds = "/".join(sorted({Path(f).suffix.lower() for f in files}))
-            _check_txt_split_unused(txt_split, spec, f"{kinds} files")
-            ds = _load_files(files, builder, datasets_cache, spec)
-            ds = _select_text_column(ds, text_column, spec)
-    else:
-        _check_txt_split_unused(txt_split, spec, "a hub dataset name")
-        # Not a local path: a dataset on the Hugging Face hub (needs the network the first time).
-        try:
-            ds = datasets.load_dataset(spec, split="train", cache_dir=datasets_cache)
-        except OSError as e:  # offline and not cached (ConnectionError), or no such dataset
-            raise ValueError(
-                f"--data {spec!r} is not a local path, and no hub dataset of that name could be "
-                f"reached or found ({_first_line(e)}); --data takes stdlib, a "
-                f"{'/'.join(BUILDERS)} file, glob or directory, or a hub dataset name"
-            ) from e
-        ds = _select_text_column(ds, text_column, spec)
-
+    source = resolve_source(spec, txt_split)
+    ds = open_source(source, spec, text_column, cache_dir)
     ds = ds.filter(_is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
     if len(ds) == 0:
         raise ValueError(f"corpus {spec!r} has no non-empty documents")
-    if mode is not None and len(ds) == 1:  # say why here: split_corpus needs 2 documents
+    if source.txt_mode is not None and len(ds) == 1:  # say why: split_corpus needs 2 documents
         why, fix = {
             "file": ("each .txt file is one", "pass --txt-split paragraph or line, or more files"),
             "paragraph": ("one paragraph", "separate documents by blank lines or --txt-split line"),
             "line": ("one non-empty line", "add documents"),
-        }[mode]
+        }[source.txt_mode]
         raise ValueError(
             f"--data {spec!r} is 1 document ({why}, with --txt-split {txt_split}), and training "
             f"needs at least 2 (validation takes whole documents): {fix}"
         )
     return ds
+
+
+@dataclass(frozen=True)
+class Source:
+    """What --data names, resolved into the arguments of datasets.load_dataset (resolve_source),
+    before anything is read (open_source)."""
+
+    path: str  # a datasets builder ("text", "json", "parquet"), or a hub dataset's name
+    config: str | None = None  # the hub dataset's config: --data NAME:CONFIG
+    data_files: list[str] | None = None  # local files, sorted; None for a hub dataset
+    options: dict = field(default_factory=dict)  # builder options: the text builder's sample_by
+    txt_mode: str | None = None  # how .txt files became documents (see txt_split_mode)
+
+
+def resolve_source(spec: str, txt_split: str = "auto") -> Source:
+    """What `spec` names, checked without reading any document; ValueError saying why not."""
+    if txt_split not in TXT_SPLITS:
+        raise ValueError(f"--txt-split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
+    if spec == "stdlib":
+        _check_txt_split_unused(txt_split, spec, "the standard library's .py files")
+        # A few stdlib files are deliberately not UTF-8 (encoding tests): their undecodable
+        # bytes become U+FFFD. A user's file that is not UTF-8 is refused instead (read_error).
+        options = {"sample_by": "document", "encoding_errors": "replace"}
+        return Source("text", data_files=_stdlib_files(), options=options)
+    if os.path.exists(spec) or _is_glob(spec) or _looks_like_path(spec):
+        files, builder = _find_files(spec)
+        if builder == "text":
+            # sample_by is part of the builder's config, hence of its cache directory, and so of
+            # the fingerprints of everything derived from it (filter, tokenize, pack): switching
+            # --txt-split never reuses tokens made with another split.
+            mode = txt_split_mode(spec, txt_split)
+            return Source(
+                "text", data_files=files, options={"sample_by": SAMPLE_BY[mode]}, txt_mode=mode
+            )
+        kinds = "/".join(sorted({Path(f).suffix.lower() for f in files}))
+        _check_txt_split_unused(txt_split, spec, f"{kinds} files")
+        return Source(builder, data_files=files)
+    _check_txt_split_unused(txt_split, spec, "a hub dataset name")
+    # Not a local path: a dataset on the Hugging Face hub, NAME or NAME:CONFIG (wikitext needs
+    # a config: wikitext:wikitext-103-raw-v1). Hub names and config names have no ":".
+    name, _, config = spec.partition(":")
+    return Source(name, config=config or None)
+
+
+def open_source(source: Source, spec: str, text_column: str, cache_dir: str) -> datasets.Dataset:
+    """datasets.load_dataset on a resolved --data: its "train" split with the text in one column,
+    "text". Raises ValueError in one line."""
+    kwargs = {"split": "train", "cache_dir": os.path.join(cache_dir, "datasets")}
+    if source.data_files is not None:
+        ds = _load_files(source, spec, **kwargs)
+        if source.path == "text":  # the text builder's one column is already "text"
+            return ds
+    else:
+        ds = _load_hub(source, spec, **kwargs)
+    return _select_text_column(ds, text_column, spec)
 
 
 def txt_split_mode(spec: str, txt_split: str = "auto") -> str:
@@ -167,32 +195,51 @@ def _find_files(spec: str) -> tuple[list[str], str]:
     return nonempty, builders.pop()
 
 
-def _load_files(
-    files: list[str], builder: str, cache_dir: str, spec: str, sample_by: str | None = None
-) -> datasets.Dataset:
-    # sample_by (text builder only) is part of the builder's config, hence of its cache
-    # directory, and so of the fingerprints of everything derived from it (filter, tokenize,
-    # pack): switching --txt-split never reuses tokens made with another split. Blank lines
-    # and whitespace-only paragraphs are dropped below with the other empty documents.
-    # A few stdlib files are deliberately not UTF-8 (encoding tests), so there undecodable
-    # bytes become U+FFFD; a user's file that is not UTF-8 (a binary file, or another encoding)
-    # is refused below, naming it, rather than trained on as garbage.
-    options = {"sample_by": sample_by} if builder == "text" else {}
-    if spec == "stdlib":
-        options["encoding_errors"] = "replace"
+def _load_files(source: Source, spec: str, **kwargs) -> datasets.Dataset:
+    # Blank lines and whitespace-only paragraphs are dropped later with the other empty
+    # documents. A user's file that is not UTF-8 (a binary file, or another encoding) is refused
+    # below, naming it, rather than trained on as garbage.
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
     try:
         return datasets.load_dataset(
-            builder, data_files=files, split="train", cache_dir=cache_dir, **options
+            source.path, data_files=source.data_files, **source.options, **kwargs
         )
     except Exception as e:  # datasets wraps a bad file in many exception types
-        # datasets says what failed deep inside pyarrow or json, but rarely in which file: find
-        # the file and line ourselves (this reads the files again, but only after a failure).
-        where = _find_unreadable(files, builder)
-        raise ValueError(f"--data {spec!r}: {where or 'cannot be read: ' + _first_line(e)}") from e
+        raise read_error(source, spec, e) from e
     finally:
         datasets.logging.set_verbosity(verbosity)
+
+
+def read_error(source: Source, spec: str, error: Exception) -> ValueError:
+    """The one-line error for a corpus that failed to read: for local files, which file and line.
+
+    datasets says what failed deep inside pyarrow or json, but rarely in which file: find the
+    file and line ourselves (this reads the files again, but only after a failure).
+    """
+    where = _find_unreadable(source.data_files, source.path) if source.data_files else None
+    return ValueError(f"--data {spec!r}: {where or 'cannot be read: ' + _first_line(error)}")
+
+
+def _load_hub(source: Source, spec: str, **kwargs) -> datasets.Dataset:
+    try:  # needs the network the first time
+        return datasets.load_dataset(source.path, source.config, **kwargs)
+    except OSError as e:  # offline and not cached (ConnectionError), or no such dataset
+        raise ValueError(
+            f"--data {spec!r} is not a local path, and no hub dataset of that name could be "
+            f"reached or found ({_first_line(e)}); --data takes stdlib, a "
+            f"{'/'.join(BUILDERS)} file, glob or directory, or a hub dataset NAME[:CONFIG]"
+        ) from e
+    except ValueError as e:  # datasets' own message is several lines, with a usage example
+        message = str(e)
+        if "Config name is missing" in message:
+            # "...\nPlease pick one among the available configs: ['a', 'b']\nExample of usage..."
+            configs = message.partition("available configs:")[2].strip().split("\n")[0]
+            raise ValueError(
+                f"--data {spec!r}: this hub dataset has several configs: name one as "
+                f"--data {source.path}:CONFIG, CONFIG one of {configs or 'those on its hub page'}"
+            ) from e
+        raise ValueError(f"--data {spec!r}: {_first_line(e)}") from e
 
 
 def _find_unreadable(files: list[str], builder: str) -> str | None:

@@ -7,9 +7,10 @@ The flow, the first two steps in corpus.py and the rest top to bottom of this fi
                                  files (.txt split into documents by paragraph, line or file),
                                  or a Hugging Face hub dataset.
     split_corpus(ds)             deterministic document-level train/validation split.
-    get_tokenizer(train)         byte-level BPE trained on the training split (or a given
-                                 tokenizer.json); [PAD], [BOT], [EOT] always have ids 0, 1, 2.
-    tokenize(ds, tokenizer)      one "input_ids" row per document: [BOT] ids... [EOT].
+    get_tokenizer(train)         byte-level BPE trained on the training split, with [PAD],
+                                 [BOT], [EOT] = ids 0, 1, 2; or any given tokenizer.json, its
+                                 begin/end-of-document and padding tokens found by convention.
+    tokenize(ds, tokenizer)      one "input_ids" row per document: BOT ids... EOT.
     PretrainingDataset(...)      a torch Dataset of (x, y) pairs of seq_length tokens, either
                                  packed windows over the token stream or one padded document each.
 
@@ -28,11 +29,13 @@ Measure how fast the DataLoader delivers tokens (no training code lives here):
 import argparse
 import hashlib
 import itertools
+import json
 import os
 import time
 
 import datasets
 import numpy as np
+import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -42,6 +45,20 @@ from model import IGNORE_INDEX  # the target value the loss skips: one definitio
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]  # trained first, so their ids are 0, 1, 2 in every tokenizer
 
+# How the three tokens the pipeline needs are found in a tokenizer.json made elsewhere, when
+# neither the flags (--bot-token, ...) nor a tokenizer_config.json beside it name them: the first
+# of these the vocabulary has. This suite's own names come first; then Llama 3, Llama 2/Mistral,
+# Gemma, and GPT-2/Qwen (one token, <|endoftext|>, both begins and ends documents). Without a
+# padding token, pad mode pads with the end token: padded targets are ignored by the loss, and
+# padding sits right of the text, where causal attention never lets a real token see it.
+CONVENTIONS = {
+    "bot": ("[BOT]", "<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|endoftext|>"),
+    "eot": ("[EOT]", "<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"),
+    "pad": ("[PAD]", "<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|padding|>"),
+}
+# Hugging Face's names for them, in tokenizer_config.json (which every run's out-dir holds too).
+HF_NAMES = {"bot": "bos_token", "eot": "eos_token", "pad": "pad_token"}
+
 # The tokenizer trains on at most this many characters of the training split. The whole stdlib
 # (~31M characters) trains in about 4 s on 2 CPU cores, so it fits entirely; the cap only bounds
 # time and memory for large hub corpora, where more text barely changes a BPE vocabulary.
@@ -49,6 +66,10 @@ TOKENIZER_MAX_CHARS = 50_000_000
 
 # Packing cuts windows inside each map() batch of this many documents (see PretrainingDataset).
 PACK_BATCH_DOCS = 1000
+# tokenize() encodes this many documents per map() batch: small enough that its progress bar
+# (which counts documents, but moves once per batch) moves, large enough for encode_batch to keep
+# every core busy. The tokens do not depend on it, nor on --num-proc.
+TOKENIZE_BATCH_DOCS = 64
 
 
 # -----------------------------------------------------------------------------
@@ -60,36 +81,38 @@ def get_tokenizer(
     vocab_size: int = 4096,
     cache_dir: str = ".cache",
     path: str | None = None,
-) -> Tokenizer:
+    specials: dict[str, str | None] | None = None,
+) -> "DocumentTokenizer":
     """Load the tokenizer at `path`, or train a byte-level BPE on train_texts (cached on disk).
 
-    The cache key hashes vocab_size and the exact training texts, so a changed corpus retrains
-    and a rerun on the same corpus loads <cache_dir>/tokenizers/<key>/tokenizer.json instead.
+    specials: {"bot": ..., "eot": ..., "pad": ...} tokens named by the flags for a loaded
+    tokenizer (see load_tokenizer; None or missing keys: found there). The cache key hashes
+    vocab_size and the exact training texts, so a changed corpus retrains and a rerun on the same
+    corpus loads <cache_dir>/tokenizers/<key>/tokenizer.json instead.
     """
     if path is not None:
-        tokenizer = load_tokenizer(path)
-    else:
-        if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(
-                f"vocab_size must be at least 259 (256 bytes + 3 specials), got {vocab_size}"
-            )
-        texts = _tokenizer_training_texts(train_texts)
-        cached = os.path.join(cache_dir, "tokenizers", _tokenizer_key(vocab_size, texts))
-        cached_file = os.path.join(cached, "tokenizer.json")
-        if os.path.exists(cached_file):
-            tokenizer = load_tokenizer(cached_file)
-        else:
-            tokenizer = _train_tokenizer(texts, vocab_size)
-            os.makedirs(cached, exist_ok=True)
-            # Write then rename: os.replace is atomic, so a killed process (or two nodes sharing
-            # the cache and training at once) never leaves a half-written tokenizer.json.
-            tmp = f"{cached_file}.{os.getpid()}.tmp"
-            tokenizer.save(tmp)
-            os.replace(tmp, cached_file)
-    # A literal "[BOT]" in a document is text, not a document boundary: tokenize it as text.
-    # (This flag is not saved in tokenizer.json, so it is set after every load.)
-    tokenizer.encode_special_tokens = True
-    return tokenizer
+        return load_tokenizer(path, specials)
+    if any((specials or {}).values()):
+        raise ValueError(
+            "--bot-token, --eot-token and --pad-token name tokens of a given --tokenizer; a "
+            "trained tokenizer has its own: [BOT], [EOT], [PAD]"
+        )
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size must be at least 259 (256 bytes + 3 specials), got {vocab_size}"
+        )
+    texts = _tokenizer_training_texts(train_texts)
+    cached = os.path.join(cache_dir, "tokenizers", _tokenizer_key(vocab_size, texts))
+    cached_file = os.path.join(cached, "tokenizer.json")
+    if not os.path.exists(cached_file):
+        tokenizer = _train_tokenizer(texts, vocab_size)
+        os.makedirs(cached, exist_ok=True)
+        # Write then rename: os.replace is atomic, so a killed process (or two nodes sharing
+        # the cache and training at once) never leaves a half-written tokenizer.json.
+        tmp = f"{cached_file}.{os.getpid()}.tmp"
+        tokenizer.save(tmp)
+        os.replace(tmp, cached_file)
+    return load_tokenizer(cached_file)
 
 
 def _tokenizer_training_texts(ds: datasets.Dataset) -> list[str]:
@@ -130,12 +153,57 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """Load a tokenizer.json of this suite; ValueError saying why if it is not one.
+class DocumentTokenizer:
+    """A tokenizers.Tokenizer and the three tokens the pipeline builds documents with: every
+    document is encoded as `bot_id ids... eot_id` (tokenize), pad mode pads with `pad_id`, the
+    document mask starts a document at each bot_id, and generation starts with bot_id and stops
+    at eot_id. `specials` names them: {"bot": "[BOT]", "eot": "[EOT]", "pad": "[PAD]"} for this
+    suite's tokenizers, whatever load_tokenizer found for another one.
 
-    Checks that [PAD], [BOT], [EOT] have ids 0, 1, 2, which the data pipeline and the model's
-    outputs rely on, and makes a literal "[BOT]" in a text tokenize as text, never as the
-    special id (this flag is not saved in tokenizer.json, so it is set after every load).
+    Text is always encoded without the tokenizer's post-processor (add_special_tokens=False):
+    a Llama tokenizer.json adds <|begin_of_text|> itself, and it would come twice. And a literal
+    special token in a text ("[BOT]", "<|endoftext|>") is tokenized as text, never as the
+    special id: only the pipeline marks where documents begin and end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, specials: dict[str, str]):
+        self.tokenizer = tokenizer
+        self.specials = dict(specials)
+        self.bot_id, self.eot_id, self.pad_id = (
+            tokenizer.token_to_id(specials[role]) for role in ("bot", "eot", "pad")
+        )
+        # Not saved in tokenizer.json, so set on every load (and again after pickling).
+        tokenizer.encode_special_tokens = True
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)  # without the special tokens: no [BOT], [EOT]
+
+    def get_vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def to_str(self) -> str:
+        """The tokenizer.json to write (the roles go to tokenizer_config.json: config())."""
+        return self.tokenizer.to_str()
+
+    def config(self) -> dict[str, str]:
+        """tokenizer_config.json's entries for the roles, as Hugging Face names them."""
+        return {HF_NAMES[role]: token for role, token in self.specials.items()}
+
+
+def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> DocumentTokenizer:
+    """A tokenizer.json (this suite's, or any Hugging Face one) and its special tokens; ValueError
+    saying why if it cannot be used, before any data is read.
+
+    Each of the three tokens is, in this order: the one `specials` names (the flags
+    --bot-token, --eot-token, --pad-token), the one a tokenizer_config.json beside the file names
+    (bos_token, eos_token, pad_token: Hugging Face's convention, and what every run's out-dir
+    holds), or the first of CONVENTIONS in the vocabulary. Padding falls back to the end token.
     """
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")
@@ -144,18 +212,49 @@ def load_tokenizer(path: str) -> Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception for unparsable files
         raise ValueError(
             f"could not read {path!r} as a tokenizers tokenizer.json ({e}); pass a file saved "
-            f"by Tokenizer.save() (every run writes one to its out-dir), or leave out "
-            f"--tokenizer to train one"
+            f"by Tokenizer.save() or save_pretrained() (every run writes one to its out-dir), "
+            f"or leave out --tokenizer to train one"
         ) from e
-    for expected_id, token in enumerate(SPECIAL_TOKENS):
-        if tokenizer.token_to_id(token) != expected_id:
+    beside = _tokenizer_config(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    found = {}
+    for role in ("bot", "eot", "pad"):
+        flag = f"--{role}-token"
+        named = (specials or {}).get(role)
+        if named is not None and tokenizer.token_to_id(named) is None:
+            raise ValueError(f"{flag} {named!r} is not a token of {path}")
+        if named is None and tokenizer.token_to_id(beside.get(HF_NAMES[role]) or "") is not None:
+            named = beside[HF_NAMES[role]]
+        if named is None:
+            known = (t for t in CONVENTIONS[role] if tokenizer.token_to_id(t) is not None)
+            named = next(known, None)
+        if named is None and role == "pad":
+            named = found["eot"]
+        if named is None:
+            what = "beginning" if role == "bot" else "end"
             raise ValueError(
-                f"tokenizer {path!r} maps {token} to id {tokenizer.token_to_id(token)}, but "
-                f"this suite needs {', '.join(f'{t}={i}' for i, t in enumerate(SPECIAL_TOKENS))}"
-                f"; leave out --tokenizer to train a compatible one"
+                f"{path} has none of the usual {what}-of-document tokens "
+                f"({', '.join(CONVENTIONS[role])}): name one with {flag}"
             )
-    tokenizer.encode_special_tokens = True
-    return tokenizer
+        found[role] = named
+    return DocumentTokenizer(tokenizer, found)
+
+
+def _tokenizer_config(path: str) -> dict[str, str]:
+    """The special tokens a Hugging Face tokenizer_config.json names ({} if there is none): each
+    a string, or an object whose "content" is the string; null where it names none."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    names = {}
+    for key in HF_NAMES.values():
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            names[key] = value
+    return names
 
 
 # -----------------------------------------------------------------------------
@@ -163,9 +262,9 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def tokenize(
-    ds: datasets.Dataset, tokenizer: Tokenizer, num_proc: int | None = None
+    ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int | None = None
 ) -> datasets.Dataset:
-    """Encode each document as [BOT] ids... [EOT]: a Dataset with one int32 "input_ids" column.
+    """Encode each document as BOT ids... EOT: a Dataset with one int32 "input_ids" column.
 
     datasets fingerprints the input, the function and the tokenizer, so calling this again with
     the same inputs loads the cached result instead of tokenizing again.
@@ -175,20 +274,33 @@ def tokenize(
         batched=True,
         input_columns="text",
         remove_columns=ds.column_names,
-        fn_kwargs={"tokenizer": tokenizer},
+        fn_kwargs={
+            "tokenizer": tokenizer.tokenizer,
+            "bot_id": tokenizer.bot_id,
+            "eot_id": tokenizer.eot_id,
+        },
         features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+        batch_size=TOKENIZE_BATCH_DOCS,
         num_proc=num_proc,
-        desc="tokenizing",
+        desc="tokenizing documents",
     )
 
 
-def _encode_batch(texts: list[str], tokenizer: Tokenizer) -> dict[str, list[list[int]]]:
+def _encode_batch(
+    texts: list[str], tokenizer: Tokenizer, bot_id: int, eot_id: int
+) -> dict[str, list[list[int]]]:
     # encode_special_tokens is lost when map() pickles the tokenizer to worker processes
-    # (num_proc > 1), so set it again where the encoding happens.
+    # (num_proc > 1), so set it again where the encoding happens. No post-processor: the
+    # document's bot_id and eot_id are added here, once.
     tokenizer.encode_special_tokens = True
-    bot_id, eot_id = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
-    encodings = tokenizer.encode_batch(texts)  # parallel across CPU cores inside tokenizers
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)  # parallel in Rust
     return {"input_ids": [[bot_id, *encoding.ids, eot_id] for encoding in encodings]}
+
+
+def count_tokens(ds: datasets.Dataset) -> int:
+    """The number of tokens in the output of tokenize(), summed in Arrow (no Python loop)."""
+    table = ds.with_format("arrow")[:]  # the rows of ds, even if it is a select() of others
+    return pyarrow.compute.sum(pyarrow.compute.list_value_length(table["input_ids"])).as_py() or 0
 
 
 # -----------------------------------------------------------------------------
@@ -204,8 +316,10 @@ class PretrainingDataset(torch.utils.data.Dataset):
     window spans several documents, whose boundaries are the [BOT] tokens in x. The cutting
     happens once, in a cached map() over batches of PACK_BATCH_DOCS documents, each cut on its
     own: the tail of a batch that does not fill a window (fewer than seq_length tokens) is
-    dropped, and a batch's first token is never a target. map() with num_proc > 1 splits the
-    data into different batches, so use the same num_proc on every rank. pad_id is not used.
+    dropped, and a batch's first token is never a target. map() with num_proc > 1 would split
+    the data into other batches, hence other windows: training.build_datasets packs in one
+    process whatever --num-proc says (cutting windows is cheap next to tokenizing), so the
+    windows never depend on it. pad_id is not used.
 
     mode="pad" (the classic recipe): one document per example, clipped or right-padded with
     pad_id to seq_length + 1 tokens. Targets at padded positions are IGNORE_INDEX, so the loss
@@ -268,13 +382,19 @@ class PretrainingDataset(torch.utils.data.Dataset):
             tokens = torch.from_numpy(self.rows[i]["window"]).long()  # (seq_length + 1,)
             return tokens[:-1], tokens[1:]
 
-        ids = self.rows[i]["input_ids"][: self.seq_length + 1]  # clip long documents
-        tokens = torch.full((self.seq_length + 1,), self.pad_id, dtype=torch.long)
-        tokens[: len(ids)] = torch.from_numpy(ids)
-        x, y = tokens[:-1], tokens[1:].clone()
-        # y[j] is tokens[j + 1], which is padding from j = len(ids) - 1 on.
-        y[len(ids) - 1 :] = IGNORE_INDEX
-        return x, y
+        return pad_example(self.rows[i]["input_ids"], self.seq_length, self.pad_id)
+
+
+def pad_example(ids: np.ndarray, seq_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad mode's (x, y) of one document: clipped or right-padded with
+    pad_id to seq_length + 1 tokens; targets at padded positions are IGNORE_INDEX."""
+    ids = ids[: seq_length + 1]  # clip long documents
+    tokens = torch.full((seq_length + 1,), pad_id, dtype=torch.long)
+    tokens[: len(ids)] = torch.as_tensor(ids)
+    x, y = tokens[:-1], tokens[1:].clone()
+    # y[j] is tokens[j + 1], which is padding from j = len(ids) - 1 on.
+    y[len(ids) - 1 :] = IGNORE_INDEX
+    return x, y
 
 
 def _cut_windows(input_ids: list[np.ndarray], seq_length: int) -> dict[str, np.ndarray]:

@@ -1,106 +1,42 @@
 """Convert between a training run's --out-dir and a Hugging Face Llama directory.
 
     python export_hf.py out hf_model                  # out/ -> hf_model/, for transformers
-    python export_hf.py --from-hf hf_model out2       # a (single-file) HF Llama -> out2/
+    python export_hf.py --from-hf hf_model out2       # a HF Llama (also sharded) -> out2/
+    python train_ddp.py --init-from out2 ...          # and continue pretraining it
 
 The exported directory loads with nothing but `transformers` installed:
 
     from transformers import AutoTokenizer, LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained("hf_model")
-    tokenizer = AutoTokenizer.from_pretrained("hf_model")   # adds [BOT] in front, as in training
+    tokenizer = AutoTokenizer.from_pretrained("hf_model")   # adds BOT in front, as in training
 
 Our model already is Hugging Face's Llama: `LlamaConfig` uses its field names and RoPE its
 `rotate_half` layout, so converting is renaming tensors (`layers.0.attention.wq` ->
-`model.layers.0.self_attn.q_proj`), nothing more. This script writes every file itself,
-safetensors included (the format is a JSON header and raw bytes, ~30 lines below), so the suite
-needs neither `transformers` nor `safetensors` installed.
+`model.layers.0.self_attn.q_proj`), nothing more. The weights are read and written with the
+`safetensors` library.
 
---from-hf reads config.json, model.safetensors and tokenizer.json of a Llama directory and
-writes model.pt, config.json and tokenizer.json, which generate.py reads. The tokenizer must be
-one of this suite's ([PAD], [BOT], [EOT] = ids 0, 1, 2), because the data pipeline relies on them.
+--from-hf reads config.json, model.safetensors (or the shards model.safetensors.index.json lists)
+and tokenizer.json of a Llama directory (Llama 2, 3.x, TinyLlama, SmolLM, ...: what
+save_pretrained writes) and writes model.pt, config.json, tokenizer.json and tokenizer_config.json,
+which generate.py and --init-from read. The tokenizer is kept as it is; its beginning/end-of-
+document tokens are the ones the directory's tokenizer_config.json names (bos_token, eos_token),
+or found by convention, or given with --bot-token/--eot-token (data.load_tokenizer).
 """
 
 import argparse
 import json
 import os
-import struct
-import sys
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import checkpoints
+import cli
 import stopping
 from checkpoints import load_model
-from data import BOT, EOT, PAD, load_tokenizer
+from data import load_tokenizer
 from model import LlamaConfig, LlamaForPretraining
-
-# -------------------------------------------------------------------------------------------------
-# safetensors: an 8-byte little-endian header length N, N bytes of JSON header
-# {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, then every
-# tensor's raw little-endian bytes, back to back (offsets count from the end of the header).
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-}
-DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-
-
-def save_safetensors(
-    tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None
-) -> None:
-    assert sys.byteorder == "little", "tensor bytes are written as they lie in memory"
-    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # the tensors start 8-byte aligned
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for t in tensors.values():
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # (numel * itemsize,)
-    os.replace(tmp, path)  # atomic, as every file this suite writes
-
-
-def load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    with open(path, "rb") as f:
-        blob = f.read()
-    (n,) = struct.unpack("<Q", blob[:8].ljust(8, b"\0"))
-    try:
-        header = json.loads(blob[8 : 8 + n]) if 8 + n <= len(blob) else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} is not a safetensors file")
-    header.pop("__metadata__", None)
-    if unknown := {info["dtype"] for info in header.values()} - set(DTYPES_BY_NAME):
-        raise ValueError(f"{path} holds tensors of dtype {unknown}; this reader knows no such")
-    data = memoryview(blob)[8 + n :]
-    tensors = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        dtype = DTYPES_BY_NAME[info["dtype"]]
-        # bytearray: a writable copy, so the tensor owns its memory.
-        flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtype) if end > begin else (
-            torch.empty(0, dtype=dtype))  # fmt: skip
-        tensors[name] = flat.reshape(info["shape"])
-    return tensors
-
 
 # -------------------------------------------------------------------------------------------------
 # Names and config
@@ -156,11 +92,10 @@ def hf_config(config: LlamaConfig, tokenizer) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "rope_scaling": None,
         "initializer_range": 0.02,
-        "bos_token_id": tokenizer.token_to_id(BOT),
-        "eos_token_id": tokenizer.token_to_id(EOT),
-        "pad_token_id": tokenizer.token_to_id(PAD),
+        "bos_token_id": tokenizer.bot_id,
+        "eos_token_id": tokenizer.eot_id,
+        "pad_token_id": tokenizer.pad_id,
         "torch_dtype": "float32",
         "use_cache": True,
     }
@@ -170,13 +105,14 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     """Our LlamaConfig from a HF config.json; ValueError for what our model cannot represent."""
     if hf.get("model_type") != "llama":
         raise ValueError(f"model_type is {hf.get('model_type')!r}; only 'llama' converts")
-    # transformers 5 writes rope_theta inside rope_parameters; 4.x writes it at the top level.
-    rope = hf.get("rope_parameters") or {}
+    # transformers 5 writes RoPE's settings (rope_theta, and the scaling) in rope_parameters;
+    # 4.x writes rope_theta at the top level and the scaling in rope_scaling.
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     head_dim = hf.get("hidden_size", 4096) // hf.get("num_attention_heads", 32)  # HF defaults
     unsupported = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "rope_scaling": hf.get("rope_scaling") is not None,
-        "rope_type": rope.get("rope_type", "default") != "default",
+        "rope_type": rope_type not in ("default", "llama3"),
         "attention_bias": bool(hf.get("attention_bias")),
         "mlp_bias": bool(hf.get("mlp_bias")),
         "head_dim": hf.get("head_dim") not in (None, head_dim),
@@ -193,6 +129,12 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     config.update({name: hf[name] for name in LlamaConfig().to_dict() if name in hf})
     if "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
+    config["rope_scaling"] = None
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if missing := [k for k in keys if k not in rope]:
+            raise ValueError(f"this Llama's llama3 rope scaling lacks {', '.join(missing)}")
+        config["rope_scaling"] = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
     return LlamaConfig(**config)
 
 
@@ -213,20 +155,24 @@ def export(out_dir: str, hf_dir: str) -> None:
     if config.tie_word_embeddings:
         # One matrix, two names; HF stores it once, as embed_tokens, and ties it on load.
         del state_dict["lm_head.weight"]
-    tensors = {to_hf_name(name): t for name, t in state_dict.items()}
-    save_safetensors(tensors, os.path.join(hf_dir, "model.safetensors"), {"format": "pt"})
+    tensors = {to_hf_name(name): t.contiguous() for name, t in state_dict.items()}
+    path = os.path.join(hf_dir, "model.safetensors")
+    save_file(tensors, f"{path}.tmp{os.getpid()}", metadata={"format": "pt"})
+    os.replace(f"{path}.tmp{os.getpid()}", path)  # atomic, as every file this suite writes
     write_json(os.path.join(hf_dir, "config.json"), hf_config(config, tokenizer))
 
-    # Every training document starts with [BOT]: a post-processor makes HF's tokenizer add it,
-    # as Llama's tokenizers add <s>, so `tokenizer(text)` gives the ids the model was trained on.
+    # Every training document starts with BOT: a post-processor makes HF's tokenizer add it, as
+    # Llama's tokenizers add <s>, so `tokenizer(text)` gives the ids the model was trained on.
+    from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
-    bot_id = tokenizer.token_to_id(BOT)
-    tokenizer.post_processor = TemplateProcessing(
-        single=f"{BOT} $A", pair=f"{BOT} $A {BOT} $B", special_tokens=[(BOT, bot_id)]
+    hf_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+    bot = tokenizer.specials["bot"]
+    hf_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bot} $A", pair=f"{bot} $A {bot} $B", special_tokens=[(bot, tokenizer.bot_id)]
     )
-    checkpoints.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), tokenizer.to_str())
-    special = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}  # byte-level: no unk
+    checkpoints.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), hf_tokenizer.to_str())
+    special = tokenizer.config()  # bos_token, eos_token, pad_token
     write_json(os.path.join(hf_dir, "special_tokens_map.json"), special)
     write_json(
         os.path.join(hf_dir, "tokenizer_config.json"),
@@ -242,39 +188,63 @@ def export(out_dir: str, hf_dir: str) -> None:
     )
 
 
-def import_hf(hf_dir: str, out_dir: str) -> None:
-    """A single-file Hugging Face Llama directory -> model.pt, config.json, tokenizer.json."""
+def import_hf(hf_dir: str, out_dir: str, specials: dict[str, str | None] | None = None) -> None:
+    """A Hugging Face Llama directory -> model.pt, config.json, tokenizer.json (kept as it is)
+    and tokenizer_config.json (its special tokens: see data.load_tokenizer)."""
     if not os.path.isdir(hf_dir):
         raise ValueError(f"{hf_dir} is not a directory")
-    if os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json")):
-        raise ValueError(
-            f"{hf_dir} holds a sharded checkpoint (model.safetensors.index.json); only a single "
-            f"model.safetensors converts: re-save it with save_pretrained(path, "
-            f"max_shard_size='1000GB')"
-        )
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("config.json", "tokenizer.json"):
         if not os.path.isfile(os.path.join(hf_dir, name)):
             raise ValueError(f"{hf_dir} has no {name}")
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = config_from_hf(json.load(f))
-
-    tokenizer = load_tokenizer(os.path.join(hf_dir, "tokenizer.json"))  # checks the special ids
-    tokenizer.post_processor = None  # data.py adds [BOT] and [EOT] itself
-
-    state_dict = {}
-    for name, t in load_safetensors(os.path.join(hf_dir, "model.safetensors")).items():
-        if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's table
-            continue
-        state_dict[from_hf_name(name)] = t.float()  # train and keep master weights in fp32
-    if config.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
-        state_dict["lm_head.weight"] = state_dict["tok_embeddings.weight"]
+    tokenizer = load_tokenizer(os.path.join(hf_dir, "tokenizer.json"), specials)
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise ValueError(
+            f"{hf_dir}'s tokenizer has {tokenizer.get_vocab_size()} tokens, its model only "
+            f"{config.vocab_size}"
+        )
     model = LlamaForPretraining(config)
-    try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as e:
-        raise ValueError(f"{hf_dir}'s tensors do not fit its config.json ({e})") from e
+    load_hf_weights(model, hf_dir)
     os.makedirs(out_dir, exist_ok=True)
     checkpoints.save_final(out_dir, model, config, tokenizer)
+
+
+def load_hf_weights(model: LlamaForPretraining, hf_dir: str) -> None:
+    """Copy the tensors of hf_dir's safetensors file(s) into the model, one at a time (in fp32:
+    training keeps master weights in fp32), so that memory holds the model and one tensor more,
+    never a second copy of the whole model. ValueError naming what does not fit."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):  # sharded: the index maps each tensor to its file
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{hf_dir} has no model.safetensors (nor model.safetensors.index.json)")
+    params = model.state_dict(keep_vars=True)
+    loaded = set()
+    for file in files:
+        try:
+            with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
+                for hf_name in f.keys():
+                    if hf_name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's
+                        continue
+                    name, tensor = from_hf_name(hf_name), f.get_tensor(hf_name)
+                    if tensor.shape != params[name].shape:
+                        raise ValueError(
+                            f"{hf_dir}: {hf_name} has shape {tuple(tensor.shape)}, but its "
+                            f"config.json makes it {tuple(params[name].shape)}"
+                        )
+                    with torch.no_grad():
+                        params[name].copy_(tensor)
+                    loaded.add(name)
+        except OSError as e:  # a shard missing or unreadable (SafetensorError is an OSError)
+            raise ValueError(f"{hf_dir}: cannot read {file} ({e})") from e
+    if model.config.tie_word_embeddings and "tok_embeddings.weight" in loaded:
+        loaded.add("lm_head.weight")  # the same matrix as the embedding
+    if missing := sorted(set(params) - loaded):
+        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors of its config, e.g. {missing[0]}")
 
 
 def main() -> None:
@@ -287,14 +257,17 @@ def main() -> None:
     p.add_argument(
         "--from-hf",
         action="store_true",
-        help="convert a HF Llama directory (config.json, model.safetensors, tokenizer.json) "
-        "into model.pt, config.json, tokenizer.json",
+        help="convert a HF Llama directory (config.json, model.safetensors or its shards, "
+        "tokenizer.json) into model.pt, config.json, tokenizer.json, tokenizer_config.json",
     )
+    cli.add_special_token_flags(p)
     args = p.parse_args()
     if args.from_hf:
-        import_hf(args.src, args.dst)
+        import_hf(args.src, args.dst, cli.special_tokens(args))
         print(f"wrote model.pt, config.json and tokenizer.json to {args.dst}")
     else:
+        if any(cli.special_tokens(args).values()):
+            p.error("--bot-token, --eot-token and --pad-token go with --from-hf")
         export(args.src, args.dst)
         print(f"wrote a Hugging Face Llama to {args.dst} (LlamaForCausalLM.from_pretrained)")
 

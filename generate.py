@@ -6,9 +6,10 @@
 
 Reads the three files every training script writes at the end of a run (`model.pt`,
 `config.json`, `tokenizer.json`) and prints the prompt followed by its continuation. The prompt
-is prefixed with [BOT], as every training document is, and decoding stops at [EOT], the token the
-model learnt to put at the end of a document. On a GPU the weights are loaded in bf16 (half the
-memory) where the GPU supports it; on CPU they stay fp32.
+is prefixed with the beginning-of-document token ([BOT], or the one a Hugging Face tokenizer
+uses), as every training document is, and decoding stops at the end-of-document token ([EOT]),
+which the model learnt to put at the end of a document. On a GPU the weights are loaded in bf16
+(half the memory) where the GPU supports it; on CPU they stay fp32.
 
 The training scripts' end-of-run sample calls `generate_text` below, so what they print is
 exactly what this script prints for the same prompt and seed.
@@ -17,17 +18,16 @@ exactly what this script prints for the same prompt and seed.
 import argparse
 
 import torch
-from tokenizers import Tokenizer
 
 import stopping
 from checkpoints import load_model
-from data import BOT, EOT
+from data import DocumentTokenizer
 from model import LlamaForPretraining
 
 
 def generate_text(
     model: LlamaForPretraining,
-    tokenizer: Tokenizer,
+    tokenizer: DocumentTokenizer,
     prompt: str,
     max_new_tokens: int,
     temperature: float = 0.8,
@@ -36,7 +36,8 @@ def generate_text(
     seed: int | None = None,
     use_cache: bool = True,
 ) -> str:
-    """`prompt` followed by up to max_new_tokens generated tokens, stopping at [EOT].
+    """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
+    document (the tokenizer's eot_id).
 
     temperature 0 is greedy (deterministic). `seed` makes sampling reproducible (None: a fresh
     random draw). The continuation is cut where the model's context (max_position_embeddings)
@@ -44,7 +45,7 @@ def generate_text(
     """
     model.eval()
     device = model.tok_embeddings.weight.device
-    ids = [tokenizer.token_to_id(BOT)] + tokenizer.encode(prompt).ids
+    ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]
     room = model.config.max_position_embeddings - len(ids)
     if room <= 0:
         raise ValueError(
@@ -60,11 +61,11 @@ def generate_text(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        eos_id=tokenizer.token_to_id(EOT),
+        eos_id=tokenizer.eot_id,
         generator=generator,
         use_cache=use_cache,
     )  # (1, T + generated)
-    return tokenizer.decode(out[0].tolist())  # skips the special tokens: [BOT], [EOT]
+    return tokenizer.decode(out[0].tolist())  # skips the special tokens: BOT, EOT
 
 
 def main() -> None:

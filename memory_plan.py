@@ -6,6 +6,7 @@ HSDP, and tensor (+ sequence), pipeline and context parallelism?
     python memory_plan.py --model 7b --world-size 16 --cp 4 --seq-length 131072       # long context
     python memory_plan.py --model 7b --world-size 32 --replicate 4   # HSDP: 4 nodes of 8
     python memory_plan.py --model 70b --world-size 64 --gpu-memory 80 --micro-batch-size 1
+    python memory_plan.py --model 1b --num-layers 24 --world-size 8  # a preset, reshaped
     python memory_plan.py --params 7.5e9 --world-size 64 --precision paper   # the ZeRO paper
     python memory_plan.py --model 7b --json                          # machine-readable
     torchrun ... train_fsdp.py --plan ...                            # the plan of the run itself
@@ -18,6 +19,8 @@ a training run (plan_for_run, the train scripts' --plan), and is the command lin
 import argparse
 import json
 
+import cli
+import model_flags
 from memory_formulas import (
     BYTES_PER_PARAM,
     GB,
@@ -272,16 +275,18 @@ def main() -> None:
         "optimizer states, activations), with tensor (+ sequence), pipeline and context "
         "parallelism, the traffic, and which strategies fit. The formulas and their assumptions "
         "are in memory_formulas.py's docstring.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=cli.HelpFormatter,
         allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default: 7b)")
+    model_flags.add_shape_flags(p)  # the train scripts' own: plan the shape a run would train
     p.add_argument(
         "--params",
         type=float,
         default=None,
         help="a bare parameter count (e.g. 7.5e9) instead of a preset: model states only, since "
-        "activations need the model's shape (with --model too, its shape is used for them)",
+        "activations need the model's shape (with --model or a shape flag too, that shape is used "
+        "for them)",
     )
     p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
     p.add_argument("--world-size", type=int, default=8, help="GPUs in all: N = dp x cp x tp x pp")
@@ -349,10 +354,10 @@ def main() -> None:
         p.error(f"--params must be positive, got {args.params:g}")
 
     config = None
-    if args.model or args.params is None:
-        overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    shaped = any(getattr(args, name) is not None for name in model_flags.SHAPE_FLAGS)
+    if args.model or shaped or args.params is None:
         try:
-            config = LlamaConfig.from_preset(args.model or "7b", **overrides)
+            config = model_flags.preset_config(args, args.model or "7b")  # and --vocab-size
         except ValueError as e:
             p.error(str(e))
     num_params = int(args.params) if args.params is not None else count_parameters(config)

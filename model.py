@@ -45,6 +45,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False  # share the embedding matrix with lm_head
+    # Llama 3.1+'s long-context RoPE, as Hugging Face's config.json writes it: {"rope_type":
+    # "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}. None: plain RoPE.
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -136,10 +140,25 @@ def rope_cos_sin(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.
     """
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = llama3_rope_frequencies(inv_freq, config.rope_scaling)
     positions = torch.arange(config.max_position_embeddings, device=device).float()
     angles = torch.outer(positions, inv_freq)  # (T, dim/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, dim): both halves of a pair turn together
     return angles.cos(), angles.sin()
+
+
+def llama3_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE for long contexts: frequencies whose wavelength is longer than the
+    original context / low_freq_factor are slowed down by `factor`; those shorter than original
+    context / high_freq_factor stay; those between are blended linearly in 1/wavelength."""
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ValueError(f"rope_scaling {scaling}: only rope_type 'llama3' is implemented")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0: slow, 1: unchanged
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

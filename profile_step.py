@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import cli
 import metrics
+import model_flags
 import training
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
 from replica import Replica
@@ -213,11 +214,12 @@ def main() -> None:
     default = defaults.get_default
     p = argparse.ArgumentParser(
         description="Profile train_dp.py's training step and time it against a lean reference.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=cli.HelpFormatter,
         allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--model", default="tiny", help="preset, as in train_dp.py")
-    p.add_argument("--vocab-size", type=int, default=default("vocab_size"), help="vocabulary")
+    model_flags.add_shape_flags(p)
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: preset's)")
     p.add_argument("--seq-length", type=int, default=default("seq_length"), help="tokens/row")
     p.add_argument("--batch-size", type=int, default=default("batch_size"), help="rows per step")
     p.add_argument(
@@ -246,7 +248,7 @@ def main() -> None:
     names = ("lr", "weight_decay", "grad_clip", "warmup_steps", "max_steps", "min_lr_ratio")
     args = argparse.Namespace(**vars(args), **{name: default(name) for name in names})
     try:
-        config = LlamaConfig.from_preset(args.model, vocab_size=args.vocab_size)
+        config = model_flags.preset_config(args, args.model)  # shape flags, --vocab-size
     except ValueError as e:
         p.error(str(e))
     if args.seq_length > config.max_position_embeddings:

@@ -73,7 +73,6 @@ from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
 import cli
-import data
 import memory_plan
 import stopping
 import training
@@ -148,7 +147,7 @@ def main():
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    bot_id = tokenizer.token_to_id(data.BOT)
+    bot_id = tokenizer.bot_id
 
     def doc_ids(x: torch.Tensor) -> torch.Tensor | None:
         # --document-mask: the document of each token of the whole sequences x (B, T), from

@@ -10,14 +10,17 @@ concept each one adds.
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
 
+import cli
 import corpus
 import data
+import model_flags
 from checkpoints import load_model, save_final
 from distributed import main_process_first
 from generate import generate_text
@@ -43,15 +46,51 @@ def build_datasets(
     with main_process_first():
         docs = corpus.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
         train_docs, val_docs = corpus.split_corpus(docs, args.val_fraction, seed=0)
-        tokenizer = data.get_tokenizer(train_docs, args.vocab_size, args.cache_dir, tokenizer_path)
-        pad_id = tokenizer.token_to_id(data.PAD)
-        train, val = (
-            data.PretrainingDataset(
-                data.tokenize(docs, tokenizer), args.seq_length, args.data_mode, pad_id
-            )
-            for docs in (train_docs, val_docs)
+        tokenizer = data.get_tokenizer(
+            train_docs,
+            cli.vocab_size(args),
+            args.cache_dir,
+            tokenizer_path,
+            cli.special_tokens(args),
         )
+        pad_id = tokenizer.pad_id
+        # --num-proc tokenizes in parallel; packing stays in one process, so that the windows
+        # never depend on it (see data.PretrainingDataset).
+        num_proc = getattr(args, "num_proc", None)
+        train_ids, val_ids = (data.tokenize(d, tokenizer, num_proc) for d in (train_docs, val_docs))
+        train, val = (
+            data.PretrainingDataset(ids, args.seq_length, args.data_mode, pad_id)
+            for ids in (train_ids, val_ids)
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        train_size = (len(train_docs), data.count_tokens(train_ids), len(train))
+        val_size = (len(val_docs), data.count_tokens(val_ids), len(val))
+        print(describe_data(args, train_size, val_size))
     return train, val, tokenizer
+
+
+def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) -> str:
+    """The start-up summary of the data: train and val as (documents, tokens, sequences), and
+    the share of an epoch that --max-steps covers (an epoch: the whole batches of the split)."""
+
+    def size(n: int) -> str:
+        return f"{n:,}" if n < 1e6 else f"{n / 1e6:,.1f}M" if n < 1e9 else f"{n / 1e9:,.2f}B"
+
+    docs, tokens, sequences = train
+    sequences_per_run = args.max_steps * args.batch_size
+    epoch_steps = sequences // args.batch_size
+    epochs = (
+        f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps"
+        if epoch_steps
+        else "more than the split has (fewer sequences than one batch)"
+    )
+    return (
+        f"data: {docs:,} train documents = {size(tokens)} tokens -> {sequences:,} sequences of "
+        f"{args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
+        f"{size(val[1])} tokens -> {val[2]:,} sequences\n"
+        f"this run: {args.max_steps:,} steps x {args.batch_size} sequences = "
+        f"{sequences_per_run:,} sequences = {epochs}"
+    )
 
 
 def steps_per_epoch(train_ds, args) -> int:
@@ -108,14 +147,14 @@ def step_batches(
 def build_model(
     args, preset: str | None, vocab_size: int
 ) -> tuple[LlamaForPretraining, LlamaConfig]:
-    """The model to train: the plan's preset with fresh weights from --seed, or --init-from's
-    (in fp32, on the CPU)."""
+    """The model to train: the plan's preset (its shape changed by the shape flags) with fresh
+    weights from --seed, or --init-from's (in fp32, on the CPU)."""
     if args.init_from is not None:
         # checkpoints.load_model, generate.py's loader: a model.pt that generates also trains
         # (and fails the same way, with the same messages, if its files do not belong together).
         model, _ = load_model(args.init_from, "cpu", torch.float32)
         return model.train(), model.config
-    config = LlamaConfig.from_preset(preset, vocab_size=vocab_size)
+    config = model_flags.preset_config(args, preset, vocab_size)
     torch.manual_seed(args.seed)  # the same initial weights in every process
     return LlamaForPretraining(config), config
 
@@ -202,7 +241,7 @@ def attention_masks(args, plan, tokenizer) -> Callable[[torch.Tensor], torch.Ten
     token never sees a pad, and what pad positions compute is ignored by the loss
     (tests/test_model.py proves real-token logits unchanged by right padding).
     """
-    bot_id = tokenizer.token_to_id(data.BOT)
+    bot_id = tokenizer.bot_id
 
     def mask(x: torch.Tensor) -> torch.Tensor | None:
         if not args.document_mask:

@@ -267,7 +267,9 @@ def assert_train_dp_starts_from(source: Path, data_dir: Path, cache_dir: Path, o
     One step at a negligible learning rate: the weights that come out are the ones that went in,
     to within ~1e-9, while freshly initialised weights would differ by ~0.02.
     """
-    argv = cmd(data_dir, cache_dir, out, model=None, max_steps=1, lr=1e-9, warmup_steps=0)
+    # --init-from brings the model and its tokenizer: no --model, no --vocab-size.
+    settings = dict(model=None, vocab_size=None, max_steps=1, lr=1e-9, warmup_steps=0)
+    argv = cmd(data_dir, cache_dir, out, **settings)
     run_script(DP, argv + ["--init-from", str(source)])
     assert_state_dicts_close(load_weights(out), load_weights(source), atol=1e-7, rtol=0)
     for name in ("config.json", "tokenizer.json"):
@@ -308,3 +310,32 @@ def stop_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # every process of it has exited
+
+
+def write_foreign_tokenizer(
+    directory: Path, specials: list[str], bos_post_processor: str | None = None, **config
+) -> Path:
+    """DIRECTORY/tokenizer.json: a byte-level BPE as other projects make them, with `specials`
+    first (e.g. Llama 3's <|begin_of_text|>, <|end_of_text|>, or GPT-2's one <|endoftext|>), no
+    [PAD]/[BOT]/[EOT]; bos_post_processor: a post-processor that prepends that token, as Llama's
+    tokenizer.json has. config: entries of a tokenizer_config.json beside it (bos_token, ...)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator(["def add(x, y):\n    return x + y\n"] * 8, trainer)
+    if bos_post_processor is not None:
+        bos = (bos_post_processor, tokenizer.token_to_id(bos_post_processor))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory / "tokenizer.json"

@@ -9,6 +9,7 @@ cache, makes one mistake, and checks all of that.
 import argparse
 import importlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -19,8 +20,11 @@ import torch
 from harness import DDP, DP, build_args, cmd, load_checkpoint, run_script, snapshot
 
 import checkpoints
+import cli
 import data
 import distributed
+import model_flags
+import training
 from model import LlamaConfig
 
 
@@ -148,7 +152,8 @@ def test_seq_length_beyond_the_models_positions_is_refused(existing_run, corpus,
 def test_init_from_a_directory_without_a_finished_run_is_refused(
     existing_run, corpus, cache_dir, tmp_path
 ):
-    argv = cmd(corpus, cache_dir, existing_run, model=None) + ["--init-from", str(tmp_path)]
+    argv = cmd(corpus, cache_dir, existing_run, model=None, vocab_size=None)
+    argv += ["--init-from", str(tmp_path)]
     assert_refused(DP, argv, "no model.pt, config.json, tokenizer.json there", existing_run,
                    cache_dir)  # fmt: skip
 
@@ -156,7 +161,9 @@ def test_init_from_a_directory_without_a_finished_run_is_refused(
 def test_init_from_with_a_model_preset_is_refused(existing_run, trained, corpus, cache_dir):
     # The architecture comes from the finished run: a preset as well would contradict it.
     argv = cmd(corpus, cache_dir, existing_run) + ["--init-from", str(trained(DP))]
-    assert_refused(DP, argv, "leave out --model and --tokenizer", existing_run, cache_dir)
+    argv += ["--num-layers", "8"]  # every flag that would contradict it is named
+    assert_refused(DP, argv, "leave out --model, --vocab-size, --num-layers", existing_run,
+                   cache_dir)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -169,6 +176,35 @@ def test_non_positive_sizes_steps_and_rates_are_refused(
 ):
     argv = cmd(corpus, cache_dir, existing_run, **{flag: value})
     assert_refused(DP, argv, f"--{flag.replace('_', '-')}", existing_run, cache_dir)
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [(dict(num_layers=0), "--num-layers must be positive, got 0"),
+     (dict(num_kv_heads=-2), "--num-kv-heads must be positive, got -2"),
+     (dict(hidden_size=100), "--hidden-size 100 is not divisible by --num-heads 6 (the tiny "
+                             "preset's)"),
+     (dict(num_heads=5), "--hidden-size 192 (the tiny preset's) is not divisible by --num-heads 5"),
+     (dict(num_heads=4, num_kv_heads=3), "--num-heads 4 is not divisible by --num-kv-heads 3"),
+     (dict(model="small", num_kv_heads=5), "--num-heads 12 (the small preset's) is not divisible "
+                                           "by --num-kv-heads 5"),
+     (dict(hidden_size=180, num_heads=4), "--hidden-size 180 / --num-heads 4 = head_dim 45: "
+                                          "rotary embeddings need an even head_dim")],
+)  # fmt: skip
+def test_a_model_shape_that_cannot_be_built_is_refused_naming_the_flags(
+    corpus, cache_dir, shape, message
+):
+    # In-process: plan_run, before any data is read (what a launch shows is above).
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_args(corpus, cache_dir, **shape)
+
+
+@pytest.mark.parametrize("flag", ["vocab_size", *model_flags.SHAPE_FLAGS])
+def test_init_from_with_a_vocab_size_or_a_shape_flag_is_refused(corpus, cache_dir, tmp_path, flag):
+    # The finished run's config.json and tokenizer.json fix both: a flag as well would contradict.
+    settings = {"model": None, "vocab_size": None, "init_from": tmp_path, flag: 300}
+    with pytest.raises(ValueError, match=f"leave out --{flag.replace('_', '-')} \\(see --help\\)"):
+        build_args(corpus, cache_dir, **settings)
 
 
 def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, corpus, cache_dir):
@@ -235,7 +271,11 @@ def test_missing_resume_path_is_refused(existing_run, corpus, cache_dir, tmp_pat
 
 def test_resuming_a_checkpoint_of_another_model_is_refused(existing_run, corpus, cache_dir):
     argv = cmd(corpus, cache_dir, existing_run, model="small")  # same run, another size
-    assert_refused(DP, argv, "the checkpoint holds a model with config", existing_run, cache_dir)
+    proc = assert_refused(DP, argv, "the checkpoint holds a model with config", existing_run,
+                          cache_dir)  # fmt: skip
+    # Only the fields that differ, and the flags that set them.
+    assert "hidden_size 192 (now 768)" in proc.stderr and "vocab_size" not in proc.stderr
+    assert "--model, shape flags (--num-layers, ...)" in proc.stderr
 
 
 def test_resuming_with_another_tokenizer_is_refused(existing_run, corpus, cache_dir, tmp_path):
@@ -274,6 +314,34 @@ def test_a_checkpoint_from_before_txt_split_counts_as_auto(trained, corpus, cach
     args, _ = build_args(corpus, cache_dir, txt_split="paragraph")
     with pytest.raises(ValueError, match="--txt-split 'auto' \\(now 'paragraph'\\)"):
         checkpoints.check_resumable(ckpt, config, args, tokenizer)
+
+
+def test_resuming_with_other_shape_flags_is_refused_naming_the_fields(trained, corpus, cache_dir):
+    # In-process, as a lesson resumes: the model that build_model makes against the checkpoint's.
+    ckpt = load_checkpoint(trained(DP), 8)
+    tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
+    args, plan = build_args(corpus, cache_dir, num_layers=3, ffn_size=256)
+    _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    expect = "intermediate_size 512 (now 256), num_hidden_layers 4 (now 3); resume with that run's"
+    with pytest.raises(ValueError, match=re.escape(expect + " --model, shape flags")):
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    # Flags that make the checkpoint's own shape are no change: tiny has 4 layers.
+    args, plan = build_args(corpus, cache_dir, num_layers=4)
+    _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    checkpoints.check_resumable(ckpt, config, args, tokenizer)
+
+
+def test_a_checkpoint_of_the_old_vocab_size_default_resumes_with_the_new_one(
+    trained, corpus, cache_dir
+):
+    # Runs before the preset's default recorded --vocab-size 4096; tiny's own is 4096: the same
+    # tokenizer (its cache key is the size) and model, so no reason to refuse the resume.
+    ckpt = load_checkpoint(trained(DP), 8)
+    ckpt["args"]["vocab_size"] = 4096
+    args, _ = build_args(corpus, cache_dir, vocab_size=None)
+    assert cli.vocab_size(args) == ckpt["args"]["vocab_size"]
+    tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
+    checkpoints.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -150,6 +150,9 @@ def test_bad_input_is_one_message_and_exit_code_2_with_nothing_written(corpus, t
      ("warmup", -1, "--warmup and --num-workers must be >= 0"),
      ("seq_length", 4096, "--seq-length 4096 exceeds the tiny model's max_position_embeddings"),
      ("model", "huge", "--model: unknown model preset 'huge'"),
+     ("hidden_size", 100, "--hidden-size 100 is not divisible by --num-heads 6 (the tiny "
+                          "preset's)"),
+     ("vocab_size", 0, "--vocab-size must be positive, got 0"),
      ("json", "/no/such/dir/bench.json", "its directory does not exist")],
 )  # fmt: skip
 def test_bad_flags_are_refused_before_any_work(corpus, tmp_path, flag, value, message):

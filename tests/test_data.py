@@ -60,18 +60,19 @@ def test_trained_tokenizer_has_special_ids_0_1_2(tokenizer):
 
 def test_special_ids_survive_save_and_load_by_path(tokenizer, tmp_path):
     path = tmp_path / "tokenizer.json"
-    tokenizer.save(str(path))
+    path.write_text(tokenizer.to_str())
     loaded = data.get_tokenizer(texts_dataset(["unused"]), path=str(path))
     assert [loaded.token_to_id(t) for t in (PAD, BOT, EOT)] == [0, 1, 2]
-    assert loaded.encode("x = 1\n").ids == tokenizer.encode("x = 1\n").ids
+    assert (loaded.pad_id, loaded.bot_id, loaded.eot_id) == (0, 1, 2)
+    assert loaded.encode("x = 1\n") == tokenizer.encode("x = 1\n")
 
 
 def test_literal_special_token_text_is_encoded_as_text(tokenizer, tmp_path):
     text = "if s == '[BOT]' or s == '[EOT]' or s == '[PAD]': pass"
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer.json").write_text(tokenizer.to_str())
     loaded = data.get_tokenizer(texts_dataset(["unused"]), path=str(tmp_path / "tokenizer.json"))
     for tok in (tokenizer, loaded):
-        ids = tok.encode(text).ids
+        ids = tok.encode(text)
         assert not {0, 1, 2} & set(ids)
         assert tok.decode(ids) == text  # byte-level round trip is exact
 
@@ -88,7 +89,7 @@ def test_get_tokenizer_reuses_cached_tokenizer_for_same_texts(tmp_path, monkeypa
     assert len(calls) == 1
     assert cached_file.stat().st_mtime_ns == mtime
     assert second.to_str() == first.to_str()
-    assert second.encode_special_tokens  # set on cache hits too
+    assert second.tokenizer.encode_special_tokens  # set on cache hits too
 
 
 def test_get_tokenizer_retrains_for_different_texts_or_vocab_size(tmp_path):
@@ -115,7 +116,7 @@ def test_get_tokenizer_rejects_tokenizer_without_special_tokens(tmp_path):
     plain.pre_tokenizer = pre_tokenizers.ByteLevel()
     plain.train_from_iterator(SAMPLE_TEXTS, trainers.BpeTrainer(vocab_size=VOCAB))
     plain.save(str(tmp_path / "plain.json"))
-    with pytest.raises(ValueError, match=r"maps \[PAD\] to id None.*\[PAD\]=0, \[BOT\]=1"):
+    with pytest.raises(ValueError, match=r"none of the usual beginning-of-document .*--bot-token"):
         data.get_tokenizer(texts_dataset(["x"]), path=str(tmp_path / "plain.json"))
 
 
@@ -187,6 +188,36 @@ def test_load_corpus_missing_path_is_an_error_not_a_hub_lookup(tmp_path, monkeyp
     monkeypatch.setattr(corpus.datasets, "load_dataset", no_hub)
     with pytest.raises(ValueError, match="no .txt"):
         corpus.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
+
+
+def test_load_corpus_hub_name_with_config_loads_that_config(tmp_path, monkeypatch):
+    calls = []
+
+    def hub(path, name=None, **kwargs):
+        calls.append((path, name, kwargs["split"]))
+        return datasets.Dataset.from_dict({"text": ["one", " ", "two"], "label": [0, 1, 2]})
+
+    monkeypatch.setattr(corpus.datasets, "load_dataset", hub)
+    ds = corpus.load_corpus("org/wikitext:wikitext-2-raw-v1", cache_dir=str(tmp_path / ".cache"))
+    assert calls == [("org/wikitext", "wikitext-2-raw-v1", "train")]
+    assert ds.column_names == ["text"] and ds["text"] == ["one", "two"]
+    corpus.load_corpus("org/name", cache_dir=str(tmp_path / ".cache"))
+    assert calls[-1] == ("org/name", None, "train")  # no config: datasets' default
+
+
+def test_load_corpus_hub_dataset_without_its_config_says_how_to_name_one(tmp_path, monkeypatch):
+    def hub(path, name=None, **kwargs):  # what datasets raises for wikitext without a config
+        raise ValueError(
+            "Config name is missing.\nPlease pick one among the available configs: "
+            "['wikitext-103-raw-v1', 'wikitext-2-raw-v1']\nExample of usage:\n\t`load_dataset(...)`"
+        )
+
+    monkeypatch.setattr(corpus.datasets, "load_dataset", hub)
+    with pytest.raises(ValueError) as error:
+        corpus.load_corpus("wikitext", cache_dir=str(tmp_path / ".cache"))
+    message = str(error.value)
+    assert "\n" not in message
+    assert "--data wikitext:CONFIG" in message and "'wikitext-2-raw-v1'" in message
 
 
 def test_load_corpus_mixed_file_types_is_an_error(tmp_path):
@@ -296,7 +327,7 @@ def test_switching_txt_split_never_reuses_the_other_splits_tokens(tokenizer, tmp
         docs = corpus.load_corpus(str(path), cache_dir=cache, txt_split=mode)
         tokens[mode] = data.tokenize(docs, tokenizer)
         assert tokens[mode]["input_ids"] == [
-            [1, *tokenizer.encode(text).ids, 2] for text in docs["text"]
+            [1, *tokenizer.encode(text), 2] for text in docs["text"]
         ]
     files = {mode: {f["filename"] for f in ds.cache_files} for mode, ds in tokens.items()}
     assert files["paragraph"].isdisjoint(files["line"])
@@ -369,7 +400,7 @@ def test_tokenize_wraps_each_document_in_bot_and_eot(tokenizer):
     ids = data.tokenize(texts_dataset(texts), tokenizer)
     assert ids.column_names == ["input_ids"]
     for text, row in zip(texts, ids["input_ids"], strict=True):
-        assert row == [1, *tokenizer.encode(text).ids, 2]
+        assert row == [1, *tokenizer.encode(text), 2]
         assert row.count(1) == 1 and row.count(2) == 1
 
 
@@ -377,6 +408,14 @@ def test_tokenize_in_worker_processes_still_encodes_special_text_as_text(tokeniz
     texts = [f"token {i} is [BOT] not a boundary" for i in range(4)]
     ids = data.tokenize(texts_dataset(texts), tokenizer, num_proc=2)
     assert all(row.count(1) == 1 for row in ids["input_ids"])
+
+
+def test_tokenize_with_worker_processes_gives_the_same_tokens_and_counts_them(tokenizer):
+    docs = texts_dataset(SAMPLE_TEXTS * 3)  # 126 documents: two map() batches, or two processes
+    one, two = data.tokenize(docs, tokenizer), data.tokenize(docs, tokenizer, num_proc=2)
+    assert two["input_ids"] == one["input_ids"]
+    assert data.count_tokens(two) == sum(len(row) for row in one["input_ids"])
+    assert data.count_tokens(one.select([0, 42])) == len(one[0]["input_ids"]) * 2  # same text
 
 
 def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
@@ -388,7 +427,8 @@ def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
     stat = os.stat(cache_file)
 
     # A fresh tokenizer object from the same JSON, as in a new process.
-    second = data.tokenize(docs, Tokenizer.from_str(tokenizer.to_str()))
+    fresh = data.DocumentTokenizer(Tokenizer.from_str(tokenizer.to_str()), tokenizer.specials)
+    second = data.tokenize(docs, fresh)
     assert {f["filename"] for f in second.cache_files} == {cache_file}
     assert (os.stat(cache_file).st_ino, os.stat(cache_file).st_mtime_ns) == (
         stat.st_ino,
@@ -403,7 +443,7 @@ def test_tokenize_with_a_different_tokenizer_does_not_reuse_the_cache(tokenizer,
     other = data.get_tokenizer(texts_dataset(["print(os.getcwd())\n" * 20]), VOCAB, str(tmp_path))
     first, second = data.tokenize(docs, tokenizer), data.tokenize(docs, other)
     assert first.cache_files != second.cache_files
-    assert second["input_ids"][0] == [1, *other.encode(docs["text"][0]).ids, 2]
+    assert second["input_ids"][0] == [1, *other.encode(docs["text"][0]), 2]
 
 
 # -----------------------------------------------------------------------------
@@ -472,6 +512,35 @@ def test_pack_mode_with_too_few_tokens_says_how_many_are_needed():
 def test_unknown_mode_is_an_error():
     with pytest.raises(ValueError, match="unknown mode 'stack'"):
         data.PretrainingDataset(ids_dataset([[1, 2]]), seq_length=4, mode="stack")
+
+
+def test_build_datasets_prints_the_corpus_in_tokens_and_the_share_of_an_epoch(
+    tmp_path, capsys, monkeypatch
+):
+    from harness import build_args, write_corpus
+
+    import training
+
+    monkeypatch.delenv("RANK", raising=False)
+    docs = write_corpus(tmp_path / "docs")
+    args, plan = build_args(docs, tmp_path / "cache", num_proc=2, max_steps=30)
+    train, val, tokenizer = training.build_datasets(args, plan.tokenizer)
+    out = capsys.readouterr().out
+    train_docs, val_docs = corpus.split_corpus(
+        corpus.load_corpus(str(docs), cache_dir=args.cache_dir), 0.125
+    )
+    tokens = sum(len(tokenizer.encode(t)) + 2 for t in train_docs["text"])
+    steps = len(train) // 8
+    assert (
+        f"data: 28 train documents = {tokens:,} tokens -> {len(train):,} sequences of 32 (pack); "
+        f"4 validation documents = " in out
+    )
+    assert f" tokens -> {len(val)} sequences\n" in out
+    assert f"this run: 30 steps x 8 sequences = 240 sequences = {30 / steps:.2f} epochs" in out
+
+    monkeypatch.setenv("RANK", "1")  # printed once, by global rank 0
+    training.build_datasets(args, plan.tokenizer)
+    assert "data:" not in capsys.readouterr().out
 
 
 def test_benchmark_loader_reports_a_positive_speed():

@@ -1,21 +1,24 @@
 """Specification of export_hf.py: our out-dir <-> a Hugging Face Llama directory.
 
-Without `transformers` installed these tests still prove the files: safetensors round-trips
-exactly, every tensor gets its Hugging Face name, config.json has the fields transformers reads,
-and export followed by --from-hf gives back the very same model. With `transformers` installed,
-the last tests load the export in LlamaForCausalLM and compare logits and token ids.
+Without `transformers` these tests still prove the files: every tensor gets its Hugging Face
+name, config.json has the fields transformers reads, and export followed by --from-hf gives back
+the very same model. With `transformers` (a test dependency), the last tests load the export in
+LlamaForCausalLM and compare logits and token ids, and import what transformers itself saves:
+sharded, with Llama 3's RoPE scaling and a Llama 3 style tokenizer, then continue training it.
 """
 
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from harness import DP, cmd, run_script, write_foreign_tokenizer
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+import data
 import export_hf
 from checkpoints import load_model
 from generate import generate_text
@@ -54,41 +57,6 @@ def exported(request, make_out_dir, tmp_path_factory):
 
 
 # -------------------------------------------------------------------------------------------------
-# safetensors
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_safetensors_round_trips_exactly(tmp_path, dtype):
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "a.weight": torch.randn(3, 5, generator=g).to(dtype),
-        "b": torch.randn(7, generator=g).to(dtype),
-        "scalar": torch.tensor(2.5, dtype=dtype),
-        "c": torch.randn(2, 3, 4, generator=g).to(dtype)[:, 1],  # a non-contiguous view
-    }
-    path = tmp_path / "t.safetensors"
-    export_hf.save_safetensors(tensors, str(path), {"format": "pt"})
-    loaded = export_hf.load_safetensors(str(path))
-    assert loaded.keys() == tensors.keys()
-    for name, t in tensors.items():
-        assert loaded[name].dtype == dtype and torch.equal(loaded[name], t), name
-    (header_length,) = struct.unpack("<Q", path.read_bytes()[:8])
-    assert header_length % 8 == 0  # the tensors' bytes start 8-byte aligned
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_safetensors_files_agree_with_the_safetensors_library(tmp_path, dtype):
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    tensors = {"w": torch.randn(4, 6).to(dtype), "v": torch.randn(5).to(dtype)}
-    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-    export_hf.save_safetensors(tensors, str(ours), {"format": "pt"})
-    safetensors_torch.save_file(tensors, str(theirs), {"format": "pt"})
-    for read_back in (safetensors_torch.load_file(str(ours)), export_hf.load_safetensors(theirs)):
-        assert read_back.keys() == tensors.keys()
-        assert all(torch.equal(read_back[k], tensors[k]) for k in tensors)
-
-
-# -------------------------------------------------------------------------------------------------
 # The exported directory
 
 
@@ -117,7 +85,7 @@ def test_config_json_has_the_fields_transformers_needs(exported):
 def test_every_tensor_gets_its_hugging_face_name(exported):
     out, hf_dir = exported
     config = json.loads((out / "config.json").read_text())
-    tensors = export_hf.load_safetensors(str(hf_dir / "model.safetensors"))
+    tensors = load_file(hf_dir / "model.safetensors")
     # Tied embeddings: one matrix, stored once as embed_tokens (transformers ties it on load).
     assert set(tensors) == hf_names(config["num_hidden_layers"], config["tie_word_embeddings"])
     ours = torch.load(out / "model.pt", weights_only=True)
@@ -143,9 +111,11 @@ def test_export_then_from_hf_gives_back_the_same_model(exported, tmp_path):
     assert all(torch.equal(converted[k], original[k]) for k in original)
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
         (out / "config.json").read_text())  # fmt: skip
-    # The tokenizer comes back without the [BOT] post-processor: data.py adds [BOT] itself.
-    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(TEXT).ids == (
-        Tokenizer.from_file(str(out / "tokenizer.json")).encode(TEXT).ids)  # fmt: skip
+    # The same tokens and special tokens (the exported post-processor is kept, and not used:
+    # data.py adds BOT itself).
+    back, original = (data.load_tokenizer(str(d / "tokenizer.json")) for d in (tmp_path, out))
+    assert back.encode(TEXT) == original.encode(TEXT)
+    assert back.specials == original.specials == {"bot": "[BOT]", "eot": "[EOT]", "pad": "[PAD]"}
 
 
 def test_cli_round_trip_leaves_an_out_dir_that_generate_reads(out_dir, tmp_path):
@@ -156,17 +126,12 @@ def test_cli_round_trip_leaves_an_out_dir_that_generate_reads(out_dir, tmp_path)
     assert texts[0] == texts[1]
 
 
-def test_from_hf_refuses_a_sharded_checkpoint(tmp_path):
-    (tmp_path / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(ValueError, match="sharded"):
-        export_hf.import_hf(str(tmp_path), str(tmp_path / "out"))
-
-
 @pytest.mark.parametrize(
     "change",
-    [{"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, {"attention_bias": True},
-     {"model_type": "mistral"}, {"head_dim": 64}],
-    ids=["rope_scaling", "attention_bias", "model_type", "head_dim"],
+    [{"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, {"attention_bias": True},
+     {"model_type": "mistral"}, {"head_dim": 64},
+     {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}],
+    ids=["rope_scaling", "attention_bias", "model_type", "head_dim", "llama3_incomplete"],
 )  # fmt: skip
 def test_from_hf_refuses_configs_our_model_cannot_represent(exported, change):
     _, hf_dir = exported
@@ -184,7 +149,7 @@ def test_transformers_gives_the_same_logits(exported):
     out, hf_dir = exported
     ours, tokenizer = load_model(str(out))
     theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
-    ids = torch.tensor([[1, *tokenizer.encode(TEXT).ids]])  # (1, T)
+    ids = torch.tensor([[1, *tokenizer.encode(TEXT)]])  # (1, T)
     with torch.no_grad():
         diff = (ours(ids) - theirs(ids).logits).abs().max().item()
     assert diff < 1e-4
@@ -196,7 +161,7 @@ def test_transformers_tokenizer_gives_the_training_ids(exported):
     _, ours = load_model(str(out))
     theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
     text = TEXT + " [BOT] stays text"  # as in data.py: a literal special token is just text
-    assert theirs(text)["input_ids"] == [1, *ours.encode(text).ids]
+    assert theirs(text)["input_ids"] == [1, *ours.encode(text)]
     assert theirs.decode(theirs(TEXT)["input_ids"], skip_special_tokens=True) == TEXT
     assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (1, 2, 0)
 
@@ -209,6 +174,47 @@ def test_from_hf_reads_a_checkpoint_saved_by_transformers(exported, tmp_path):
     (tmp_path / "saved" / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
     export_hf.import_hf(str(tmp_path / "saved"), str(tmp_path / "out"))
     ours, tokenizer = load_model(str(tmp_path / "out"))
-    ids = torch.tensor([[1, *tokenizer.encode(TEXT).ids]])
+    ids = torch.tensor([[1, *tokenizer.encode(TEXT)]])
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-4
+
+
+def test_from_hf_imports_a_sharded_llama3_and_training_continues_from_it(
+    tmp_path, corpus, cache_dir
+):
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    tokenizer_path = write_foreign_tokenizer(
+        hf_dir, ["<|begin_of_text|>", "<|end_of_text|>"], bos_post_processor="<|begin_of_text|>",
+        bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
+    )  # fmt: skip
+    vocab = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    # Llama 3.1's RoPE scaling, with an original context short enough that it changes the
+    # frequencies the test positions use; and shards of ~20 KB, as save_pretrained splits 7B+.
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, rope_parameters=rope,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(hf_dir, max_shard_size="20KB")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+
+    out = tmp_path / "out"
+    run_export("--from-hf", str(hf_dir), str(out))
+    ours, tokenizer = load_model(str(out), dtype=torch.float32)
+    assert ours.config.rope_scaling["rope_type"] == "llama3"
+    ids = torch.tensor([[tokenizer.bot_id, *tokenizer.encode(TEXT * 4)]])  # past position 16
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-4
+    assert (tokenizer.specials["bot"], tokenizer.specials["eot"]) == (
+        "<|begin_of_text|>", "<|end_of_text|>")  # fmt: skip
+
+    # Continue pretraining it: its tokenizer frames the documents, and the run's out-dir keeps it.
+    argv = cmd(corpus, cache_dir, tmp_path / "more", max_steps=2, vocab_size=None, model=None)
+    run_script(DP, [*argv, "--init-from", str(out)])
+    more, more_tokenizer = load_model(str(tmp_path / "more"))
+    assert more.config == ours.config and more_tokenizer.specials == tokenizer.specials

@@ -88,7 +88,7 @@ def test_the_prompt_is_prefixed_with_bot(out_dir, monkeypatch):
     seen = []
     monkeypatch.setattr(model, "generate", lambda ids, *a, **k: seen.append(ids) or ids)
     generate_text(model, tokenizer, PROMPT, 5)
-    assert seen[0][0].tolist() == [tokenizer.token_to_id("[BOT]"), *tokenizer.encode(PROMPT).ids]
+    assert seen[0][0].tolist() == [tokenizer.bot_id, *tokenizer.encode(PROMPT)]
 
 
 def test_decoding_stops_at_eot(out_dir):
@@ -104,7 +104,7 @@ def test_a_long_request_stops_at_the_end_of_the_context(out_dir):
     model, tokenizer = load_model(str(out_dir))
     a = tokenizer.token_to_id("a")
     text = generate_text(always_predicts(model, a), tokenizer, PROMPT, 1000, 0)
-    prompt_tokens = 1 + len(tokenizer.encode(PROMPT).ids)  # [BOT] + prompt
+    prompt_tokens = 1 + len(tokenizer.encode(PROMPT))  # [BOT] + prompt
     assert text == PROMPT + "a" * (model.config.max_position_embeddings - prompt_tokens)
 
 

@@ -98,6 +98,21 @@ def test_cli_json_output_has_the_documented_fields():
     assert strategies["ddp"]["model_states_gb"] == pytest.approx(16 * 6_738_415_616 / 1e9)
 
 
+def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
+    # The train scripts' own shape flags (model_flags.add_shape_flags), in-process.
+    argv = ["--model", "1b", "--num-layers", "8", "--ffn-size", "4096", "--vocab-size", "4096"]
+    monkeypatch.setattr(sys, "argv", ["memory_plan.py", *argv, "--json"])
+    memory_plan.main()
+    shape = dict(num_hidden_layers=8, intermediate_size=4096, vocab_size=4096)
+    expected = count_parameters(LlamaConfig.from_preset("1b", **shape))
+    assert json.loads(capsys.readouterr().out)["num_params"] == expected
+    monkeypatch.setattr(sys, "argv", ["memory_plan.py", "--num-heads", "7"])
+    with pytest.raises(SystemExit):  # argparse's exit 2, after one line naming the flags
+        memory_plan.main()
+    err = capsys.readouterr().err
+    assert "--hidden-size 4096 (the 7b preset's) is not divisible by --num-heads 7" in err
+
+
 def test_cli_table_says_what_fits():
     proc = subprocess.run(
         [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", "--world-size", "8",

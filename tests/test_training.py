@@ -357,6 +357,7 @@ def test_init_from_starts_training_from_a_finished_runs_model(trained, corpus, c
 def test_help_lists_the_command_line_contract(script):
     proc = run_script(script, ["--help"])
     flags = ["--data", "--batch-size", "--micro-batch-size", "--resume", "--out-dir"]
+    flags += ["--vocab-size", "--num-layers", "--hidden-size", "--num-heads", "--ffn-size"]
     if script != DP:  # the torchrun scripts
         flags.append("--backend")
     missing = [flag for flag in flags if flag not in proc.stdout]
@@ -376,6 +377,51 @@ def test_the_flags_are_checked_without_changing_them(corpus, cache_dir):
     assert vars(args) == vars(parser.parse_args(argv))
     assert (plan.model, plan.micro_batch_size, plan.accumulation) == ("tiny", 4, 1)
     assert args.model is None and args.micro_batch_size is None
+
+
+def test_shape_flags_override_the_preset_in_the_plan_the_model_and_the_summary(corpus, cache_dir):
+    shape = dict(num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=4, ffn_size=320)
+    args, plan = build_args(corpus, cache_dir, **shape)
+    model, config = training.build_model(args, plan.model, 321)  # the tokenizer's vocabulary
+    assert config.to_dict() == {
+        **LlamaConfig.from_preset("tiny").to_dict(),  # the rest stays tiny's
+        "vocab_size": 321, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "intermediate_size": 320,
+    }  # fmt: skip
+    assert cli.model_shape(args).to_dict() == {**config.to_dict(), "vocab_size": 320}  # checked
+    assert len(model.layers) == 3 and model.layers[0].feed_forward.w1.weight.shape == (320, 128)
+    assert plan.model == "tiny"  # the preset's name: the flags are recorded as flags
+    summary = cli.describe_run(args, plan, config, torch.device("cpu"))
+    assert summary.startswith(
+        "model: tiny with --num-layers 3 --hidden-size 128 --num-heads 8 --num-kv-heads 4 "
+        "--ffn-size 320, "
+    )
+
+
+@pytest.mark.parametrize("preset, vocab", [("tiny", 4096), ("small", 32000), ("1b", 32000)])
+def test_a_trained_tokenizer_gets_the_presets_vocabulary_unless_vocab_size_is_given(
+    corpus, cache_dir, preset, vocab
+):
+    args, _ = build_args(corpus, cache_dir, model=preset, vocab_size=None)
+    assert cli.vocab_size(args) == vocab
+    args, _ = build_args(corpus, cache_dir, model=preset, vocab_size=500, num_layers=2)
+    assert cli.vocab_size(args) == 500
+
+
+def test_build_datasets_trains_the_tokenizer_with_the_resolved_vocabulary(
+    corpus, cache_dir, monkeypatch
+):
+    class Stop(Exception):  # stop at the tokenizer: the size it is asked for is the point
+        pass
+
+    def get_tokenizer(texts, vocab_size, *rest):
+        raise Stop(vocab_size)
+
+    monkeypatch.setattr(training.data, "get_tokenizer", get_tokenizer)
+    args, plan = build_args(corpus, cache_dir, model="small", vocab_size=None)
+    with pytest.raises(Stop) as stopped:
+        training.build_datasets(args, plan.tokenizer)
+    assert stopped.value.args == (32000,)
 
 
 # `python train_ddp.py` (no torchrun) is a process group of one: this is its only test.

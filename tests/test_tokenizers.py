@@ -1,0 +1,78 @@
+"""Specification of tokenizers made elsewhere (data.load_tokenizer): any Hugging Face
+tokenizer.json works, its beginning/end-of-document and padding tokens found by the flags
+(--bot-token, ...), a tokenizer_config.json beside it, or the usual names, in that order; and
+whatever is wrong with them is said before any data is read."""
+
+import datasets
+import pytest
+from conftest import tiny_model
+from harness import build_args, write_foreign_tokenizer
+
+import checkpoints
+import data
+from checkpoints import load_model
+
+LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+TEXT = "def add(x, y):\n    return x + y"
+
+
+def specials(tokenizer) -> tuple:
+    return tuple(tokenizer.specials[role] for role in ("bot", "eot", "pad"))
+
+
+def test_a_gpt2_style_tokenizer_begins_and_ends_documents_with_endoftext(tmp_path):
+    tokenizer = data.load_tokenizer(str(write_foreign_tokenizer(tmp_path, ["<|endoftext|>"])))
+    # One token for both ends, and no padding token: pad mode pads with the end token.
+    assert specials(tokenizer) == ("<|endoftext|>",) * 3
+    assert tokenizer.bot_id == tokenizer.eot_id == tokenizer.pad_id == 0
+
+
+def test_a_llama3_style_tokenizer_is_found_and_its_bos_is_not_doubled(tmp_path):
+    path = write_foreign_tokenizer(tmp_path, LLAMA3, bos_post_processor="<|begin_of_text|>")
+    tokenizer = data.load_tokenizer(str(path))
+    assert specials(tokenizer) == ("<|begin_of_text|>", "<|end_of_text|>", "<|end_of_text|>")
+    # The tokenizer's own post-processor would add <|begin_of_text|> too: it must not run.
+    assert tokenizer.tokenizer.encode(TEXT).ids[0] == tokenizer.bot_id
+    [row] = data.tokenize(datasets.Dataset.from_dict({"text": [TEXT]}), tokenizer)["input_ids"]
+    assert row == [tokenizer.bot_id, *tokenizer.encode(TEXT), tokenizer.eot_id]
+    assert row[1] != tokenizer.bot_id and tokenizer.decode(row) == TEXT
+    # A literal special token in a text is text.
+    assert tokenizer.bot_id not in tokenizer.encode("<|begin_of_text|> is text")
+
+
+def test_tokenizer_config_beside_wins_over_conventions_and_flags_over_both(tmp_path):
+    path = write_foreign_tokenizer(tmp_path, LLAMA3, eos_token={"content": "<|eot_id|>"})
+    assert data.load_tokenizer(str(path)).specials["eot"] == "<|eot_id|>"  # HF's object form
+    flagged = data.load_tokenizer(str(path), {"eot": "<|end_of_text|>", "pad": "<|eot_id|>"})
+    assert specials(flagged) == ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
+
+
+def test_unknown_or_missing_special_tokens_are_refused_naming_the_flag(tmp_path):
+    path = str(write_foreign_tokenizer(tmp_path / "llama", LLAMA3))
+    with pytest.raises(ValueError, match=r"--bot-token '<s>' is not a token of .*tokenizer.json"):
+        data.load_tokenizer(path, {"bot": "<s>"})
+    path = str(write_foreign_tokenizer(tmp_path / "bare", ["<unk>"]))
+    with pytest.raises(ValueError, match=r"none of the usual beginning-of-document .*--bot-token"):
+        data.load_tokenizer(path)
+
+
+def test_a_run_refuses_bad_special_tokens_before_reading_data(tmp_path, corpus, cache_dir):
+    path = str(write_foreign_tokenizer(tmp_path, ["<unk>"]))
+    for flags, message in [
+        ({"tokenizer": path}, "none of the usual beginning-of-document tokens"),
+        ({"tokenizer": path, "bot_token": "<unk>", "eot_token": "<nope>"}, "--eot-token '<nope>'"),
+        ({"eot_token": "<unk>"}, "the one a run trains has its own: \\[BOT\\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build_args(corpus, cache_dir, **flags)  # the scripts' own parse and checks
+
+
+def test_an_out_dir_keeps_its_special_tokens_for_generate_and_init_from(tmp_path):
+    tokenizer = data.load_tokenizer(str(write_foreign_tokenizer(tmp_path / "tok", LLAMA3)))
+    model = tiny_model(tokenizer.get_vocab_size())
+    flagged = data.load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"), {"eot": "<|eot_id|>"})
+    (tmp_path / "out").mkdir()
+    checkpoints.save_final(str(tmp_path / "out"), model, model.config, flagged)
+    _, loaded = load_model(str(tmp_path / "out"))
+    assert loaded.specials == flagged.specials  # from out/tokenizer_config.json
+    assert loaded.eot_id == tokenizer.token_to_id("<|eot_id|>")
