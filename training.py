@@ -56,8 +56,9 @@ def build_datasets(
         pad_id = tokenizer.pad_id
         # --num-proc tokenizes in parallel; packing stays in one process, so that the windows
         # never depend on it (see data.PretrainingDataset).
-        num_proc = getattr(args, "num_proc", None)
-        train_ids, val_ids = (data.tokenize(d, tokenizer, num_proc) for d in (train_docs, val_docs))
+        train_ids, val_ids = (
+            data.tokenize(d, tokenizer, args.num_proc) for d in (train_docs, val_docs)
+        )
         train, val = (
             data.PretrainingDataset(ids, args.seq_length, args.data_mode, pad_id)
             for ids in (train_ids, val_ids)
