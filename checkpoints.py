@@ -206,27 +206,35 @@ def set_rng_state(state: dict) -> None:
 RESUME_MUST_MATCH = (
     "data", "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size",
     "seed", "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token",
+    "streaming",
 )  # fmt: skip
 # Flags newer than some checkpoints, and the value those checkpoints were made with.
-ADDED_SINCE = {"txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None}
+ADDED_SINCE = {
+    "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
+    "streaming": False,
+}  # fmt: skip
 
 
 def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
 
-def checkpoint_state(model, optimizer, scheduler, scaler, step, config, args, tokenizer) -> dict:
-    """Everything a resumed run needs to continue exactly as if it had never stopped."""
+def checkpoint_state(
+    model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position=None
+) -> dict:
+    """Everything a resumed run needs to continue exactly as if it had never stopped.
+    data_position: training.data_positions(), where the stream is (--streaming), or None."""
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "rng": rng_state(),
-        "step": step,  # optimizer steps completed; also fixes the position in the data
+        "step": step,  # optimizer steps completed; also the position in a cached dataset
         "config": config.to_dict(),
         "tokenizer_sha256": tokenizer_digest(tokenizer),
         "args": vars(args),
+        "data": data_position,
     }
 
 
@@ -270,8 +278,11 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         )
 
 
-def restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer) -> int:
-    """Load a checkpoint's state into fresh objects; returns the step to continue from.
+def restore_checkpoint(
+    ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
+) -> tuple[int, list[dict] | None]:
+    """Load a checkpoint's state into fresh objects; returns the step to continue from, and the
+    position in the data (for training.step_batches: None unless --streaming).
 
     Refuses (ValueError, before changing anything) a checkpoint of another run.
     """
@@ -282,7 +293,7 @@ def restore_checkpoint(ckpt, model, optimizer, scheduler, scaler, config, args, 
     resume_schedule(scheduler, optimizer, fresh_lrs, ckpt["step"])
     scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])
-    return ckpt["step"]
+    return ckpt["step"], ckpt.get("data")
 
 
 def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:

@@ -144,13 +144,25 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
         help="fraction of documents held out for validation",
     )
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
-    g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+    g.add_argument(
+        "--num-workers",
+        type=int,
+        default=1,
+        help="DataLoader worker processes; with --streaming, 0 reads in the training loop and N "
+        "reads up to N steps ahead in one background thread",
+    )
     g.add_argument(
         "--num-proc",
         type=int,
         default=None,
         help="processes that tokenize the corpus (default: one, whose tokenizer already uses "
         "every core); the tokens and the windows are the same for any value",
+    )
+    g.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read the corpus as a stream, never cached whole, each data-parallel rank its own "
+        "shard; validation is the stream's first documents (docs/data.md)",
     )
 
     g = p.add_argument_group("model and batch")
@@ -346,6 +358,16 @@ def plan_run(
         parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
     if args.num_proc is not None and args.num_proc <= 0:
         parser.error(f"--num-proc must be positive, got {args.num_proc}")
+    if args.streaming and args.num_proc is not None:
+        parser.error(
+            "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "
+            "tokenizer uses every core): leave out --num-proc"
+        )
+    if args.streaming and args.val_fraction != parser.get_default("val_fraction"):
+        parser.error(
+            "--val-fraction does not apply to --streaming, whose length is not known: validation "
+            "is the stream's first documents, enough for --eval-batches x --batch-size sequences"
+        )
     if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
         print(

@@ -8,7 +8,8 @@ The forms of --data: "stdlib" (every .py file of this Python's standard library)
 or a directory of .txt/.jsonl/.json/.parquet files (.txt split into documents by paragraph, line
 or file: --txt-split), or a Hugging Face hub dataset, NAME or NAME:CONFIG. datasets' own cache
 under --cache-dir holds what was read. A corpus that cannot be read stops with one line naming the
-file and why. data.py takes it from here: tokenizer, tokens, training examples.
+file and why. data.py takes it from here: tokenizer, tokens, training examples. resolve_source
+and open_source are the steps of load_corpus that streaming.py (--streaming) shares.
 """
 
 import json
@@ -106,10 +107,13 @@ def resolve_source(spec: str, txt_split: str = "auto") -> Source:
     return Source(name, config=config or None)
 
 
-def open_source(source: Source, spec: str, text_column: str, cache_dir: str) -> datasets.Dataset:
+def open_source(
+    source: Source, spec: str, text_column: str, cache_dir: str, streaming: bool = False
+) -> datasets.Dataset | datasets.IterableDataset:
     """datasets.load_dataset on a resolved --data: its "train" split with the text in one column,
-    "text". Raises ValueError in one line."""
+    "text" (an IterableDataset, read as iterated, if streaming). Raises ValueError in one line."""
     kwargs = {"split": "train", "cache_dir": os.path.join(cache_dir, "datasets")}
+    kwargs["streaming"] = streaming
     if source.data_files is not None:
         ds = _load_files(source, spec, **kwargs)
         if source.path == "text":  # the text builder's one column is already "text"
@@ -195,10 +199,11 @@ def _find_files(spec: str) -> tuple[list[str], str]:
     return nonempty, builders.pop()
 
 
-def _load_files(source: Source, spec: str, **kwargs) -> datasets.Dataset:
+def _load_files(source: Source, spec: str, **kwargs) -> datasets.Dataset | datasets.IterableDataset:
     # Blank lines and whitespace-only paragraphs are dropped later with the other empty
     # documents. A user's file that is not UTF-8 (a binary file, or another encoding) is refused
-    # below, naming it, rather than trained on as garbage.
+    # below, naming it, rather than trained on as garbage. (A stream reads nothing here: its
+    # errors come as it is read, and streaming.py passes them through read_error too.)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
     try:
@@ -221,8 +226,8 @@ def read_error(source: Source, spec: str, error: Exception) -> ValueError:
     return ValueError(f"--data {spec!r}: {where or 'cannot be read: ' + _first_line(error)}")
 
 
-def _load_hub(source: Source, spec: str, **kwargs) -> datasets.Dataset:
-    try:  # needs the network the first time
+def _load_hub(source: Source, spec: str, **kwargs) -> datasets.Dataset | datasets.IterableDataset:
+    try:  # needs the network the first time (and every time, streaming)
         return datasets.load_dataset(source.path, source.config, **kwargs)
     except OSError as e:  # offline and not cached (ConnectionError), or no such dataset
         raise ValueError(
@@ -301,7 +306,13 @@ def _first_line(error: BaseException) -> str:
     return message.splitlines()[0] if message else type(error).__name__
 
 
-def _select_text_column(ds: datasets.Dataset, text_column: str, spec: str) -> datasets.Dataset:
+def _select_text_column(ds, text_column: str, spec: str):
+    """ds (a Dataset, or an IterableDataset) with only its text column, named "text". A stream
+    may not know its columns before it is read (features None): then a missing column is an
+    error as it is read, which streaming.py reports in one line."""
+    if ds.features is None:
+        ds = ds.select_columns([text_column])
+        return ds if text_column == "text" else ds.rename_column(text_column, "text")
     if text_column not in ds.column_names:
         raise ValueError(
             f"--data {spec!r} has no column {text_column!r}; its columns are {ds.column_names}. "

@@ -80,8 +80,11 @@ def prepare_out_dir(args, script: str) -> str | None:
     return resume
 
 
-def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tokenizer, is_main):
-    """A collective: every rank calls it and writes only its own shards (no gather)."""
+def save_sharded_checkpoint(
+    args, step, model, optimizer, scheduler, config, tokenizer, is_main, data_position=None
+):
+    """A collective: every rank calls it and writes only its own shards (no gather).
+    data_position: training.data_positions() (rank 0's is saved), or None."""
     path = os.path.join(args.out_dir, "checkpoints", f"step_{step:07d}")
     tmp = f"{path}.tmp"
 
@@ -115,6 +118,7 @@ def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tok
             "config": config.to_dict(),
             "tokenizer_sha256": tokenizer_digest(tokenizer),
             "args": vars(args),
+            "data": data_position,
         }
         try:
             atomic_save(train_state, os.path.join(tmp, TRAIN_STATE))
@@ -132,8 +136,11 @@ def save_sharded_checkpoint(args, step, model, optimizer, scheduler, config, tok
     from_rank0(finish, is_main)
 
 
-def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tokenizer) -> int:
-    """Load a checkpoint into the sharded model and optimizer; returns the step to continue from.
+def load_sharded_checkpoint(
+    path, model, optimizer, scheduler, config, args, tokenizer
+) -> tuple[int, list[dict] | None]:
+    """Load a checkpoint into the sharded model and optimizer; returns the step to continue from
+    and the position in the data (as checkpoints.restore_checkpoint).
 
     DCP reads, on each rank, just the pieces of the tensors that rank's shards cover, whatever the
     number of ranks that wrote them: a run can resume on a different number of ranks.
@@ -166,4 +173,4 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, config, args, tok
     # The schedule of this run's --max-steps, at the checkpoint's step (see resume_schedule).
     resume_schedule(scheduler, optimizer, fresh_lrs, train_state["step"])
     set_rng_state(train_state["rng"])
-    return train_state["step"]
+    return train_state["step"], train_state.get("data")

@@ -54,12 +54,13 @@ def main():
     train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
     attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+
     # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
     # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
     # train_dp.py draws, whatever the number of ranks.
-    sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
-
+    # (--streaming: never called; step_batches reads this rank's shard of the stream instead.)
     def order_for_epoch(epoch: int) -> list[int]:
+        sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
         # set_epoch reseeds the shuffle with seed + epoch: without it every epoch would repeat the
         # first one's order. All ranks pass the same epoch, so their shards stay disjoint.
         sampler.set_epoch(epoch)
@@ -73,10 +74,10 @@ def main():
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
-    start_step = 0
+    start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same file: the one rank 0 chose
         ckpt = checkpoints.load_checkpoint(resume_path)
-        start_step = checkpoints.restore_checkpoint(
+        start_step, data_position = checkpoints.restore_checkpoint(
             ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
         )
         if is_main:
@@ -113,6 +114,8 @@ def main():
         start_step,
         args.num_workers,
         pin_memory=device.type == "cuda",
+        shard=(rank, world_size),  # --streaming: this rank's shard of the stream
+        data_position=data_position,  # --streaming: where to go on reading it
     )
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
@@ -197,11 +200,13 @@ def main():
             metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
+            data_position = training.data_positions(batches)  # --streaming; a collective
             state = None
             if is_main:  # no collective in here: the other ranks are not in this branch
                 state = checkpoints.checkpoint_state(
-                    model, optimizer, scheduler, scaler, done, config, args, tokenizer
-                )
+                    model, optimizer, scheduler, scaler, done, config, args, tokenizer,
+                    data_position,
+                )  # fmt: skip
             # Rank 0 writes it, and every rank learns whether it could: if not (a full disk),
             # all stop with its message, instead of the others failing in the next collective.
             from_rank0(

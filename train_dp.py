@@ -61,10 +61,10 @@ def main():
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
-    start_step = 0
+    start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:
         ckpt = checkpoints.load_checkpoint(resume_path)
-        start_step = checkpoints.restore_checkpoint(
+        start_step, data_position = checkpoints.restore_checkpoint(
             ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
         )
         print(f"resumed from {resume_path} at step {start_step}")
@@ -96,6 +96,7 @@ def main():
         start_step,
         args.num_workers,
         pin_memory=device.type == "cuda",
+        data_position=data_position,  # --streaming: where to go on reading it
     )
     metrics = Metrics(args.out_dir, True, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
@@ -166,8 +167,9 @@ def main():
             metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
+            data_position = training.data_positions(batches)  # --streaming: where it is
             state = checkpoints.checkpoint_state(
-                model, optimizer, scheduler, scaler, done, config, args, tokenizer
+                model, optimizer, scheduler, scaler, done, config, args, tokenizer, data_position
             )
             checkpoints.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
             throughput.restart()

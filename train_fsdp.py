@@ -109,12 +109,13 @@ def main():
     train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
     attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+
     # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
     # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
     # train_dp.py draws, whatever the number of ranks.
-    sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
-
+    # (--streaming: never called; step_batches reads this rank's shard of the stream instead.)
     def order_for_epoch(epoch: int) -> list[int]:
+        sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
         # set_epoch reseeds the shuffle with seed + epoch: without it every epoch would repeat the
         # first one's order. All ranks pass the same epoch, so their shards stay disjoint.
         sampler.set_epoch(epoch)
@@ -163,9 +164,9 @@ def main():
     # the shards live in CPU memory and so does the update.
     optimizer = training.build_optimizer(model, args, "cpu" if args.cpu_offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    start_step = 0
+    start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
-        start_step = load_sharded_checkpoint(
+        start_step, data_position = load_sharded_checkpoint(
             resume_path, model, optimizer, scheduler, config, args, tokenizer
         )
         if is_main:
@@ -204,6 +205,8 @@ def main():
         start_step,
         args.num_workers,
         pin_memory=device.type == "cuda",
+        shard=(rank, world_size),  # --streaming: this rank's shard of the stream
+        data_position=data_position,  # --streaming: where to go on reading it
     )
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
@@ -290,8 +293,9 @@ def main():
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
             # Every rank: each writes its own shards (a collective, never inside is_main).
+            data_position = training.data_positions(batches)  # --streaming; a collective
             save_sharded_checkpoint(
-                args, done, model, optimizer, scheduler, config, tokenizer, is_main
+                args, done, model, optimizer, scheduler, config, tokenizer, is_main, data_position
             )
             throughput.restart()
         if stop:

@@ -228,14 +228,15 @@ def main():
     train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
     attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+
     # The shards are per pipeline (dp rank), not per process: every stage of one pipeline reads
     # the same samples. The first stage needs the tokens, the last the targets, and all of them
     # the target count and the attention mask; reading a batch of token ids costs nothing next to
     # sending it. Over the dp ranks, step s covers samples [s*B, (s+1)*B) of one shuffle, as in
     # every other script.
-    sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
-
+    # (--streaming: never called; step_batches reads this rank's shard of the stream instead.)
     def order_for_epoch(epoch: int) -> list[int]:
+        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)  # the same shuffle on every rank, a new one each epoch
         return list(sampler)
 
@@ -274,9 +275,9 @@ def main():
     rank_model = RankModel(stage_models)
     optimizer = training.build_optimizer(rank_model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    start_step = 0
+    start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
-        start_step = load_sharded_checkpoint(
+        start_step, data_position = load_sharded_checkpoint(
             resume_path, rank_model, optimizer, scheduler, config, args, tokenizer
         )
         if is_main:
@@ -328,6 +329,8 @@ def main():
         start_step,
         args.num_workers,
         pin_memory=device.type == "cuda",
+        shard=(dp_rank, dp),  # --streaming: this rank's shard of the stream
+        data_position=data_position,  # --streaming: where to go on reading it
     )
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
@@ -427,8 +430,17 @@ def main():
         if do_save:
             # Every rank writes its own stages' parameters and AdamW state, under the full
             # model's names (a collective, never inside is_main).
+            data_position = training.data_positions(batches)  # --streaming; a collective
             save_sharded_checkpoint(
-                args, done, rank_model, optimizer, scheduler, config, tokenizer, is_main
+                args,
+                done,
+                rank_model,
+                optimizer,
+                scheduler,
+                config,
+                tokenizer,
+                is_main,
+                data_position,
             )
             final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
             throughput.restart()

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
 
@@ -21,6 +22,7 @@ import cli
 import corpus
 import data
 import model_flags
+import streaming
 from checkpoints import load_model, save_final
 from distributed import main_process_first
 from generate import generate_text
@@ -34,7 +36,7 @@ from stopping import ignore_stop_signals
 
 def build_datasets(
     args, tokenizer_path: str | None
-) -> tuple[data.PretrainingDataset, data.PretrainingDataset, object]:
+) -> tuple[data.PretrainingDataset | streaming.Stream, data.PretrainingDataset, object]:
     """Corpus -> tokenizer -> tokenized, cached datasets: (train, val, tokenizer).
 
     tokenizer_path: the plan's tokenizer.json (--tokenizer, or --init-from's); None: one is
@@ -42,7 +44,13 @@ def build_datasets(
 
     Under torchrun, `main_process_first` lets one process per node do the work while the others
     wait, then read what it cached: nobody tokenizes twice.
+
+    With --streaming, train is a streaming.Stream instead: the corpus not yet read, which
+    step_batches reads as it goes, each data-parallel rank its own shard (see streaming.py).
     """
+    if args.streaming:
+        stream = streaming.open_stream(args, tokenizer_path)
+        return stream, stream.val_set, stream.tokenizer
     with main_process_first():
         docs = corpus.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
         train_docs, val_docs = corpus.split_corpus(docs, args.val_fraction, seed=0)
@@ -94,8 +102,11 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
     )
 
 
-def steps_per_epoch(train_ds, args) -> int:
-    """Optimizer steps in one pass over the training split; ValueError if not even one."""
+def steps_per_epoch(train_ds, args) -> int | None:
+    """Optimizer steps in one pass over the training split; ValueError if not even one. None
+    for a stream (--streaming), whose length is not known before it is read."""
+    if isinstance(train_ds, streaming.Stream):
+        return None
     steps = len(train_ds) // args.batch_size
     if steps == 0:
         raise ValueError(
@@ -114,14 +125,35 @@ def step_batches(
     start_step: int,
     num_workers: int,
     pin_memory: bool,
+    shard: tuple[int, int] = (0, 1),
+    data_position: list[dict] | None = None,
 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Yield, for each optimizer step from `start_step` on, its `accumulation` micro-batches.
+    """An iterator over the optimizer steps from `start_step` on: each step's `accumulation`
+    micro-batches.
 
     `order_for_epoch(epoch)` gives the sample indices this process reads in that epoch: that is
     where single-process and distributed training differ. The position in the data is a pure
     function of the step (epoch = step // steps_per_epoch), so resuming at step s reads exactly
     what an uninterrupted run would have read, without storing anything but s.
+
+    A stream (--streaming) is read instead by a streaming.StreamingBatches: `shard` is this
+    process's (data-parallel rank, number of data-parallel ranks), and `data_position` the
+    checkpoint's data_positions() (None: the stream's start). order_for_epoch, steps_per_epoch
+    and start_step are not used: a stream's position is not a function of the step.
     """
+    if isinstance(dataset, streaming.Stream):
+        state = _own_position(data_position, *shard) if start_step > 0 else None
+        return streaming.StreamingBatches(
+            dataset, micro_batch_size, accumulation, *shard, state=state, read_ahead=num_workers
+        )
+    return _cached_step_batches(
+        dataset, order_for_epoch, micro_batch_size, accumulation, steps_per_epoch, start_step,
+        num_workers, pin_memory,
+    )  # fmt: skip
+
+
+def _cached_step_batches(dataset, order_for_epoch, micro_batch_size, accumulation,
+                         steps_per_epoch, start_step, num_workers, pin_memory):  # fmt: skip
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     per_step = micro_batch_size * accumulation
     while True:
@@ -139,6 +171,40 @@ def step_batches(
         for _ in range(step_in_epoch, steps_per_epoch):
             yield [next(batches) for _ in range(accumulation)]
         epoch, step_in_epoch = epoch + 1, 0
+
+
+def data_positions(batches) -> list[dict] | None:
+    """What a checkpoint saves of the position in the data, from step_batches' iterator: None
+    for a cached dataset (the step is its position), and for a stream (--streaming) every
+    data-parallel rank's StreamingBatches.state_dict(), in data-parallel rank order, on global
+    rank 0 (None elsewhere). A collective under torchrun: every rank calls it."""
+    if not isinstance(batches, streaming.StreamingBatches):
+        return None
+    state = batches.state_dict()
+    if not dist.is_initialized():
+        return [state]
+    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, states, dst=0)  # to rank 0 alone: the rank that saves it
+    if states is None:
+        return None
+    # Ranks that share a data shard (the tp, cp or pp ranks of one data-parallel rank) read the
+    # same documents: one state per data-parallel rank.
+    by_rank = {state["rank"]: state for state in states}
+    return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def _own_position(positions: list[dict] | None, rank: int, ranks: int) -> dict:
+    """This data-parallel rank's entry of a checkpoint's data_positions(); ValueError if none."""
+    if positions is None:
+        raise ValueError(
+            "the checkpoint holds no position in the stream (it was not made with --streaming)"
+        )
+    if len(positions) != ranks:
+        raise ValueError(
+            f"the checkpoint's stream was read by {len(positions)} data-parallel ranks, this run "
+            f"has {ranks}: resume --streaming with as many data-parallel ranks"
+        )
+    return positions[rank]
 
 
 # -------------------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ BASE = {
     "data_mode": "pack",
 }
 NUM_DOCS = 32
+# BASE for --streaming, which refuses --val-fraction (validation: the stream's first documents).
+STREAMING = {"streaming": True, "val_fraction": None}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -92,11 +94,14 @@ def write_corpus(root: Path, num_docs: int = NUM_DOCS) -> Path:
 
 
 def cmd(data_dir: Path, cache_dir: Path, out_dir, **overrides) -> list[str]:
-    """The command-line arguments for BASE updated with `overrides` (None drops a flag)."""
+    """The command-line arguments for BASE updated with `overrides` (None drops a flag, True
+    gives a switch such as --streaming)."""
     settings = {**BASE, **overrides}
     argv = ["--data", str(data_dir), "--cache-dir", str(cache_dir), "--out-dir", str(out_dir)]
     for name, value in settings.items():
-        if value is not None:
+        if value is True:
+            argv.append(f"--{name.replace('_', '-')}")
+        elif value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv
 

@@ -22,6 +22,7 @@ from harness import (
     DP,
     LAUNCH_TIMEOUT,
     REPO,
+    STREAMING,
     assert_state_dicts_close,
     cmd,
     copy_checkpoint,
@@ -125,12 +126,14 @@ def test_killed_worker_is_restarted_by_torchrun_and_resumes_bit_identically(
     assert train_steps == sorted(set(train_steps)), "metrics.jsonl repeats or misorders steps"
 
 
+# --streaming: the position in the stream comes back from the checkpoint, not from the step.
+@pytest.mark.parametrize("flags", [{}, STREAMING], ids=["cached", "streaming"])
 def test_killed_job_rerun_with_the_same_command_resumes_bit_identically(
-    trained, corpus, cache_dir, tmp_path
+    trained, corpus, cache_dir, tmp_path, flags
 ):
-    reference = trained(DDP, world=2, **FAULT_RUN)
+    reference = trained(DDP, world=2, **FAULT_RUN, **flags)  # the first: test_killed_worker_...'s
     out = tmp_path / "out"
-    argv = cmd(corpus, cache_dir, out, **FAULT_RUN)
+    argv = cmd(corpus, cache_dir, out, **FAULT_RUN, **flags)
     launcher = launch(argv, MAX_RESTARTS="0")
     wait_for(out / "checkpoints" / "step_0000008.pt", launcher)
     os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and every worker, like a dead node
