@@ -432,16 +432,9 @@ def main():
             # model's names (a collective, never inside is_main).
             data_position = training.data_positions(batches)  # --streaming; a collective
             save_sharded_checkpoint(
-                args,
-                done,
-                rank_model,
-                optimizer,
-                scheduler,
-                config,
-                tokenizer,
-                is_main,
+                args, done, rank_model, optimizer, scheduler, config, tokenizer, is_main,
                 data_position,
-            )
+            )  # fmt: skip
             final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
             throughput.restart()
         if stop:

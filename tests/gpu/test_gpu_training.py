@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import cmd, load_weights, read_metrics, run_script
+from harness import STREAMING, cmd, load_weights, read_metrics, run_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -184,12 +184,14 @@ def copy_checkpoint(src: Path, step: int, dst: Path) -> None:
         copy(path, dst / "checkpoints" / path.name)
 
 
+# --streaming: the data position gathered over NCCL (gather_object) into the checkpoint.
+@pytest.mark.parametrize("data", [{}, STREAMING], ids=["cached", "streaming"])
 @pytest.mark.parametrize("script", [DDP, FSDP])
-def test_resume_on_the_gpu_is_exact(gpu_run, corpus, cache_dir, tmp_path, script):
-    full = gpu_run(script, precision="bf16")
+def test_resume_on_the_gpu_is_exact(gpu_run, corpus, cache_dir, tmp_path, script, data):
+    full = gpu_run(script, precision="bf16", **data)
     out = tmp_path / "resumed"
     copy_checkpoint(full, 10, out)
-    argv = cmd(corpus, cache_dir, out, **{**GPU, "precision": "bf16"})
+    argv = cmd(corpus, cache_dir, out, **{**GPU, "precision": "bf16", **data})
     proc = run_script(script, argv, torchrun=True)
     assert "at step 10" in proc.stdout
     want = [r["loss"] for r in read_metrics(full)[0] if r["step"] > 10]
