@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from stopping import TrainingError
+from stopping import TrainingError, end_with_os_exit
 
 
 def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]:
@@ -57,6 +57,7 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
         # Plain `python train_ddp.py`: a group of one, kept in memory, so the code below is the
         # same at every world size.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    end_with_os_exit()  # see stopping.end_process: no abort at exit after a finished run
     return rank, local_rank, world_size, device
 
 

@@ -6,6 +6,7 @@ Ctrl-C (SIGINT), SIGTERM and SIGUSR1 into a stop after the step in flight, on ev
 same step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and exits.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -71,8 +72,39 @@ def run(main: Callable[[], None]) -> None:
             print("interrupted: stopped at once, without saving; any checkpoints in --out-dir are "
                   "intact: run the same command to resume", file=sys.stderr)  # fmt: skip
         code = 128 + signal.SIGINT
+    if _end_with_os_exit:
+        end_process(code)
     if code:
         sys.exit(code)
+
+
+# Set by distributed.setup_distributed (end_with_os_exit): this process joined a process group.
+_end_with_os_exit = False
+
+
+def end_with_os_exit() -> None:
+    """Have run() end this process with end_process() once main() is over, however it ends."""
+    global _end_with_os_exit
+    _end_with_os_exit = True
+
+
+def end_process(code: int) -> None:
+    """Exit with `code` after the atexit handlers, but without the interpreter's own teardown.
+
+    A process that used torch.distributed keeps C++ objects past destroy_process_group(): FSDP's
+    and DTensor's sharding keep the gloo process group alive (its threads still run), with
+    tensors of its collectives. They are freed only after Python has shut down, and freeing a
+    tensor that Python still owned then needs a GIL that no longer exists: the process aborts
+    ("terminate called without an active exception", SIGABRT) after a finished run, and torchrun
+    reports the run as failed. Seen a few times in the test suite, mostly in train_fsdp.py.
+    So: the handlers registered with atexit (the out-dir lock's release, logging, ...) run here,
+    while Python is whole; the output is flushed; and os._exit skips the rest. Every file of the
+    run is closed by now (checkpoints and metrics are written whole, or renamed into place).
+    """
+    atexit._run_exitfuncs()  # what a normal exit runs first; emptied, so it never runs twice
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # -------------------------------------------------------------------------------------------------

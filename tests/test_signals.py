@@ -125,3 +125,21 @@ def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeyp
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+def test_a_process_that_joined_a_process_group_ends_with_os_exit_after_its_atexit_handlers(
+    monkeypatch,
+):
+    # stopping.end_process: no interpreter teardown for C++ objects of torch.distributed to abort.
+    calls = []
+    monkeypatch.setattr(stopping, "_end_with_os_exit", True)  # as setup_distributed sets it
+    monkeypatch.setattr(stopping.atexit, "_run_exitfuncs", lambda: calls.append("atexit"))
+    monkeypatch.setattr(stopping.os, "_exit", calls.append)
+    stopping.run(lambda: None)
+
+    def refused():
+        raise ValueError("bad input")
+
+    with pytest.raises(SystemExit):  # (os._exit is a stand-in here, so run() goes on)
+        stopping.run(refused)
+    assert calls == ["atexit", 0, "atexit", 2]
