@@ -25,7 +25,6 @@ from harness import (
     DP,
     assert_same_losses,
     assert_state_dicts_close,
-    assert_state_dicts_equal,
     cmd,
     load_weights,
     run_script,
@@ -33,8 +32,7 @@ from harness import (
 from test_bad_input import assert_refused
 from test_fsdp import (
     FSDP,
-    assert_same_logged_losses_after_step_4,
-    assert_same_sharded_checkpoint,
+    assert_resumes_bit_identically,
     copy_sharded_checkpoint,
 )
 
@@ -201,13 +199,8 @@ def test_cp2_pads_checkpoints_accumulates_and_replicates_like_one_process(
 
 def test_cp_resume_is_bit_identical(cp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
-    copy_sharded_checkpoint(cp_run, 4, out)
-    flags = ["--cp", "2", "--document-mask"]
-    proc = run_script(CP, cmd(corpus, cache_dir, out) + flags, world=2)
-    assert "at step 4" in proc.stdout
-    assert_state_dicts_equal(load_weights(out), load_weights(cp_run))
-    assert_same_sharded_checkpoint(out, cp_run, 8, tmp_path)
-    assert_same_logged_losses_after_step_4(out, cp_run)
+    argv = cmd(corpus, cache_dir, out) + ["--cp", "2", "--document-mask"]
+    assert_resumes_bit_identically(CP, cp_run, out, argv, 2, tmp_path)
 
 
 def test_a_cp_checkpoint_resumes_in_train_fsdp_on_one_rank(cp_run, corpus, cache_dir, tmp_path):

@@ -76,6 +76,20 @@ def assert_same_sharded_checkpoint(out_dir: Path, reference: Path, step: int, tm
         assert same, f"{key} differs after resuming"
 
 
+def assert_resumes_bit_identically(script: str, full: Path, out: Path, argv: list[str],
+                                   world: int, tmp_path: Path):  # fmt: skip
+    """Run `script` with `argv` (whose --out-dir is `out`) from `full`'s step-4 checkpoint, copied
+    into `out`, and assert it ends as `full` did, bit for bit: the weights, the step-8 checkpoint
+    (AdamW's state included) and the losses logged for steps 5-8. Returns the run's process."""
+    copy_sharded_checkpoint(full, 4, out)
+    proc = run_script(script, argv, world=world)
+    assert "at step 4" in proc.stdout
+    assert_state_dicts_equal(load_weights(out), load_weights(full))
+    assert_same_sharded_checkpoint(out, full, 8, tmp_path)
+    assert_same_logged_losses_after_step_4(out, full)
+    return proc
+
+
 def assert_same_logged_losses_after_step_4(resumed: Path, full: Path) -> None:
     """The resumed run (started from step 4 in an empty out-dir) logged steps 5-8 exactly."""
     got = [(r["step"], r["loss"]) for r in read_metrics(resumed)[0]]
@@ -181,16 +195,11 @@ def test_zero1_checkpoint_resumes_in_train_dp(launched, trained, corpus, cache_d
 
 @pytest.mark.parametrize("flags", [ZERO3, HSDP], ids=["fsdp", "hsdp"])
 def test_fsdp_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path, flags):
-    full = launched(FSDP, 2, *flags)
-    out = tmp_path / "resumed"
-    copy_sharded_checkpoint(full, 4, out)
-    proc = run_script(FSDP, cmd(corpus, cache_dir, out) + list(flags), world=2)
-    assert "at step 4" in proc.stdout
+    full, out = launched(FSDP, 2, *flags), tmp_path / "resumed"
+    argv = cmd(corpus, cache_dir, out) + list(flags)
+    proc = assert_resumes_bit_identically(FSDP, full, out, argv, 2, tmp_path)
     hsdp = "sharding: HSDP 2 x 1 (replicas x shard group)" in proc.stdout
     assert hsdp == (flags == HSDP), proc.stdout
-    assert_state_dicts_equal(load_weights(out), load_weights(full))
-    assert_same_sharded_checkpoint(out, full, 8, tmp_path)
-    assert_same_logged_losses_after_step_4(out, full)
 
 
 def test_hsdp_writes_each_replicated_shard_once(launched, fsdp_run):

@@ -33,7 +33,6 @@ from harness import (
     REPO,
     assert_same_losses,
     assert_state_dicts_close,
-    assert_state_dicts_equal,
     assert_train_dp_starts_from,
     cmd,
     load_weights,
@@ -42,8 +41,7 @@ from harness import (
 from test_bad_input import assert_refused
 from test_fsdp import (
     FSDP,
-    assert_same_logged_losses_after_step_4,
-    assert_same_sharded_checkpoint,
+    assert_resumes_bit_identically,
     copy_sharded_checkpoint,
 )
 
@@ -107,12 +105,8 @@ def test_sequence_parallel_trains_like_one_process(trained, corpus, cache_dir, t
 
 def test_tp_resume_is_bit_identical(tp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
-    copy_sharded_checkpoint(tp_run, 4, out)
-    proc = run_script(TP, cmd(corpus, cache_dir, out) + ["--tp", "2"], world=2)
-    assert "at step 4" in proc.stdout
-    assert_state_dicts_equal(load_weights(out), load_weights(tp_run))
-    assert_same_sharded_checkpoint(out, tp_run, 8, tmp_path)
-    assert_same_logged_losses_after_step_4(out, tp_run)
+    argv = cmd(corpus, cache_dir, out) + ["--tp", "2"]
+    assert_resumes_bit_identically(TP, tp_run, out, argv, 2, tmp_path)
 
 
 def test_checkpoint_without_sequence_parallel_resumes_with_it(tp_run, corpus, cache_dir, tmp_path):
