@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import cli
+import compat
 import data
 import metrics
 import model_flags
@@ -211,7 +212,7 @@ def build(strategy: str, args, vocab_size: int, device, precision: str):
     ddp_model = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,
+        **compat.NO_FORWARD_BUFFER_SYNC,  # the lessons' setting: no buffer sync per forward
     )
     if strategy == "zero1":
         optimizer = ZeroRedundancyOptimizer(

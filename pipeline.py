@@ -137,17 +137,25 @@ class RankModel(nn.Module):
         self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)
 
 
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor, scale) -> torch.Tensor:
-    """The last stage's loss for one micro-batch: summed cross-entropy x `scale`.
+class PipelineLoss:
+    """The last stage's loss for one micro-batch: summed cross-entropy x `self.scale`.
 
-    Training passes scale = dp / (targets in the global batch): the same normalisation as every
-    other script (see the loop), so the schedule must not rescale (scale_grads=False).
-    Evaluation passes 1: plain sums, added up and divided once.
+    The schedule calls it as loss_fn(logits, targets) for every micro-batch. The loop sets
+    `scale` before each schedule run: training, dp / (targets in the global batch), the same
+    normalisation as every other script (see the loop), so the schedule must not rescale
+    (scale_grads=False); evaluation, 1: plain sums, added up and divided once. (An attribute
+    rather than the schedule's loss_kwargs, which torch 2.13 brought: the same on every torch.)
     """
-    loss_sum = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets (B*T,)
-    return loss_sum * scale
+
+    def __init__(self):
+        self.scale: torch.Tensor | float = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets (B*T,)
+        return loss_sum * self.scale
 
 
 # -------------------------------------------------------------------------------------------------

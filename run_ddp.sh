@@ -53,6 +53,14 @@ env -u RANK -u LOCAL_RANK WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \
 # kill torchrun) torchrun passes the signal to its workers, which finish their step, save a
 # checkpoint and exit; it SIGKILLs them after --shutdown-timeout, so that must cover a step and a
 # save. (It also gives the survivors of a failed worker that long to stop before a restart.)
+# torchrun's --shutdown-timeout came with torch 2.13 (the suite's other version checks are in
+# compat.py); before it the time is fixed at 30 s.
+shutdown_timeout=(--shutdown-timeout="${SHUTDOWN_TIMEOUT:-120}")
+if [[ "$(torchrun --help 2>/dev/null || true)" != *--shutdown-timeout* ]]; then
+  echo "note: this torchrun (torch before 2.13) gives its workers a fixed 30 s to stop, not" \
+    "SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120} s: a step and a save must fit in 30 s" >&2
+  shutdown_timeout=()
+fi
 set -x
 exec torchrun \
   --nnodes="$NNODES" \
@@ -63,5 +71,5 @@ exec torchrun \
   --rdzv-conf="is_host=$is_host" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-  --shutdown-timeout="${SHUTDOWN_TIMEOUT:-120}" \
+  ${shutdown_timeout[@]+"${shutdown_timeout[@]}"} \
   "$script" "$@"

@@ -4,6 +4,7 @@ with torch.distributed.tensor.parallel.
 
     apply_tensor_parallel(model, mesh["tp"])   # in place: every matrix split over the tp ranks
     apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True)  # and the norms' activations
+    replicate_partial_grads(model.parameters())  # before clipping, with sequence parallelism
 """
 
 import torch.nn as nn
@@ -122,6 +123,23 @@ def parallelize_norm(norm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
         parallelize_module(norm, tp_mesh, SequenceParallel())
     else:
         replicate_module(norm, tp_mesh)
+
+
+def replicate_partial_grads(parameters) -> None:
+    """Sum every Partial gradient over its ranks, in place: a Replicate (or still sharded) DTensor.
+
+    With sequence parallelism the norms' weight gradients are Partial: each tp rank holds its sum
+    over its own positions, and the whole gradient is their sum, taken where it is read. Call this
+    before clip_grad_norm_: it measures such a gradient right, but torch 2.11 then leaves it
+    unscaled (its in-place multiply does not reach a Partial DTensor's pieces; 2.13 scales it).
+    Summed first, clipping is the same on every torch, at the cost of the all-reduce of a few
+    numbers per norm that the optimizer would otherwise do.
+    """
+    for p in parameters:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in grad.placements]
+            p.grad = grad.redistribute(grad.device_mesh, placements)
 
 
 def apply_tensor_parallel(

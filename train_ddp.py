@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import checkpoints
 import cli
+import compat
 import memory_plan
 import out_dir
 import stopping
@@ -88,9 +89,10 @@ def main():
         training.compile_layers(model)
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
     # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
-    # are constants, so re-broadcasting them before every forward would be wasted traffic.
+    # are constants, so re-broadcasting them before every forward would be wasted traffic
+    # (compat.py: torch before 2.13 calls it broadcast_buffers=False).
     device_ids = [local_rank] if device.type == "cuda" else None
-    ddp_model = DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+    ddp_model = DDP(model, device_ids=device_ids, **compat.NO_FORWARD_BUFFER_SYNC)
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
         plan = auto_micro_batch_size(
             args, plan, ddp_model, attn_mask, optimizer, config.vocab_size, device

@@ -80,10 +80,10 @@ from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX, LlamaForPretraining
 from pipeline import (
     SCHEDULES,
+    PipelineLoss,
     RankModel,
     build_stages,
     clip_grad_norm_over_pipeline,
-    pipeline_loss,
     split_layers,
     stage_ids_of_rank,
     sum_over_mesh,
@@ -250,7 +250,7 @@ def main():
     if args.activation_checkpointing:
         training.apply_activation_checkpointing(model)
     if args.compile:
-        training.compile_layers(model, loss=False)  # the last stage runs pipeline_loss
+        training.compile_layers(model, loss=False)  # the last stage runs PipelineLoss
     stage_models = build_stages(model, pp_rank, pp, v, device, plan.precision)
     del model  # the layers of the other ranks' stages are freed with it
     if args.tp > 1:
@@ -284,17 +284,18 @@ def main():
             print(f"resumed from {resume_path} at step {start_step}")
     # The runtime side: a PipelineStage per stage knows its index, its neighbours' ranks in the
     # pp group, and sends/receives activations and gradients. The schedule orders the forwards,
-    # backwards and sends of all micro-batches. scale_grads=False: pipeline_loss is already
+    # backwards and sends of all micro-batches. scale_grads=False: the loss is already
     # normalised by the global number of targets (the schedule would divide by m again).
     stages = [
         PipelineStage(stage_model, s, num_stages, device, group=mesh["pp"].get_group())
         for stage_model, s in zip(stage_models, stage_ids_of_rank(pp_rank, pp, v), strict=True)
     ]
+    loss_fn = PipelineLoss()  # summed cross-entropy x loss_fn.scale, set by run_pipeline
     schedule_class = SCHEDULES[args.schedule]
     schedule = schedule_class(
         stages if args.schedule == "interleaved" else stages[0],
         n_microbatches=microbatches,
-        loss_fn=pipeline_loss,
+        loss_fn=loss_fn,
         scale_grads=False,
     )
     is_first = any(stage.is_first for stage in stages)  # this rank feeds the tokens in
@@ -354,12 +355,12 @@ def main():
         """
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         mask = attn_mask(x)
+        loss_fn.scale = scale  # what the last stage multiplies each micro-batch's loss sum by
         run = schedule.step if train else schedule.eval
         run(
             *((x,) if is_first else ()),
             target=y if is_last else None,
             losses=losses,
-            loss_kwargs={"scale": scale},
             return_outputs=False,  # keep no logits: the losses are all this loop needs
             **({} if mask is None else {"attn_mask": mask}),
         )

@@ -77,6 +77,7 @@ from tensor_parallel import (
     check_tensor_parallel,
     data_parallel_size,
     local_outputs,
+    replicate_partial_grads,
 )
 
 
@@ -268,6 +269,8 @@ def main():
         # The global loss, on every rank (no wait for it here: the all-reduce is queued like any
         # other kernel). Every rank then takes the same decisions about it below.
         dist.all_reduce(step_loss, group=dp_group)
+        if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
+            replicate_partial_grads(model.parameters())  # (see there: clipping on every torch)
         # The gradients are DTensors (sharded over tp, and over dp too with FSDP): clip_grad_norm_
         # adds up the squared norms of the shards over the grid, so every rank measures (and
         # clips by) the norm of the whole gradient. Replicated norm weights are counted once.

@@ -240,7 +240,7 @@ def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
     loss: also compile model.loss (final norm, lm_head, cross-entropy), which fuses the upcast
     and log-softmax of the (B, T, vocab) logits instead of writing them out three times. Off
     under tensor parallelism, whose loss runs on vocabulary shards inside loss_parallel(), and
-    in pipeline stages, whose last stage computes pipeline_loss instead.
+    in pipeline stages, whose last stage computes pipeline.PipelineLoss instead.
     """
     for layer in decoder_layers(model):
         layer.compile()

@@ -129,13 +129,21 @@ def run_ddp_sh_env(**extra) -> dict:
 
 
 def script_command(
-    script: str, argv: list[str], world: int = 1, torchrun: bool | None = None
+    script: str,
+    argv: list[str],
+    world: int = 1,
+    torchrun: bool | None = None,
+    nonfinite: str | None = None,
 ) -> list[str]:
-    """`python script` for world 1, torchrun for more ranks (or for one, with torchrun=True)."""
+    """`python script` for world 1, torchrun for more ranks (or for one, with torchrun=True).
+    nonfinite: the steps whose loss tests/nonfinite.py makes NaN ("2", or "2-": 2 and later)."""
+    program = [str(REPO / script), *argv]
+    if nonfinite is not None:
+        program = [str(REPO / "tests" / "nonfinite.py"), nonfinite, *program]
     if not (world > 1 if torchrun is None else torchrun):
-        return [sys.executable, str(REPO / script), *argv]
+        return [sys.executable, *program]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={world}", str(REPO / script), *argv]  # fmt: skip
+            f"--nproc_per_node={world}", *program]  # fmt: skip
 
 
 def run_script(
@@ -145,15 +153,17 @@ def run_script(
     expect_rc: int | None = 0,
     torchrun: bool | None = None,
     preexec_fn=None,
+    nonfinite: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `script` as a user would: `python script` for world 1, torchrun for more ranks (or
     for one, with torchrun=True).
 
     Asserts the exit code (unless expect_rc is None) and shows the run's output if it differs.
     preexec_fn: run in the child before the script starts (subprocess.run's), e.g. to set limits.
+    nonfinite: make these steps' losses NaN (tests/nonfinite.py), e.g. "2" or "2-".
     """
     proc = subprocess.run(
-        script_command(script, argv, world, torchrun), cwd=REPO, env=launch_env(),
+        script_command(script, argv, world, torchrun, nonfinite), cwd=REPO, env=launch_env(),
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, preexec_fn=preexec_fn,
     )  # fmt: skip
     if expect_rc is not None:

@@ -165,6 +165,7 @@ def dp_document_mask_run(tmp_path_factory, corpus, cache_dir):
     return out
 
 
+@pytest.mark.one_process
 def test_cp2_with_document_masks_trains_like_one_process(cp_run, dp_document_mask_run):
     # Documents start anywhere in a row, so the mask crosses the chunks of both ranks.
     assert_state_dicts_close(load_weights(cp_run), load_weights(dp_document_mask_run))
@@ -173,6 +174,7 @@ def test_cp2_with_document_masks_trains_like_one_process(cp_run, dp_document_mas
     assert_same_losses(cp_run, dp_document_mask_run)
 
 
+@pytest.mark.one_process
 def test_cp2_pads_checkpoints_accumulates_and_replicates_like_one_process(
     trained, corpus, cache_dir, tmp_path
 ):

@@ -125,6 +125,7 @@ def launched(tmp_path_factory, corpus, cache_dir):
     return get
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize(
     "script, world, flags",
     [

@@ -87,6 +87,7 @@ def pp_run(launched):
 # The same training as one process
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_trains_like_one_process(pp_run, trained, layout):
     out, reference = pp_run(layout), trained(DP)

@@ -36,6 +36,7 @@ from harness import (
     assert_train_dp_starts_from,
     cmd,
     load_weights,
+    read_metrics,
     run_script,
 )
 from test_bad_input import assert_refused
@@ -67,6 +68,7 @@ def tp_run(tmp_path_factory, corpus, cache_dir) -> Path:
 # The same training as one process
 
 
+@pytest.mark.one_process
 def test_tp2_trains_like_one_process(tp_run, trained):
     reference = trained(DP)
     assert_state_dicts_close(load_weights(tp_run), load_weights(reference))
@@ -75,6 +77,7 @@ def test_tp2_trains_like_one_process(tp_run, trained):
     assert_same_losses(tp_run, reference)
 
 
+@pytest.mark.one_process
 def test_dp2_tp1_splits_the_batch_over_dp_groups_like_fsdp(trained, corpus, cache_dir, tmp_path):
     # --tp 1 on 2 ranks is train_fsdp.py's layout through this script: 2 dp groups of one rank,
     # each reading half of every global batch, in 2 micro-batches (gradient accumulation).
@@ -87,6 +90,7 @@ def test_dp2_tp1_splits_the_batch_over_dp_groups_like_fsdp(trained, corpus, cach
     assert_same_losses(out, reference)
 
 
+@pytest.mark.one_process
 def test_sequence_parallel_trains_like_one_process(trained, corpus, cache_dir, tmp_path):
     # Pad mode: rows of padding, whose targets do not count, fall into either rank's piece of the
     # sequence; the loss and the target count must still be those of the whole batch.
@@ -97,6 +101,9 @@ def test_sequence_parallel_trains_like_one_process(trained, corpus, cache_dir, t
     reference = trained(DP, data_mode="pad")
     assert_state_dicts_close(load_weights(out), load_weights(reference))
     assert_same_losses(out, reference)
+    # Clipping acted (the default --grad-clip 1.0): the norms' Partial gradients must be clipped
+    # like every other (torch 2.11 left them unscaled: tensor_parallel.replicate_partial_grads).
+    assert max(r["grad_norm"] for r in read_metrics(out)[0]) > 1.0
 
 
 # -------------------------------------------------------------------------------------------------

@@ -67,12 +67,14 @@ from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
 # DDP == one process
 
 
+@pytest.mark.one_process
 def test_ddp_two_ranks_matches_single_process_pack_mode(trained):
     ddp, dp = trained(DDP, world=2), trained(DP)
     assert_state_dicts_close(load_weights(ddp), load_weights(dp))
     assert_same_losses(ddp, dp)
 
 
+@pytest.mark.one_process
 def test_ddp_two_ranks_matches_single_process_pad_mode(trained, corpus, cache_dir):
     # Precondition: padding makes the ranks' halves of a global batch hold different numbers of
     # targets, so a per-rank mean (or a plain DDP average of per-rank means) would weigh tokens
@@ -159,6 +161,7 @@ def plain_training_loop(args, plan) -> tuple[dict[str, torch.Tensor], list[float
     return model.state_dict(), losses
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_dataparallel_path_matches_plain_training_loop(trained, corpus, cache_dir, mode):
     # On CPU, nn.DataParallel just calls its module: train_dp.py must then be this plain loop.
@@ -171,6 +174,7 @@ def test_dataparallel_path_matches_plain_training_loop(trained, corpus, cache_di
     assert logged == pytest.approx(losses, rel=LOSS_RTOL)
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize(
     "script, world, micro_batch, one_batch",
     [

@@ -47,7 +47,6 @@ GPU = {
 }
 LOSS_RTOL = 1e-4
 MIXED_RTOL = 3e-2
-TORCH_2_13 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 @pytest.fixture(scope="session")
@@ -109,11 +108,7 @@ SCRIPTS = [
     (ZERO1, ()),
     (FSDP, ()),
     (TP, ("--tp", "1")),
-    pytest.param(
-        PP, ("--pp", "1"),
-        marks=pytest.mark.skipif(not TORCH_2_13, reason="train_pp.py needs torch 2.13 "
-                                 "(schedule.step(loss_kwargs=...)); requirements.txt pins it"),
-    ),
+    (PP, ("--pp", "1")),
     (CP, ("--cp", "1")),  # a group of one: CP's attention path, flash via causal_lower_right
 ]  # fmt: skip
 SCRIPT_IDS = ["dp", "ddp", "zero1", "fsdp", "tp", "pp", "cp"]
