@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cli import RunPlan
+from model import router_stats
 from training import autocast
 
 # The share of the GPU's memory a micro-batch may fill, with the optimizer state still to come:
@@ -124,6 +125,7 @@ def auto_micro_batch_size(
         return peak.item()
 
     best, peaks = search_micro_batch_size(per_device, peak_bytes, budget)
+    router_stats(model)  # a mixture of experts counted the probes' routing: not training's
     if args.compile or (args.document_mask and plan.attention == "flex"):
         # The probes compiled the layers for several batch sizes, so the kernels kept are
         # dynamic-shape ones; recompiling once for the chosen size gives static, faster ones.

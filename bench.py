@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model and step (the training scripts' flags)")
     g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
-    model_flags.add_shape_flags(g)
+    model_flags.add_shape_flags(g, cli.number_arg)
     g.add_argument("--seq-length", type=int, default=256, help="tokens per sequence")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per device per step")
     g.add_argument(

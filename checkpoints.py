@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from data import load_tokenizer
-from model import LlamaConfig, LlamaForPretraining
+from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 from stopping import TrainingError
 
 # -------------------------------------------------------------------------------------------------
@@ -152,13 +152,14 @@ def save_checkpoint(out_dir: str, step: int, state: dict, keep: int) -> str:
     return path
 
 
-def save_failed(path: str, error: BaseException) -> TrainingError:
-    """The error for a checkpoint that could not be written (its partial files are removed)."""
+def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -> TrainingError:
+    """The error for a checkpoint (or `what` else) that could not be written (its partial files
+    are removed)."""
     reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
     return TrainingError(
-        f"could not save the checkpoint {path}: {reason}. The checkpoints before it are intact: "
+        f"could not save {what} {path}: {reason}. The checkpoints before it are intact: "
         f"if the disk is full, make room, then run the same command again to resume"
     )
 
@@ -195,28 +196,39 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# The flags that fix the data order and the shape of the learning-rate schedule: a resumed run
-# must use the same, or it would not continue the run it resumes. Everything else (micro-batch
-# size, precision, intervals, workers, ...) may change between restarts, and so may --max-steps:
-# a larger one extends the run (even a finished one), its cosine then stretched to the new end
+# The flags that fix the data order, what the model attends to and the shape of the
+# learning-rate schedule: a resumed run must use the same, or it would not be the run an
+# uninterrupted one gives. Everything else (micro-batch size, precision, intervals, workers,
+# the attention kernel, ...) may change between restarts, and so may --max-steps: a larger one
+# extends the run (even a finished one), its cosine then stretched to the new end
 # (resume_schedule); one below the checkpoint's step is refused. The flags that make the model
 # (--model, the shape flags, --vocab-size) are not listed: check_resumable compares the config
 # they make, so flags that make the same model resume (a recorded --vocab-size 4096 and a tiny
-# run's default, which is 4096).
+# run's default, which is 4096). Nor is --data: check_resumable compares the documents it
+# reads (corpus_sha256), not how the path was spelled.
+# --document-mask is listed: turning it on or off changes which tokens every token attends to,
+# hence the model's function and its loss, so the run would no longer be one run (start another
+# from the finished model with --init-from instead).
 RESUME_MUST_MATCH = (
-    "data", "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size",
-    "seed", "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token",
-    "streaming",
+    "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
+    "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
+    "document_mask",
 )  # fmt: skip
 # Flags newer than some checkpoints, and the value those checkpoints were made with.
 ADDED_SINCE = {
     "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
-    "streaming": False,
+    "streaming": False, "document_mask": False,
 }  # fmt: skip
 
 
 def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def corpus_digest(tokenizer) -> str | None:
+    """The fingerprint of the documents the run reads (data.DocumentTokenizer.corpus_sha256: set
+    by training.build_datasets, or streaming.open_stream); None for a tokenizer loaded alone."""
+    return getattr(tokenizer, "corpus_sha256", None)
 
 
 def checkpoint_state(
@@ -233,15 +245,17 @@ def checkpoint_state(
         "step": step,  # optimizer steps completed; also the position in a cached dataset
         "config": config.to_dict(),
         "tokenizer_sha256": tokenizer_digest(tokenizer),
+        "corpus_sha256": corpus_digest(tokenizer),  # what the data is; absent in older ones
         "args": vars(args),
         "data": data_position,
     }
 
 
 def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
-    """ValueError if the checkpoint belongs to another run: a different model, tokenizer, data
-    order or schedule (its "config", "tokenizer_sha256" and "args" against this run's), or if
-    it is already past --max-steps."""
+    """ValueError if the checkpoint belongs to another run: a different model, tokenizer, data,
+    data order or schedule (its "config", "tokenizer_sha256", "corpus_sha256" and "args" against
+    this run's), or if it is already past --max-steps. Called on every rank before anything is
+    loaded, so a refused resume changes nothing; rank 0 then notes an unused --init-from."""
     if ckpt["step"] > args.max_steps:
         raise ValueError(
             f"the checkpoint is at step {ckpt['step']}, past --max-steps {args.max_steps}: a run "
@@ -249,9 +263,13 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
             f"more, or start a new run in another --out-dir"
         )
     recorded = {**ADDED_SINCE, **ckpt["args"]}
+    # A stream's validation is its first documents, as many as --eval-batches x --batch-size
+    # sequences need: another --eval-batches would hold out others (and its corpus_sha256,
+    # which covers them, would differ too: say which flag, not only that the data differs).
+    must_match = RESUME_MUST_MATCH + (("eval_batches",) if recorded["streaming"] else ())
     changed = [
         f"--{name.replace('_', '-')} {recorded.get(name)!r} (now {getattr(args, name)!r})"
-        for name in RESUME_MUST_MATCH
+        for name in must_match
         if recorded.get(name) != getattr(args, name)
     ]
     if changed:
@@ -259,23 +277,75 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
             f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
             f"start a new run in another --out-dir"
         )
-    saved = {"rope_scaling": None, **ckpt["config"]}  # a field newer than some checkpoints
-    if saved != config.to_dict():
-        changed = [
-            f"{name} {saved.get(name)} (now {value})"
-            for name, value in config.to_dict().items()
-            if saved.get(name) != value
-        ]
+    # Fields newer than some checkpoints, and what those were made with; a dense model's
+    # to_dict() leaves out the MoE fields: missing, they are the dense defaults on either side.
+    absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
+    saved, now = ckpt["config"], config.to_dict()
+    changed = [
+        f"{name} {saved.get(name, absent.get(name))} (now {now.get(name, absent.get(name))})"
+        for name in {**saved, **now}  # the union of both sides' fields, in order
+        if saved.get(name, absent.get(name)) != now.get(name, absent.get(name))
+    ]
+    if changed:
         raise ValueError(
             f"the checkpoint holds a model with config {', '.join(changed)}; resume with that "
-            f"run's --model, shape flags (--num-layers, ...) and --vocab-size or --tokenizer, or "
-            f"start a new run in another --out-dir"
+            f"run's --model, shape flags (--num-layers, ...), expert flags (--num-experts, ...) "
+            f"and --vocab-size or --tokenizer, or start a new run in another --out-dir"
         )
+    # The data before the tokenizer: a tokenizer the run trains changes with its corpus, and the
+    # corpus is then what to say.
+    check_same_data(ckpt, args, tokenizer)
     if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
         raise ValueError(
             "the checkpoint was trained with a different tokenizer than this run's; use the "
             "same --data, --vocab-size and --tokenizer as that run, or another --out-dir"
         )
+    if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
+        # Not refused: a run started with --init-from and restarted with the same command must
+        # resume, not start over. (--init-from naming the --out-dir itself is refused: cli.py.)
+        print(
+            f"note: --init-from {args.init_from} is not used: the run resumes from its own "
+            f"checkpoint (at step {ckpt['step']}), which holds its weights"
+        )
+
+
+def check_same_data(ckpt: dict, args, tokenizer) -> None:
+    """ValueError if this run reads other documents than the checkpoint's run did.
+
+    What the data is, not how --data spells it: a checkpoint holds corpus_sha256, the digest of
+    the documents (corpus.fingerprint; for --streaming, corpus.stream_fingerprint). An edited,
+    reordered, grown or shrunk corpus is refused: it would change the validation split and the
+    data order, and train on documents that were validation before. The same files named
+    another way (dir//file, ./dir/file, an absolute path, a moved copy) resume. A checkpoint
+    from before the digest has only --data to go by: that is compared, as a normalised path.
+    """
+    saved, now = ckpt.get("corpus_sha256"), corpus_digest(tokenizer)
+    if saved is not None and now is not None:
+        if saved != now:
+            what = (
+                "its first documents (held out for validation) or its files' sizes"
+                if args.streaming
+                else "its documents"
+            )
+            raise ValueError(
+                f"--data {args.data} is not the data the checkpoint was trained on: {what} "
+                f"differ (fingerprint {saved[:12]}, now {now[:12]}); resume with that data as "
+                f"it was, or start a new run in another --out-dir"
+            )
+        return
+    recorded = ckpt["args"].get("data")
+    if recorded is not None and _normalised_spec(recorded) != _normalised_spec(args.data):
+        raise ValueError(
+            f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); resume with "
+            f"the same data, or start a new run in another --out-dir"
+        )
+
+
+def _normalised_spec(spec: str) -> str:
+    """--data as one absolute path, so that dir//file, ./dir/file and /abs/dir/file compare
+    equal (and globs alike); a hub name or stdlib, made absolute the same way on both sides,
+    still equals only itself."""
+    return os.path.abspath(os.path.expanduser(spec))
 
 
 def restore_checkpoint(

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shlex
 import sys
@@ -26,13 +27,18 @@ import torch
 import model_flags
 import toml_flags
 from checkpoints import OUT_DIR_FILES, atomic_write_text, load_config
-from data import load_tokenizer
+from data import SPECIAL_TOKENS, load_tokenizer
+from distributed import world_size_from_env
 from metrics import NonFiniteGuard
-from model import LlamaConfig, count_parameters
+from model import LlamaConfig, count_active_parameters, count_parameters
 from stopping import TrainingError
 
 # -------------------------------------------------------------------------------------------------
 # Flags
+
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and [PAD], [BOT], [EOT]
+# torch seeds are 64-bit; epoch e of the data order is seeded with --seed + e, which must fit too.
+MAX_SEED = 2**63 - 1
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -112,10 +118,10 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     add_special_token_flags(g)
     g.add_argument(
         "--vocab-size",
-        type=int,
+        type=number_arg(int, MIN_VOCAB_SIZE),
         default=None,
-        help="vocabulary of a trained tokenizer (default: the --model preset's vocab_size: 4096 "
-        "for tiny, 32000 for the others)",
+        help="vocabulary of a trained tokenizer, at least 259 (its 256 bytes and 3 special "
+        "tokens) (default: the --model preset's vocab_size: 4096 for tiny, 32000 for the others)",
     )
     g.add_argument(
         "--data-mode",
@@ -139,21 +145,21 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     )
     g.add_argument(
         "--val-fraction",
-        type=float,
+        type=number_arg(float, 0, 1, low_open=True, high_open=True),
         default=0.01,
         help="fraction of documents held out for validation",
     )
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
     g.add_argument(
         "--num-workers",
-        type=int,
+        type=number_arg(int, 0),
         default=1,
         help="DataLoader worker processes; with --streaming, 0 reads in the training loop and N "
         "reads up to N steps ahead in one background thread",
     )
     g.add_argument(
         "--num-proc",
-        type=int,
+        type=number_arg(int, 1),
         default=None,
         help="processes that tokenize the corpus (default: one, whose tokenizer already uses "
         "every core); the tokens and the windows are the same for any value",
@@ -172,7 +178,7 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
         help="preset: tiny, small, medium, 1b, 7b, 13b, 70b (default: tiny; with --init-from, "
         "its architecture)",
     )
-    model_flags.add_shape_flags(g)
+    model_flags.add_shape_flags(g, number_arg)
     g.add_argument(
         "--init-from",
         default=None,
@@ -181,10 +187,12 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
         "config.json and tokenizer.json (any train script's, or export_hf.py --from-hf's); the "
         "architecture and the tokenizer come from there",
     )
-    g.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    g.add_argument(
+        "--seq-length", type=number_arg(int, 1), default=256, help="tokens per training sequence"
+    )
     g.add_argument(
         "--batch-size",
-        type=int,
+        type=number_arg(int, 1),
         default=16,
         help="global batch: sequences per optimizer step, over all devices",
     )
@@ -197,27 +205,43 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     )
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=int, default=200, help="optimizer steps to train for")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument(
-        "--min-lr-ratio", type=float, default=0.1, help="the cosine schedule decays to lr * this"
+        "--max-steps", type=number_arg(int, 1), default=200, help="optimizer steps to train for"
+    )
+    g.add_argument(
+        "--lr", type=number_arg(float, 0, low_open=True), default=3e-3, help="peak learning rate"
+    )
+    g.add_argument(
+        "--min-lr-ratio",
+        type=number_arg(float, 0, 1),
+        default=0.1,
+        help="the cosine schedule decays to lr * this (0 to 1: the lr never rises after warmup)",
     )
     g.add_argument(
         "--warmup-steps",
-        type=int,
+        type=number_arg(int, 0),
         default=20,
         help="linear warmup from lr/warmup to --lr. More than --max-steps is only warned about "
         "(a short test run with the default warmup is fine), but the lr then never reaches --lr",
     )
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    g.add_argument(
+        "--grad-clip", type=number_arg(float, 0), default=1.0, help="max gradient norm (0: off)"
+    )
     g.add_argument(
         "--skip-nonfinite",
         action="store_true",
         help="skip the update of a step whose loss or gradient is NaN/inf, instead of stopping; "
         f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} such steps in a row still stop the run",
     )
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
-    g.add_argument("--seed", type=int, default=1337, help="seed of weights and data order")
+    g.add_argument(
+        "--weight-decay", type=number_arg(float, 0), default=0.1, help="AdamW decay of matrices"
+    )
+    g.add_argument(
+        "--seed",
+        type=number_arg(int, 0, MAX_SEED),
+        default=1337,
+        help="seed of weights and data order (the data order of epoch e uses seed + e)",
+    )
     g.add_argument(
         "--precision",
         choices=["auto", "fp32", "bf16", "fp16"],
@@ -232,16 +256,28 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     )
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--log-interval", type=int, default=10, help="steps between logged losses")
-    g.add_argument("--eval-interval", type=int, default=50, help="steps between evaluations")
+    g.add_argument(
+        "--log-interval", type=number_arg(int, 1), default=10, help="steps between logged losses"
+    )
+    g.add_argument(
+        "--eval-interval", type=number_arg(int, 1), default=50, help="steps between evaluations"
+    )
     g.add_argument(
         "--eval-batches",
-        type=int,
+        type=number_arg(int, 1),
         default=10,
         help="evaluate on the first N global batches of the validation split",
     )
-    g.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints")
-    g.add_argument("--keep-checkpoints", type=int, default=3, help="how many checkpoints to keep")
+    g.add_argument(
+        "--save-interval", type=number_arg(int, 1), default=100, help="steps between checkpoints"
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=number_arg(int, 2),
+        default=3,
+        help="how many checkpoints to keep, at least 2: if the newest is damaged, resuming falls "
+        "back to the one before",
+    )
     g.add_argument("--out-dir", default="out", help="metrics, checkpoints and the final model")
     g.add_argument(
         "--resume",
@@ -251,7 +287,7 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     )
     g.add_argument(
         "--sample-tokens",
-        type=int,
+        type=number_arg(int, 0),
         default=64,
         help="tokens to generate from the trained model at the end (0: none)",
     )
@@ -301,13 +337,56 @@ def add_special_token_flags(group) -> None:
 
 
 def micro_batch_size_arg(value: str) -> int | str:
-    """--micro-batch-size: a number, or 'auto'."""
+    """--micro-batch-size: a positive number, or 'auto'."""
     if value == "auto":
         return value
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'auto', got {value!r}")
+    return number
+
+
+def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_open: bool = False):
+    """A numeric flag's `type=`: a finite `kind` (int or float) in [low, high] (low excluded
+    with low_open, high with high_open; None: no bound), else argparse.ArgumentTypeError, which
+    argparse (and a --config file) reports naming the flag: `argument --top-p: expected a number
+    in (0, 1], got 'nan'`. nan and inf are never numbers here, whatever the bounds. Every
+    number-typed flag of the suite takes one, so that a bad value stops the parse itself.
+
+        p.add_argument("--top-p", type=cli.number_arg(float, 0, 1, low_open=True))
+    """
+
+    def show(bound) -> str:
+        return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+    what = "an integer" if kind is int else "a number"
+    if low is not None and high is not None:
+        brackets = ("(" if low_open else "[") + (")" if high_open else "]")
+        what += f" in {brackets[0]}{show(low)}, {show(high)}{brackets[1]}"
+    elif low is not None:
+        what += f" {'>' if low_open else '>='} {show(low)}"
+    elif high is not None:
+        what += f" {'<' if high_open else '<='} {show(high)}"
+
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = None
+        if (
+            number is None
+            or (isinstance(number, float) and not math.isfinite(number))
+            or (low is not None and (number <= low if low_open else number < low))
+            or (high is not None and (number >= high if high_open else number > high))
+        ):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+        return number
+
+    parse.__name__ = kind.__name__  # argparse's name for the type in its own messages
+    return parse
 
 
 @dataclass(frozen=True)
@@ -342,22 +421,9 @@ def plan_run(
     before any data is read. With --micro-batch-size auto the plan's micro_batch_size is None
     (and its accumulation 1) until auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
-    for name in (
-        "seq_length",
-        "batch_size",
-        "max_steps",
-        "log_interval",
-        "eval_interval",
-        "eval_batches",
-        "save_interval",
-        "vocab_size",
-    ):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:  # None: the preset's
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.lr <= 0 or args.warmup_steps < 0 or args.num_workers < 0 or args.sample_tokens < 0:
-        parser.error("--lr must be positive; --warmup-steps, --num-workers, --sample-tokens >= 0")
-    if args.num_proc is not None and args.num_proc <= 0:
-        parser.error(f"--num-proc must be positive, got {args.num_proc}")
+    # Each number's own range (positive, finite, ...) was checked as it was parsed (number_arg);
+    # what is left is how the flags go together, with the processes and with the device.
+    world_size_from_env()  # WORLD_SIZE itself: ValueError unless a positive integer
     if args.streaming and args.num_proc is not None:
         parser.error(
             "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "
@@ -376,8 +442,6 @@ def plan_run(
             f"--lr {args.lr}",
             file=sys.stderr,
         )
-    if not 0 < args.val_fraction < 1:
-        parser.error(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         parser.error(
             "--tensorboard needs the tensorboard package: pip install -r "
@@ -391,8 +455,6 @@ def plan_run(
             "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
             "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
         )
-    if not auto and args.micro_batch_size is not None and args.micro_batch_size <= 0:
-        parser.error(f"--micro-batch-size must be positive, got {args.micro_batch_size}")
     micro = args.micro_batch_size
     if micro is None:
         micro = default_micro_batch_size
@@ -405,21 +467,26 @@ def plan_run(
             f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step sees "
             f"exactly the global batch"
         )
-    if args.keep_checkpoints < 2:
-        parser.error(
-            "--keep-checkpoints must be at least 2: if the newest checkpoint is damaged, resuming "
-            "falls back to the one before"
-        )
     # The model and the sequence length are known now: refuse them before minutes of data
     # preparation, not after.
     model, tokenizer = args.model or "tiny", args.tokenizer
     if args.init_from is not None:
-        shaping = ["model", "tokenizer", "vocab_size", *model_flags.SHAPE_FLAGS]
+        shaping = ["model", "tokenizer", "vocab_size", *model_flags.MODEL_FLAGS]
         given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
         if given:
             parser.error(
                 f"--init-from {args.init_from} brings its own architecture (config.json) and "
                 f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
+            )
+        if os.path.realpath(args.init_from) == os.path.realpath(args.out_dir):
+            # Refused rather than resolved either way: resuming would ignore --init-from, and a
+            # fresh start would write its checkpoints and, at the end, its model.pt over the
+            # very files it starts from (the rule: a run never destroys what is already there).
+            parser.error(
+                f"--init-from {args.init_from} is also the --out-dir: a run writes its model.pt "
+                f"there, over the weights it starts from. To train on from that run's own "
+                f"checkpoints, leave out --init-from (it resumes; raise --max-steps); to start "
+                f"a new run from its model, give another --out-dir"
             )
         # The weights only mean something with the tokenizer they were trained with.
         model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
@@ -441,6 +508,11 @@ def plan_run(
         parser.error(
             f"--seq-length {args.seq_length} exceeds the {model or args.init_from} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
+        )
+    if args.plan and config.num_local_experts:
+        parser.error(
+            "--plan: memory_plan.py estimates a dense model; it does not plan a mixture of "
+            "experts yet: leave out --plan"
         )
     return RunPlan(
         model=model,
@@ -471,6 +543,31 @@ def model_shape(args) -> LlamaConfig:
             f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
         )
     return load_config(args.init_from)
+
+
+# The lessons that cannot train a mixture of experts (--num-experts, or an --init-from of one),
+# and why: refuse_experts says so at flag-check time.
+NO_EXPERTS = {
+    "train_tp.py": "its plan splits the dense MLP's Linear layers (w1, w2, w3), which a mixture "
+    "of experts replaces by a router and stacked experts",
+    "train_pp.py": "its stages do not compute the experts' load-balancing loss",
+    "train_cp.py": "it splits every sequence over ranks, and a sequence's load-balancing loss "
+    "needs the whole sequence",
+}
+
+
+def refuse_experts(parser, args, script: str) -> None:
+    """parser.error (ValueError, exit code 2) if this run's model is a mixture of experts and
+    `script`, one of NO_EXPERTS, cannot train one; called after plan_run, before any work."""
+    experts = model_shape(args).num_local_experts
+    if experts:
+        given = (f"--num-experts {experts}" if args.init_from is None
+                 else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
+        parser.error(
+            f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
+            f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py (expert "
+            f"parallelism is a lesson of its own, to come)"
+        )
 
 
 def vocab_size(args) -> int:
@@ -530,11 +627,16 @@ def resolve_attention(
 def describe_run(args, plan: RunPlan, config: LlamaConfig, device: torch.device) -> str:
     """The start-up summary: model, device, batch and schedule, with the figures derived."""
     tokens_per_step = args.batch_size * args.seq_length
+    model = f"model: {model_flags.model_name(args, plan.model)}, "
+    model += f"{count_parameters(config) / 1e6:.2f}M parameters"
+    if config.num_local_experts:  # a mixture of experts: a token uses k experts' weights
+        model += f" ({count_active_parameters(config) / 1e6:.2f}M active per token)"
+    model += f", vocab {config.vocab_size}"
+    if config.num_local_experts:
+        model += f", experts {config.num_local_experts}, {config.num_experts_per_tok} per token"
     return "\n".join(
         [
-            f"model: {model_flags.model_name(args, plan.model)}, "
-            f"{count_parameters(config) / 1e6:.2f}M parameters, "
-            f"vocab {config.vocab_size}",
+            model,
             f"device: {device} x {plan.devices}, precision {plan.precision}, compile {args.compile}"
             + (f", document mask by {plan.attention}" if args.document_mask else ""),
             f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
@@ -569,7 +671,7 @@ def record_run(args, plan: RunPlan, start_step: int) -> None:
         "script": os.path.basename(sys.argv[0]),
         "command": shlex.join(sys.argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "world_size": world_size_from_env(),
         "start_step": start_step,
         "args": vars(args),
         "plan": dataclasses.asdict(plan),

@@ -3,6 +3,7 @@ per document, and split into training and validation documents.
 
     corpus = load_corpus(spec, text_column, cache_dir, txt_split)   # stdlib, files, or hub
     train, val = split_corpus(corpus, val_fraction)                  # by document, seeded
+    digest = fingerprint(corpus, cache_dir)                          # what the documents are
 
 The forms of --data: "stdlib" (every .py file of this Python's standard library), a file, a glob
 or a directory of .txt/.jsonl/.json/.parquet files (.txt split into documents by paragraph, line
@@ -10,11 +11,16 @@ or file: --txt-split), or a Hugging Face hub dataset, NAME or NAME:CONFIG. datas
 under --cache-dir holds what was read. A corpus that cannot be read stops with one line naming the
 file and why. data.py takes it from here: tokenizer, tokens, training examples. resolve_source
 and open_source are the steps of load_corpus that streaming.py (--streaming) shares.
+fingerprint (stream_fingerprint for a stream) is what a checkpoint records of the data, so that a
+resume can tell that the documents changed, however --data names them.
 """
 
+import contextlib
+import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
@@ -49,7 +55,11 @@ def load_corpus(
     """
     source = resolve_source(spec, txt_split)
     ds = open_source(source, spec, text_column, cache_dir)
-    ds = ds.filter(_is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+    try:
+        ds = ds.filter(_is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+    except UnicodeDecodeError as e:
+        # datasets' json reader keeps text that is not UTF-8 as it is; reading it fails here.
+        raise read_error(source, spec, e) from e
     if len(ds) == 0:
         raise ValueError(f"corpus {spec!r} has no non-empty documents")
     if source.txt_mode is not None and len(ds) == 1:  # say why: split_corpus needs 2 documents
@@ -114,6 +124,8 @@ def open_source(
     "text" (an IterableDataset, read as iterated, if streaming). Raises ValueError in one line."""
     kwargs = {"split": "train", "cache_dir": os.path.join(cache_dir, "datasets")}
     kwargs["streaming"] = streaming
+    if not streaming:  # (a stream caches nothing of the corpus)
+        writable_cache_dir(cache_dir, "datasets")
     if source.data_files is not None:
         ds = _load_files(source, spec, **kwargs)
         if source.path == "text":  # the text builder's one column is already "text"
@@ -211,6 +223,9 @@ def _load_files(source: Source, spec: str, **kwargs) -> datasets.Dataset | datas
             source.path, data_files=source.data_files, **source.options, **kwargs
         )
     except Exception as e:  # datasets wraps a bad file in many exception types
+        # kwargs' cache_dir is --cache-dir's datasets/: the message names --cache-dir itself.
+        if (cache_error := _cache_dir_error(e, os.path.dirname(kwargs["cache_dir"]))) is not None:
+            raise cache_error from e
         raise read_error(source, spec, e) from e
     finally:
         datasets.logging.set_verbosity(verbosity)
@@ -230,6 +245,8 @@ def _load_hub(source: Source, spec: str, **kwargs) -> datasets.Dataset | dataset
     try:  # needs the network the first time (and every time, streaming)
         return datasets.load_dataset(source.path, source.config, **kwargs)
     except OSError as e:  # offline and not cached (ConnectionError), or no such dataset
+        if (cache_error := _cache_dir_error(e, os.path.dirname(kwargs["cache_dir"]))) is not None:
+            raise cache_error from e
         raise ValueError(
             f"--data {spec!r} is not a local path, and no hub dataset of that name could be "
             f"reached or found ({_first_line(e)}); --data takes stdlib, a "
@@ -245,6 +262,46 @@ def _load_hub(source: Source, spec: str, **kwargs) -> datasets.Dataset | dataset
                 f"--data {source.path}:CONFIG, CONFIG one of {configs or 'those on its hub page'}"
             ) from e
         raise ValueError(f"--data {spec!r}: {_first_line(e)}") from e
+
+
+def writable_cache_dir(cache_dir: str, sub: str) -> str:
+    """cache_dir/sub, created if need be and checked by writing a file into it; ValueError
+    naming --cache-dir if that cannot be done (a file in the way, no permission, a read-only
+    filesystem), rather than a failure deep inside datasets that looks like one of --data."""
+    path = os.path.join(cache_dir, sub)
+    try:
+        os.makedirs(path, exist_ok=True)
+        # A name of its own (mkstemp), as the ranks of other nodes may probe a shared cache too.
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise cache_dir_error(cache_dir, e) from e
+    return path
+
+
+def cache_dir_error(cache_dir: str, error: OSError) -> ValueError:
+    where = f": {error.filename}" if error.filename else ""
+    return ValueError(
+        f"--cache-dir {cache_dir} cannot be created or written ({error.strerror or error}"
+        f"{where}); choose another --cache-dir, or make that one a directory this user can "
+        f"write to"
+    )
+
+
+def _cache_dir_error(error: BaseException, cache_dir: str) -> ValueError | None:
+    """cache_dir_error if `error` (or an error it comes from) is an OSError about a path inside
+    cache_dir: one that datasets could not write, e.g. in a cache shared with another user."""
+    root, seen = os.path.abspath(cache_dir), set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        name = getattr(error, "filename", None)
+        if isinstance(error, OSError) and isinstance(name, str):
+            path = os.path.abspath(name)
+            if path == root or path.startswith(root + os.sep):
+                return cache_dir_error(cache_dir, error)
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _find_unreadable(files: list[str], builder: str) -> str | None:
@@ -350,3 +407,60 @@ def split_corpus(
     order = np.random.default_rng(seed).permutation(n)
     val_indices, train_indices = np.sort(order[:n_val]), np.sort(order[n_val:])
     return ds.select(train_indices), ds.select(val_indices)
+
+
+# -------------------------------------------------------------------------------------------------
+# Fingerprints: what the data is, for a checkpoint to record and a resume to compare
+
+
+def hash_texts(hasher, texts) -> None:
+    """Add texts to a hashlib hash, each length-prefixed so that ["ab", "c"] and ["a", "bc"]
+    differ: the one way this suite hashes documents (data.py's tokenizer cache key too)."""
+    for text in texts:
+        encoded = text.encode()
+        hasher.update(len(encoded).to_bytes(8, "little"))
+        hasher.update(encoded)
+
+
+def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
+    """The sha256 of a loaded corpus's documents, in order (load_corpus's output): the same for
+    the same documents however --data names them, different if any is edited, added, removed
+    or moved. Checkpoints record it (checkpoints.check_same_data).
+
+    Hashed once per version of the corpus: the digest is kept under cache_dir/fingerprints/,
+    named by datasets' own fingerprint of `ds` (which changes whenever datasets reads the files
+    again: their paths, sizes or modification times changed), so a start-up with the corpus
+    cached reads one small file instead of every document. A cache that cannot be written only
+    costs hashing again next time.
+    """
+    memo = os.path.join(cache_dir, "fingerprints", f"{ds._fingerprint}.sha256")
+    with contextlib.suppress(OSError):
+        with open(memo) as f:
+            digest = f.read().strip()
+        if len(digest) == 64:
+            return digest
+    hasher = hashlib.sha256()
+    for batch in ds.iter(batch_size=1000):
+        hash_texts(hasher, batch["text"])
+    digest = hasher.hexdigest()
+    with contextlib.suppress(OSError):  # written then renamed: never half a digest
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        tmp = f"{memo}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, memo)
+    return digest
+
+
+def stream_fingerprint(source: Source, first_texts: list[str]) -> str:
+    """A stream's fingerprint (--streaming), from what it knows without reading the whole
+    corpus: its first documents (the ones held out for validation, read first anyway) and, for
+    local files, how many there are and each one's size, in order. It catches a reordered,
+    edited-at-the-start, grown or shrunk corpus; an edit further in that keeps every file's size
+    goes unseen (hashing it would mean reading the whole stream at every start)."""
+    hasher = hashlib.sha256(b"stream\n")
+    hash_texts(hasher, first_texts)
+    for path in source.data_files or []:
+        with contextlib.suppress(OSError):
+            hasher.update(os.path.getsize(path).to_bytes(8, "little"))
+    return hasher.hexdigest()

@@ -39,7 +39,7 @@ import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from corpus import TXT_SPLITS, load_corpus, split_corpus
+from corpus import TXT_SPLITS, hash_texts, load_corpus, split_corpus, writable_cache_dir
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -105,6 +105,7 @@ def get_tokenizer(
     cached = os.path.join(cache_dir, "tokenizers", _tokenizer_key(vocab_size, texts))
     cached_file = os.path.join(cached, "tokenizer.json")
     if not os.path.exists(cached_file):
+        writable_cache_dir(cache_dir, "tokenizers")  # before training, not after: ValueError
         tokenizer = _train_tokenizer(texts, vocab_size)
         os.makedirs(cached, exist_ok=True)
         # Write then rename: os.replace is atomic, so a killed process (or two nodes sharing
@@ -129,11 +130,7 @@ def _tokenizer_training_texts(ds: datasets.Dataset) -> list[str]:
 
 def _tokenizer_key(vocab_size: int, texts: list[str]) -> str:
     key = hashlib.sha256(f"vocab_size={vocab_size}\n".encode())
-    for text in texts:
-        encoded = text.encode()
-        # Length-prefix each text so ["ab", "c"] and ["a", "bc"] hash differently.
-        key.update(len(encoded).to_bytes(8, "little"))
-        key.update(encoded)
+    hash_texts(key, texts)  # each text length-prefixed (as corpus.fingerprint hashes them)
     return key.hexdigest()
 
 
@@ -164,7 +161,15 @@ class DocumentTokenizer:
     a Llama tokenizer.json adds <|begin_of_text|> itself, and it would come twice. And a literal
     special token in a text ("[BOT]", "<|endoftext|>") is tokenized as text, never as the
     special id: only the pipeline marks where documents begin and end.
+
+    corpus_sha256: the fingerprint of the documents a training run encodes with it
+    (corpus.fingerprint, set by training.build_datasets; corpus.stream_fingerprint, set by
+    streaming.open_stream), None for a tokenizer loaded on its own. It travels with the
+    tokenizer because every checkpoint writer and resume check already takes the tokenizer:
+    checkpoints save it beside the tokenizer's digest, and a resume compares both.
     """
+
+    corpus_sha256: str | None = None
 
     def __init__(self, tokenizer: Tokenizer, specials: dict[str, str]):
         self.tokenizer = tokenizer

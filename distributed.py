@@ -10,12 +10,13 @@ every rank; `main_process_first` lets one process per node fill a cache while th
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from stopping import TrainingError, end_with_os_exit
+from stopping import TrainingError, end_with_os_exit, end_with_parent
 
 
 def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]:
@@ -24,10 +25,16 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
     The device comes from the *local* rank (the process's index on its own machine), so the same
     code runs on one node or many. Run without torchrun, this is a group of one process.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Started by torchrun, which stops its workers when it is stopped (SIGTERM, passed on)
+        # but cannot when it is killed (SIGKILL, an OOM killer): the kernel then sends this rank
+        # the SIGTERM instead, and it stops as it would on torchrun's (stopping.StopRequest),
+        # rather than train on, an orphan, with no one to watch it or restart it.
+        end_with_parent(signal.SIGTERM)
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = world_size_from_env()
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise ValueError(
@@ -59,6 +66,24 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     end_with_os_exit()  # see stopping.end_process: no abort at exit after a finished run
     return rank, local_rank, world_size, device
+
+
+def world_size_from_env() -> int:
+    """The number of processes of the run: WORLD_SIZE, which torchrun sets (and run_ddp.sh, for
+    --check without torchrun), else 1. ValueError in one line unless it is a positive integer:
+    one of 0 would divide the batch by zero, a negative one pass every check."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(
+            f"WORLD_SIZE={value!r} in the environment is not a positive integer: it is the "
+            f"number of processes of the run (torchrun sets it; for --check, set it to the "
+            f"number the run will have, or leave it unset for one)"
+        )
+    return size
 
 
 def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:

@@ -16,9 +16,11 @@ exactly what this script prints for the same prompt and seed.
 """
 
 import argparse
+import sys
 
 import torch
 
+import cli
 import stopping
 from checkpoints import load_model
 from data import DocumentTokenizer
@@ -41,16 +43,35 @@ def generate_text(
 
     temperature 0 is greedy (deterministic). `seed` makes sampling reproducible (None: a fresh
     random draw). The continuation is cut where the model's context (max_position_embeddings)
-    ends.
+    ends (generate_ids says whether it was).
     """
+    ids, _ = generate_ids(
+        model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, use_cache
+    )
+    return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
+
+
+def generate_ids(
+    model: LlamaForPretraining,
+    tokenizer: DocumentTokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> tuple[list[int], bool]:
+    """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
+    model's context cut the continuation short of max_new_tokens (not an end of document)."""
     model.eval()
     device = model.tok_embeddings.weight.device
     ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]
-    room = model.config.max_position_embeddings - len(ids)
+    context = model.config.max_position_embeddings
+    room = context - len(ids)
     if room <= 0:
         raise ValueError(
-            f"the prompt is {len(ids)} tokens, no shorter than the model's context of "
-            f"{model.config.max_position_embeddings}"
+            f"the prompt is {len(ids)} tokens, no shorter than the model's context of {context}"
         )
     generator = None
     if seed is not None:
@@ -64,35 +85,90 @@ def generate_text(
         eos_id=tokenizer.eot_id,
         generator=generator,
         use_cache=use_cache,
-    )  # (1, T + generated)
-    return tokenizer.decode(out[0].tolist())  # skips the special tokens: BOT, EOT
+    )[0].tolist()  # T + generated
+    cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
+    return out, cut
+
+
+def device_arg(value: str) -> torch.device:
+    """--device: a device this torch can use here (argparse.ArgumentTypeError saying why not)."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a device; give cpu, cuda, cuda:1, mps, ..."
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+            raise argparse.ArgumentTypeError(
+                f"{value}: no CUDA GPU here (torch {torch.__version__}: {build}); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(
+                f"{value}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+    elif device.type == "meta":
+        raise argparse.ArgumentTypeError("meta tensors hold no values; use cpu or cuda")
+    elif device.type != "cpu":
+        try:
+            torch.empty(1, device=device)
+        except Exception as e:  # noqa: BLE001 - whatever the backend says, it cannot be used
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+            raise argparse.ArgumentTypeError(
+                f"{value}: not usable here ({reason}); use --device cpu"
+            ) from None
+    return device
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description="Continue a prompt with a trained model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
-    )
+    p = cli.ArgumentParser(
+        description="Continue a prompt with a trained model.", formatter_class=cli.HelpFormatter
+    )  # never abbreviates a flag; a bad one ends in one line (stopping.run)
     p.add_argument("--out-dir", default="out", help="a training run's --out-dir (model.pt, ...)")
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (deterministic)")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest (0: all)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep mass p")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)"
+        "--max-new-tokens",
+        type=cli.number_arg(int, 1),
+        default=200,
+        help="tokens to generate at most (fewer where the model's context ends: a note says so)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=cli.number_arg(float, 0),
+        default=0.8,
+        help="0: greedy (deterministic)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=cli.number_arg(int, 0),
+        default=50,
+        help="sample among the k likeliest (0: all)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=cli.number_arg(float, 0, 1, low_open=True),
+        default=None,
+        help="nucleus sampling: keep the likeliest tokens of total probability p (default: off)",
+    )
+    p.add_argument(
+        "--seed",
+        type=cli.number_arg(int, 0, 2**64 - 1),
+        default=None,
+        help="sampling seed (default: random)",
+    )
+    p.add_argument(
+        "--device",
+        type=device_arg,
+        default=None,
+        help="cpu, cuda, cuda:1, ... (default: cuda if available)",
     )
     args = p.parse_args()
-    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
-        p.error("--max-new-tokens, --temperature and --top-k must be >= 0")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     model, tokenizer = load_model(args.out_dir, device)
-    text = generate_text(
+    ids, cut = generate_ids(
         model,
         tokenizer,
         args.prompt,
@@ -102,7 +178,15 @@ def main() -> None:
         top_p=args.top_p,
         seed=args.seed,
     )
-    print(text)
+    print(tokenizer.decode(ids))
+    if cut:
+        context = model.config.max_position_embeddings
+        new = len(ids) - 1 - len(tokenizer.encode(args.prompt))
+        print(
+            f"note: stopped at the model's context of {context} tokens, after {new} new tokens "
+            f"of --max-new-tokens {args.max_new_tokens}",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

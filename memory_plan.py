@@ -16,11 +16,12 @@ file puts them together for one layout (plan), prints the table (format_plan) an
 a training run (plan_for_run, the train scripts' --plan), and is the command line.
 """
 
-import argparse
 import json
+import math
 
 import cli
 import model_flags
+import stopping
 from memory_formulas import (
     BYTES_PER_PARAM,
     GB,
@@ -33,6 +34,8 @@ from memory_formulas import (
     stage_parameters,
 )
 from model import PRESETS, LlamaConfig, count_parameters
+
+MAX_PARAMS = 1e15  # --params: a quadrillion, 500 times the largest models trained today
 
 
 def plan(
@@ -63,6 +66,11 @@ def plan(
     estimate activations from: the activation and total fields are then None, and the
     parameters are assumed evenly split over tp x pp.
     """
+    if config is not None and config.num_local_experts:
+        raise ValueError(
+            "the formulas here are a dense model's (one SwiGLU MLP per layer): a mixture of "
+            "experts (--num-experts) is not planned yet"
+        )
     if min(world_size, num_params, tp, pp, cp, replicate, micro_batches) < 1:
         raise ValueError(
             "--world-size, --tp, --pp, --cp, --replicate, --micro-batches and the parameter "
@@ -164,8 +172,7 @@ def plan(
 def format_plan(p: dict) -> str:
     """The plan as a table, and which strategies fit --gpu-memory."""
     w, g, o = BYTES_PER_PARAM[p["precision"]]
-    # Small models (the tiny preset of a CPU run) would show only zeros in GB: use MB there.
-    scale, unit = (1, "GB") if p["strategies"]["ddp"]["model_states_gb"] >= 1 else (1e3, "MB")
+    scale, unit = table_unit(p)
 
     layout = f"dp {p['dp']} x " + (f"cp {p['cp']} x " if p["cp"] > 1 else "")
     layout += f"tp {p['tp']}" + (" with sequence parallel" if p["sequence_parallel"] else "")
@@ -180,7 +187,7 @@ def format_plan(p: dict) -> str:
             + " (heavier of first and last stage shown)"
         )
     lines = [
-        f"memory per GPU: {p['num_params'] / 1e9:.3g}B parameters, {p['world_size']} GPUs "
+        f"memory per GPU: {parameter_count(p['num_params'])} parameters, {p['world_size']} GPUs "
         f"({layout}), "
         f"precision {p['precision']} ({w}+{g}+{o} bytes per parameter)"
         + (
@@ -195,7 +202,12 @@ def format_plan(p: dict) -> str:
     ]
 
     def gb(x):
-        return "n/a" if x is None else f"{x * scale:.2f}"
+        if x is None:
+            return "n/a"
+        text = f"{x * scale:.2f}"  # table_unit keeps it within a column, up to 1e5 EB
+        for exponent in (".2e", ".1e"):  # beyond that, as 1.23e+07 (8 characters at most)
+            text = text if len(text) <= 8 else f"{x * scale:{exponent}}"
+        return text
 
     for name, r in p["strategies"].items():
         lines.append(
@@ -230,6 +242,33 @@ def format_plan(p: dict) -> str:
                          f"checkpointing: {', '.join(fits_ac) or 'none'}")  # fmt: skip
     lines.append("(estimates: leave 1-3 GB for the CUDA context and fragmentation)")
     return "\n".join(lines)
+
+
+# The table's units, smallest first: (its name, how many of them make a GB).
+UNITS = (("MB", 1e3), ("GB", 1.0), ("TB", 1e-3), ("PB", 1e-6), ("EB", 1e-9))
+
+
+def table_unit(p: dict) -> tuple[float, str]:
+    """(scale from GB, unit) of the table: GB, MB for models whose states are under 1 GB (the
+    tiny preset of a CPU run would show only zeros in GB), or the smallest larger unit in which
+    every figure stays under 100,000, so that the columns never run into each other."""
+    figures = [
+        value
+        for row in p["strategies"].values()
+        for value in row.values()
+        if isinstance(value, float)
+    ] + [p[k] or 0.0 for k in ("tp_comm_gb", "pp_comm_gb", "cp_comm_gb", "hsdp_across_groups_gb")]
+    largest = max(figures)
+    i = 1 if p["strategies"]["ddp"]["model_states_gb"] >= 1 else 0
+    while largest * UNITS[i][1] >= 1e5 and i + 1 < len(UNITS):
+        i += 1
+    name, scale = UNITS[i]
+    return scale, name
+
+
+def parameter_count(n: float) -> str:
+    """6.74B, 1.5T: the parameter count of the table's first line."""
+    return f"{n / 1e12:.4g}T" if n >= 1e12 else f"{n / 1e9:.3g}B"
 
 
 def plan_for_run(
@@ -270,27 +309,32 @@ def plan_for_run(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description="Per-GPU memory of DDP, ZeRO-1/2/3 and HSDP (parameters, gradients, "
         "optimizer states, activations), with tensor (+ sequence), pipeline and context "
         "parallelism, the traffic, and which strategies fit. The formulas and their assumptions "
         "are in memory_formulas.py's docstring.",
         formatter_class=cli.HelpFormatter,
-        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
-    )
+    )  # never abbreviates a flag; a bad one ends in one line (stopping.run)
+    positive = cli.number_arg(int, 1)
     p.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default: 7b)")
-    model_flags.add_shape_flags(p)  # the train scripts' own: plan the shape a run would train
+    # The train scripts' own shape flags: plan the shape a run would train.
+    model_flags.add_shape_flags(p, cli.number_arg)
     p.add_argument(
         "--params",
-        type=float,
+        type=cli.number_arg(float, 1, MAX_PARAMS),
         default=None,
         help="a bare parameter count (e.g. 7.5e9) instead of a preset: model states only, since "
         "activations need the model's shape (with --model or a shape flag too, that shape is used "
-        "for them)",
+        f"for them); at most {MAX_PARAMS:g}, 500 times today's largest models",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
-    p.add_argument("--world-size", type=int, default=8, help="GPUs in all: N = dp x cp x tp x pp")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree T (train_tp.py)")
+    p.add_argument(
+        "--vocab-size", type=positive, default=None, help="override the preset's vocabulary"
+    )
+    p.add_argument(
+        "--world-size", type=positive, default=8, help="GPUs in all: N = dp x cp x tp x pp"
+    )
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree T (train_tp.py)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -299,18 +343,18 @@ def main() -> None:
     )
     p.add_argument(
         "--cp",
-        type=int,
+        type=positive,
         default=1,
         help="context-parallel degree C: each sequence split C ways (train_cp.py)",
     )
     p.add_argument(
         "--replicate",
-        type=int,
+        type=positive,
         default=1,
         help="HSDP: R replicas, ZeRO-3 within each group of dp x cp / R GPUs, an hsdp row "
         "(train_fsdp.py --replicate)",
     )
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages P (train_pp.py)")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline stages P (train_pp.py)")
     p.add_argument(
         "--schedule",
         choices=["gpipe", "1f1b", "interleaved"],
@@ -318,11 +362,11 @@ def main() -> None:
         help="pipeline schedule: what the first stage holds, and the bubble",
     )
     p.add_argument(
-        "--stages-per-rank", type=int, default=2, help="v: model chunks per GPU, interleaved"
+        "--stages-per-rank", type=positive, default=2, help="v: model chunks per GPU, interleaved"
     )
     p.add_argument(
         "--micro-batches",
-        type=int,
+        type=positive,
         default=1,
         help="micro-batches per optimizer step on each data-parallel replica (gradient "
         "accumulation; the pipeline's m)",
@@ -334,8 +378,10 @@ def main() -> None:
         help="fp32/bf16/fp16: what our scripts keep (fp32 master weights, 16-bit compute); "
         "paper: the ZeRO paper's 2+2+12 bytes per parameter",
     )
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward")
-    p.add_argument("--seq-length", type=int, default=2048, help="tokens per sequence")
+    p.add_argument(
+        "--micro-batch-size", type=positive, default=1, help="sequences per GPU per forward"
+    )
+    p.add_argument("--seq-length", type=positive, default=2048, help="tokens per sequence")
     p.add_argument(
         "--attention",
         choices=["flash", "math"],
@@ -343,18 +389,17 @@ def main() -> None:
         help="flash: fused attention stores no (s, s) scores; math: it does (e.g. with masks "
         "on kernels without mask support)",
     )
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU, to say what fits")
+    p.add_argument(
+        "--gpu-memory",
+        type=cli.number_arg(float, 0, low_open=True),
+        default=80.0,
+        help="GB per GPU, to say what fits",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
-    args = p.parse_args()
-    for name in ("world_size", "micro_batch_size", "seq_length", "tp", "pp", "cp", "replicate",
-                 "micro_batches", "stages_per_rank"):  # fmt: skip
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if args.params is not None and args.params < 1:
-        p.error(f"--params must be positive, got {args.params:g}")
+    args = p.parse_args()  # every number finite and in range: see the types above
 
     config = None
-    shaped = any(getattr(args, name) is not None for name in model_flags.SHAPE_FLAGS)
+    shaped = any(getattr(args, name) is not None for name in model_flags.MODEL_FLAGS)
     if args.model or shaped or args.params is None:
         try:
             config = model_flags.preset_config(args, args.model or "7b")  # and --vocab-size
@@ -380,10 +425,16 @@ def main() -> None:
             args.cp,
             args.replicate,
         )
+        figures = [v for row in result["strategies"].values() for v in row.values()]
+        if not all(math.isfinite(v) for v in figures if isinstance(v, float)):
+            raise OverflowError
+        text = json.dumps(result, indent=2) if args.json else format_plan(result)
     except ValueError as e:
         p.error(str(e))
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    except OverflowError:  # a figure beyond a float's 1e308: a shape flag of hundreds of digits
+        p.error("these sizes give figures too large to compute: give realistic sizes")
+    print(text)
 
 
 if __name__ == "__main__":
-    main()
+    stopping.run(main)

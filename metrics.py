@@ -1,4 +1,5 @@
-"""What a run measures and logs: metrics.jsonl, the non-finite loss guard, tokens/s and MFU."""
+"""What a run measures and logs: metrics.jsonl, the non-finite loss guard, tokens/s and MFU, and
+a mixture of experts' routing (router_figures)."""
 
 import json
 import math
@@ -7,10 +8,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoints import atomic_write_text
-from model import LlamaConfig, count_parameters
+from model import LlamaConfig, MoEFeedForward, count_active_parameters, router_stats
 from stopping import TrainingError
 
 
@@ -158,6 +160,36 @@ class Throughput:
         return figures
 
 
+def router_figures(model: torch.nn.Module, group=None) -> dict:
+    """A mixture of experts' routing since the last call, over the global batch, for
+    metrics.log: {"aux_loss": the load-balancing loss as model.router_stats gives it (sum over
+    the MoE layers of the target-weighted mean over sequences), "tokens_per_expert": [[the
+    (token, slot) assignments of each expert] for each MoE layer]}; {} for a dense model.
+
+    Each rank counts its own micro-batches (model.router_stats' buffers, on the device); they
+    are summed over the data-parallel ranks of `group` (default: every rank) with one
+    all-reduce before router_stats reads and resets them, so aux_loss is the global batch's
+    (each rank's sums and target counts added, not its means averaged) and each layer's
+    tokens_per_expert adds up to the tokens of the steps since the last call (padding included)
+    x experts_per_token. A collective: every rank calls it, at the same steps. `model` may be
+    wrapped (DDP, FSDP: their buffers are not sharded); under nn.DataParallel over several
+    GPUs, what the first GPU's share of each batch routed.
+    """
+    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not moes:
+        return {}
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        buffers = ("tokens_per_expert", "aux_loss_sum", "aux_loss_tokens")
+        counts = [getattr(m, name) for m in moes for name in buffers]
+        # One message: float64 adds the integer counts exactly (below 2^53).
+        summed = torch.cat([t.double().flatten() for t in counts])
+        dist.all_reduce(summed, group=group)
+        for t, total in zip(counts, summed.split([t.numel() for t in counts]), strict=True):
+            t.copy_(total.view_as(t))
+    stats = router_stats(model)
+    return {"aux_loss": stats["aux_loss"], "tokens_per_expert": stats["tokens_per_expert"]}
+
+
 def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
     """The progress bar's figures at a log step: loss, learning rate, tokens/s, the mean step
     time since the last log, and MFU where the GPU's peak is known (None: left out)."""
@@ -188,10 +220,12 @@ def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
 
     N counts the parameters of every matrix multiply: lm_head is in it, the input embedding
     (a table lookup, no multiply) is not; with tied embeddings the one shared matrix is counted
-    once, as lm_head. 12 L H Q T is attention's QK^T and AV (H heads of width Q, context T),
-    counted in full as PaLM does, although causal attention needs only half of it.
+    once, as lm_head. A mixture of experts counts the parameters a token uses (the router and
+    num_experts_per_tok experts of each layer: count_active_parameters), not every expert.
+    12 L H Q T is attention's QK^T and AV (H heads of width Q, context T), counted in full as
+    PaLM does, although causal attention needs only half of it.
     """
-    n = count_parameters(config)
+    n = count_active_parameters(config)
     if not config.tie_word_embeddings:
         n -= config.vocab_size * config.hidden_size
     attention = 12 * config.num_hidden_layers * config.hidden_size * seq_length  # H*Q = hidden

@@ -2,9 +2,11 @@
 
 The architecture is Llama 2/3's: token embeddings -> N x [RMSNorm -> grouped-query attention with
 rotary position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
-Parameter names follow Meta's reference code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`,
-`ffn_norm`); `LlamaConfig`'s fields follow Hugging Face's `config.json`, and RoPE uses the
-`rotate_half` convention of Hugging Face checkpoints, so weights map 1:1 without any permutation.
+With `num_local_experts > 0` the MLP is Mixtral's mixture of experts instead (MoEFeedForward): a
+router sends each token to `num_experts_per_tok` of the SwiGLU experts. Parameter names follow
+Meta's reference code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`); `LlamaConfig`'s
+fields follow Hugging Face's `config.json`, and RoPE uses the `rotate_half` convention of Hugging
+Face checkpoints, so weights map 1:1 without any permutation.
 
 There is no training or distributed code here: every parallel strategy in this suite wraps or
 shards this one module from the outside.
@@ -13,6 +15,7 @@ shards this one module from the outside.
     model = LlamaForPretraining(config)
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
+    router_stats(model)     # a mixture of experts: its balance since the last call (for logging)
 """
 
 import functools
@@ -49,6 +52,13 @@ class LlamaConfig:
     # "llama3", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}. None: plain RoPE.
     rope_scaling: dict | None = None
+    # A mixture of experts, with Hugging Face Mixtral's names. 0 experts: the dense SwiGLU MLP.
+    # Otherwise each layer's MLP is num_local_experts SwiGLU experts of intermediate_size, and a
+    # router sends every token to num_experts_per_tok of them (MoEFeedForward). While training,
+    # router_aux_loss_coef x the load-balancing loss joins the loss (LlamaForPretraining.forward).
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001  # transformers' MixtralConfig default
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -63,6 +73,22 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if not is_integer(self.num_local_experts) or self.num_local_experts < 0:
+            raise ValueError(
+                f"num_local_experts {self.num_local_experts!r} must be an integer >= 0 "
+                f"(0: the dense MLP)"
+            )
+        k = self.num_experts_per_tok
+        if self.num_local_experts > 0 and not (is_integer(k) and 1 <= k <= self.num_local_experts):
+            raise ValueError(
+                f"num_experts_per_tok {k!r} must be an integer from 1 to num_local_experts "
+                f"({self.num_local_experts}): each token goes to that many different experts"
+            )
+        coef = self.router_aux_loss_coef
+        if not (is_integer(coef) or isinstance(coef, float)) or not (
+            math.isfinite(coef) and coef >= 0
+        ):
+            raise ValueError(f"router_aux_loss_coef {coef!r} must be a finite number >= 0")
 
     @property
     def head_dim(self) -> int:
@@ -76,8 +102,23 @@ class LlamaConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
-        """Exactly the dataclass fields, so `LlamaConfig(**config.to_dict())` round-trips."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The dataclass fields, so `LlamaConfig(**config.to_dict())` round-trips: all of them,
+        except that a dense model (no experts, the other MoE fields at their defaults) leaves the
+        MoE fields out, so its config.json and checkpoints are what they were before MoE."""
+        config = {f.name: getattr(self, f.name) for f in fields(self)}
+        defaults = {f.name: f.default for f in fields(self) if f.name in MOE_FIELDS}
+        if all(config[name] == default for name, default in defaults.items()):
+            for name in MOE_FIELDS:
+                del config[name]
+        return config
+
+
+# LlamaConfig's fields for a mixture of experts, left out of a dense model's to_dict().
+MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef")
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
 
 
 # Named sizes. `tiny` trains visibly in minutes on a laptop CPU; the rest are the usual GPT-2/Llama
@@ -117,15 +158,29 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-def count_parameters(config: LlamaConfig) -> int:
-    """Parameter count from the shapes alone, without building the model (70b would not fit)."""
+def count_parameters(config: LlamaConfig, experts: int | None = None) -> int:
+    """Parameter count from the shapes alone, without building the model (70b would not fit).
+
+    experts: how many experts of each MoE layer to count (default: all of them); see
+    count_active_parameters. A dense model has none, and the argument changes nothing.
+    """
     d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
     attention = d * d + 2 * d * kv_dim + d * d  # wq, wk + wv (grouped), wo
-    mlp = 3 * d * config.intermediate_size  # w1, w2, w3
+    mlp = 3 * d * config.intermediate_size  # w1, w2, w3 (of one expert, if there are experts)
+    if config.num_local_experts:
+        router = d * config.num_local_experts  # gate
+        mlp = router + (config.num_local_experts if experts is None else experts) * mlp
     norms = 2 * d  # attention_norm, ffn_norm
     embeddings = config.vocab_size * d
     lm_head = 0 if config.tie_word_embeddings else config.vocab_size * d
     return embeddings + config.num_hidden_layers * (attention + mlp + norms) + d + lm_head
+
+
+def count_active_parameters(config: LlamaConfig) -> int:
+    """The parameters one token's forward pass uses (for FLOPs per token, MFU): count_parameters
+    with each MoE layer's router and only num_experts_per_tok of its experts. The same as
+    count_parameters for a dense model (embeddings and lm_head included in both)."""
+    return count_parameters(config, experts=config.num_experts_per_tok)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -301,15 +356,126 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoEFeedForward(nn.Module):
+    """Mixtral's sparse mixture of experts, dropless: each token goes to num_experts_per_tok of
+    num_local_experts SwiGLU experts, and its output is their outputs weighted by the router.
+
+    Routing (Mixtral's): a linear router `gate` scores the experts, softmax over them in fp32,
+    the top k kept and their probabilities renormalised to sum to 1. Dropless: no capacity
+    factor, every token reaches all k of its experts however many others chose the same ones,
+    so a token's output never depends on which other tokens share its batch, and any split of
+    the batch over micro-batches and ranks computes the same thing.
+
+    The experts' weights are stacked, expert first: w1 and w3 (E, ffn, d), w2 (E, d, ffn), the
+    names of FeedForward's w1 (gate), w3 (up) and w2 (down). Expert parallelism shards dim 0
+    over ranks and calls run_experts on the tokens it receives for its own experts.
+
+    While training (record_routing, set by LlamaForPretraining.forward for a training forward
+    with targets), the routing is kept in `routing` for the load-balancing loss, and the
+    statistics since the last router_stats() call accumulate in the buffers below (not saved).
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        E, d, ffn = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.num_experts_per_tok = config.num_experts_per_tok
+        self.gate = nn.Linear(d, E, bias=False)  # the router: one score per expert
+        self.w1 = nn.Parameter(torch.empty(E, ffn, d))  # gate projections
+        self.w3 = nn.Parameter(torch.empty(E, ffn, d))  # up projections
+        self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
+        for weight in (self.w1, self.w3, self.w2):
+            nn.init.normal_(weight, std=0.02)  # LlamaForPretraining.init_weights sets them again
+        self.record_routing = False
+        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (probs, experts)
+        # Logging (router_stats): (token, slot) assignments per expert, and the balance loss
+        # summed over sequences weighted by their targets, with that weight. Not in state_dict.
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.long), False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_tokens", torch.zeros((), dtype=torch.long), False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, d) -> router probabilities (N, E) in fp32, and each token's k experts (N, k)
+        with their weights (N, k), which sum to 1."""
+        probs = self.gate(x).float().softmax(dim=-1)  # (N, E)
+        weights, experts = probs.topk(self.num_experts_per_tok, dim=-1)  # (N, k) each
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as Mixtral does
+        return probs, weights, experts
+
+    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts' SwiGLU on tokens grouped by expert: x (M, d) holds counts[0] tokens for
+        the first expert of w1/w2/w3, then counts[1] for the second, ...; returns (M, d) in the
+        same order. One matmul per expert over all of its tokens (an expert with none costs an
+        empty matmul, and every expert stays in the autograd graph, as DDP wants)."""
+        outputs = [
+            F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)  # (count, d)
+            for tokens, w1, w3, w2 in zip(x.split(counts), self.w1, self.w3, self.w2, strict=True)
+        ]
+        return torch.cat(outputs)  # (M, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        E, k = self.w1.size(0), self.num_experts_per_tok
+        tokens = x.reshape(B * T, d)  # (N, d), N = B * T
+        probs, weights, experts = self.route(tokens)  # (N, E), (N, k), (N, k)
+        if self.record_routing:
+            self.routing = (probs.view(B, T, E), experts.view(B, T, k))
+        # Each token makes k (token, slot) pairs; sorted by expert (stable: in token order within
+        # an expert), each expert's tokens are one contiguous block for run_experts.
+        expert_of_pair = experts.flatten()  # (N * k,) pair j is token j // k's slot j % k
+        order = expert_of_pair.argsort(stable=True)  # (N * k,) pairs, by expert
+        counts = torch.bincount(expert_of_pair, minlength=E).tolist()  # split sizes: a sync
+        y = self.run_experts(tokens[order // k], counts)  # (N * k, d), sorted by expert
+        y = torch.empty_like(y).index_copy(0, order, y)  # (N * k, d), back in pair order
+        # Each token's output: its k experts' outputs, weighted (in fp32, as the router).
+        out = (y.view(B * T, k, d) * weights.unsqueeze(-1)).sum(dim=1)  # (N, d)
+        return out.to(x.dtype).view(B, T, d)
+
+    @torch.no_grad()
+    def reset_router_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+        self.aux_loss_tokens.zero_()
+
+
+def sequence_balance_loss(
+    probs: torch.Tensor, experts: torch.Tensor, counted: torch.Tensor
+) -> torch.Tensor:
+    """The load-balancing loss of one MoE layer for each sequence: (B,).
+
+    Switch Transformer's E * sum_i f_i * P_i, in Mixtral's form (transformers'
+    load_balancing_loss_func): f_i is the number of (token, slot) assignments to expert i per
+    token (summing to k over the experts), P_i the mean router probability of expert i. It is
+    k when the load is perfectly even, and reaches E when the router puts all its probability
+    on one expert that every token takes. Its gradient reaches the router through P alone.
+
+    Per sequence (DeepSeek-V3's sequence-wise balance loss): f and P are over each sequence's
+    own tokens, so a sequence's loss does not depend on the others in its batch, and any split
+    of the global batch over micro-batches and ranks gives the same loss. (transformers'
+    Mixtral computes it once over the whole batch it is given, all layers pooled.)
+
+    probs (B, T, E) the router's probabilities; experts (B, T, k) the chosen experts; counted
+    (B, T) bool: the tokens that count (those with a target). A sequence with none gives 0.
+    """
+    E = probs.size(-1)
+    assigned = F.one_hot(experts, E).sum(dim=2)  # (B, T, E): 1 where a slot chose the expert
+    counted = counted.unsqueeze(-1)  # (B, T, 1)
+    num_counted = counted.sum(dim=1).clamp(min=1)  # (B, 1)
+    f = (assigned * counted).sum(dim=1) / num_counted  # (B, E), sums to k
+    P = (probs * counted).sum(dim=1) / num_counted  # (B, E), sums to 1
+    return E * (f * P).sum(dim=-1)  # (B,)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is a mixture
+    of experts when config.num_local_experts > 0 (named feed_forward either way)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.feed_forward = FeedForward(config)
+        mlp = MoEFeedForward if config.num_local_experts > 0 else FeedForward
+        self.feed_forward = mlp(config)
 
     def forward(self, x, cos, sin, attn_mask=None, cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
@@ -338,14 +504,21 @@ class LlamaForPretraining(nn.Module):
         # residual stream (wo, w2) scaled by 1/sqrt(2 * layers), so the stream's variance stays
         # about constant however deep the model is. RMSNorm weights start at one.
         std = 0.02
+        # A mixture of experts: the router (gate, a Linear) and every expert's w1, w3 likewise,
+        # each expert's w2 as the dense w2.
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, MoEFeedForward):
+                nn.init.normal_(module.w1, mean=0.0, std=std)
+                nn.init.normal_(module.w3, mean=0.0, std=std)
+                module.reset_router_stats()
         for layer in self.layers:
-            for projection in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(projection.weight, std=std / math.sqrt(2 * len(self.layers)))
+            w2 = layer.feed_forward.w2  # a Linear, or the experts' stacked (E, d, ffn) Parameter
+            for projection in (layer.attention.wo.weight, getattr(w2, "weight", w2)):
+                nn.init.normal_(projection, std=std / math.sqrt(2 * len(self.layers)))
 
     def forward(
         self,
@@ -376,6 +549,12 @@ class LlamaForPretraining(nn.Module):
         makes the gradient independent of how the batch is split over micro-batches and ranks. The
         logits are not returned then, so nn.DataParallel gathers two scalars per replica instead
         of a (B, T, vocab) tensor.
+
+        A mixture of experts in training mode adds its load-balancing loss to loss_sum:
+        router_aux_loss_coef x the sum over MoE layers and sequences of each sequence's balance
+        loss (sequence_balance_loss) x its number of targets. Divided by the global number of
+        targets, as the loops do, that is the mean cross-entropy + coef x the target-weighted
+        mean balance loss, whatever the split of the batch. Evaluation (eval mode) adds nothing.
         """
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
@@ -393,12 +572,44 @@ class LlamaForPretraining(nn.Module):
                 table[position_ids].unsqueeze(-3) for table in (self.rope_cos, self.rope_sin)
             )
 
+        # A mixture of experts keeps its routing for the balance loss in a training forward only;
+        # not in evaluation or generation, nor when backward recomputes a layer's forward
+        # (activation checkpointing), which happens after this forward has switched it off.
+        experts = [layer.feed_forward for layer in self.layers
+                   if isinstance(layer.feed_forward, MoEFeedForward)]  # fmt: skip
+        balance = self.training and targets is not None and bool(experts)
+        for moe in experts:
+            moe.record_routing, moe.routing = balance, None
+
         x = self.tok_embeddings(input_ids)  # (B, T, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, kv_caches[i] if kv_caches is not None else None)
         if targets is None:
             return self.lm_head(self.norm(x))  # (B, T, vocab)
-        return self.loss(x, targets)
+        loss_sum, num_tokens = self.loss(x, targets)
+        if balance:
+            aux_sum = self.balance_loss_sum(experts, targets)
+            loss_sum = loss_sum + self.config.router_aux_loss_coef * aux_sum
+        return loss_sum, num_tokens
+
+    def balance_loss_sum(self, experts: list["MoEFeedForward"], targets: torch.Tensor):
+        """Sum over the MoE layers `experts` (just run) and the sequences of each sequence's
+        balance loss x its number of targets; also adds to each layer's router_stats."""
+        counted = targets != IGNORE_INDEX  # (B, T)
+        num_counted = counted.sum(dim=1)  # (B,)
+        total = torch.zeros((), device=targets.device)
+        for moe in experts:
+            probs, chosen = moe.routing  # (B, T, E), (B, T, k)
+            moe.record_routing, moe.routing = False, None
+            layer_sum = (sequence_balance_loss(probs, chosen, counted) * num_counted).sum()
+            total = total + layer_sum
+            with torch.no_grad():  # on the device, no sync: router_stats reads them
+                moe.tokens_per_expert.index_add_(
+                    0, chosen.flatten(), torch.ones_like(chosen.flatten())
+                )
+                moe.aux_loss_sum += layer_sum.detach().to(moe.aux_loss_sum.dtype)
+                moe.aux_loss_tokens += num_counted.sum()
+        return total
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_sum, num_tokens) of the last hidden states x (B, T, d): final norm, lm_head and
@@ -465,6 +676,31 @@ class LlamaForPretraining(nn.Module):
             if eos_id is not None and bool(finished.all()):
                 break
         return tokens
+
+
+def router_stats(model: nn.Module) -> dict:
+    """The routing of a mixture of experts since the last call, and reset: {} for a dense model.
+
+    {"aux_loss": the balance loss over the training forwards since then (sum over layers of the
+     target-weighted mean over sequences, so that loss = cross-entropy + router_aux_loss_coef x
+     aux_loss; None if none ran), "aux_loss_per_layer": [one per MoE layer],
+     "tokens_per_expert": [[(token, slot) assignments of each expert] for each MoE layer]}.
+
+    Counted in training forwards with targets only, as buffers on the device, so reading them
+    here is the only host sync. `model` may be wrapped (DDP, FSDP, ...): each process counts
+    its own batches (all-reduce for global figures); under nn.DataParallel, the first GPU's.
+    """
+    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not moes:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in moes]).tolist()  # (layers, E)
+    sums = torch.stack([m.aux_loss_sum.float() for m in moes]).tolist()
+    tokens = torch.stack([m.aux_loss_tokens for m in moes]).tolist()
+    for m in moes:
+        m.reset_router_stats()
+    per_layer = [s / n if n else None for s, n in zip(sums, tokens, strict=True)]
+    aux = None if None in per_layer else sum(per_layer)
+    return {"aux_loss": aux, "aux_loss_per_layer": per_layer, "tokens_per_expert": counts}
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The model a run trains, as flags say it: the --model preset with the shape flags over it.
 
-    model_flags.add_shape_flags(group)                # --num-layers, --hidden-size, ...
+    model_flags.add_shape_flags(group, cli.number_arg)  # --num-layers, --hidden-size, ...
     config = model_flags.preset_config(args, "tiny")  # LlamaConfig, checked: errors name flags
 
 One place turns flags into a shape, for the train scripts (cli.plan_run's checks before any data
@@ -17,19 +17,40 @@ SHAPE_FLAGS = {
     "num_kv_heads": ("num_key_value_heads", "key/value heads (fewer: grouped-query attention)"),
     "ffn_size": ("intermediate_size", "width of the SwiGLU MLP"),
 }
+# The mixture-of-experts flags (model.MoEFeedForward): each replaces one LlamaConfig field too,
+# with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
+EXPERT_FLAGS = {
+    "num_experts": ("num_local_experts", "experts per MoE layer (0: the dense SwiGLU MLP)",
+                    int, 0, "N"),
+    "experts_per_token": ("num_experts_per_tok", "experts each token goes to, at most "
+                          "--num-experts", int, 1, "K"),
+    "router_aux_loss_coef": ("router_aux_loss_coef", "weight of the load-balancing loss in the "
+                             "training loss", float, 0, "C"),
+}  # fmt: skip
+# Every flag that changes the preset's shape: refused with --init-from, named at start-up.
+MODEL_FLAGS = [*SHAPE_FLAGS, *EXPERT_FLAGS]
 
 
-def add_shape_flags(group) -> None:
-    """--num-layers ... --ffn-size: the train scripts', bench.py's and memory_plan.py's."""
+def add_shape_flags(group, number_arg) -> None:
+    """--num-layers ... --ffn-size, --num-experts ...: the train scripts', bench.py's and
+    memory_plan.py's. Each shape flag is a positive integer, each expert flag a number in its
+    own range, refused otherwise as it is parsed: number_arg is cli.number_arg (passed in, since
+    cli imports this module)."""
+
     for name, (field, what) in SHAPE_FLAGS.items():
-        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N",
-                           help=f"{what}: LlamaConfig.{field} (default: the preset's)")  # fmt: skip
+        group.add_argument(f"--{name.replace('_', '-')}", type=number_arg(int, 1), default=None,
+                           metavar="N", help=f"{what}: LlamaConfig.{field} (default: the "
+                           f"preset's)")  # fmt: skip
+    for name, (field, what, kind, low, metavar) in EXPERT_FLAGS.items():  # presets: dense
+        group.add_argument(f"--{name.replace('_', '-')}", type=number_arg(kind, low),
+                           default=None, metavar=metavar, help=f"{what}: LlamaConfig.{field} "
+                           f"(default: {getattr(LlamaConfig, field)})")  # fmt: skip
 
 
 def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConfig:
-    """The preset with the shape flags applied, and vocab_size (else --vocab-size, else the
-    preset's): the one place flags become a shape, for the plan's checks, the model built and
-    memory_plan.py alike. ValueError naming the flags that do not fit."""
+    """The preset with the shape and expert flags applied, and vocab_size (else --vocab-size,
+    else the preset's): the one place flags become a shape, for the plan's checks, the model
+    built and memory_plan.py alike. ValueError naming the flags that do not fit."""
     try:
         base = LlamaConfig.from_preset(preset)
     except ValueError as e:
@@ -40,7 +61,11 @@ def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConf
     for name, value in given.items():
         if value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    experts = {n: getattr(args, n, None) for n in EXPERT_FLAGS}
+    experts = {name: value for name, value in experts.items() if value is not None}
     config = {**base.to_dict(), **{SHAPE_FLAGS.get(n, (n,))[0]: v for n, v in given.items()}}
+    config |= {EXPERT_FLAGS[name][0]: value for name, value in experts.items()}
+    check_experts(experts, config)
     d, h, kv = (config[SHAPE_FLAGS[n][0]] for n in ("hidden_size", "num_heads", "num_kv_heads"))
     # LlamaConfig refuses these too, but by its field names: the messages here name the flags.
     said = lambda n: (
@@ -58,10 +83,33 @@ def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConf
     return LlamaConfig(**config)
 
 
+def check_experts(given: dict, config: dict) -> None:
+    """ValueError naming the expert flags (`given`: those on the command line) that do not fit
+    `config` (the preset's fields with every flag applied). Zero is a number of experts (the
+    dense MLP), unlike the shape flags' zero; without experts, the other two flags mean nothing
+    and are refused rather than ignored."""
+    experts = config.get("num_local_experts", LlamaConfig.num_local_experts)
+    k = config.get("num_experts_per_tok", LlamaConfig.num_experts_per_tok)
+    if not experts:
+        pointless = [f"--{n.replace('_', '-')}" for n in given if n != "num_experts"]
+        if pointless:
+            said = "--num-experts 0" if "num_experts" in given else "no --num-experts (dense)"
+            raise ValueError(
+                f"{' and '.join(pointless)} shape a mixture of experts, and with {said} there is "
+                f"none: give --num-experts N (N >= 1) too, or leave them out"
+            )
+    elif k > experts:
+        default = "" if "experts_per_token" in given else " (the default)"
+        raise ValueError(
+            f"--experts-per-token {k}{default} is more than --num-experts {experts}: each token "
+            f"goes to that many different experts; give --experts-per-token {experts} or fewer"
+        )
+
+
 def model_name(args, preset: str | None) -> str:
     """The model's name at start-up: tiny, tiny with --num-layers 8, or from DIR (--init-from)."""
     if preset is None:
         return f"from {args.init_from}"
-    given = [n for n in SHAPE_FLAGS if getattr(args, n, None) is not None]
+    given = [n for n in MODEL_FLAGS if getattr(args, n, None) is not None]
     flags = " ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in given)
     return f"{preset} with {flags}" if flags else preset

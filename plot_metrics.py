@@ -28,8 +28,13 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
     if not os.path.isfile(path):
         raise ValueError(f"{path} does not exist; pass a training run's --out-dir")
     train, evals = {}, {}
-    with open(path) as f:
-        lines = f.read().splitlines()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -39,11 +44,33 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
             if i == len(lines) - 1:
                 continue  # a half-written last line
             raise ValueError(f"{path}, line {i + 1}, is not JSON: {line[:80]!r}") from None
+        if problem := record_problem(record):
+            raise ValueError(f"{path}, line {i + 1}: {problem}; it is not a line a training "
+                             f"script writes")  # fmt: skip
         if "loss" in record:
             train[record["step"]] = record
         if "val_loss" in record:
             evals[record["step"]] = record
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+
+
+PLOTTED = ("loss", "val_loss", "lr", "tokens_per_sec", "mfu")  # each a number, or null
+
+
+def record_problem(record) -> str | None:
+    """What makes a metrics.jsonl record unplottable (None: nothing): a step that is not an
+    integer, a plotted value that is neither a number nor null (metrics.py writes a NaN or
+    infinite value as null)."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f'"step" is {step!r}, not an integer'
+    for key in PLOTTED:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f'"{key}" is {value!r}, not a number'
+    return None
 
 
 def run_labels(out_dirs: list[str]) -> list[str]:
@@ -101,8 +128,21 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    # To a temporary file, renamed over `output` once complete: a failed write (a full disk, a
+    # format matplotlib lacks) leaves no partial file, and an earlier plot there intact.
+    extension = os.path.splitext(output)[1].lstrip(".").lower() or "png"
+    tmp = f"{output}.tmp{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=100, format=extension)
+        os.replace(tmp, output)
+    except OSError as e:
+        raise ValueError(f"--output {output}: cannot write it ({e.strerror or e})") from None
+    except ValueError as e:  # matplotlib: "Format 'xyz' is not supported (supported formats: ..."
+        raise ValueError(f"--output {output}: {e}") from None
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main() -> None:
@@ -126,6 +166,13 @@ def main() -> None:
     output = args.output or (
         os.path.join(args.out_dirs[0], "metrics.png") if len(args.out_dirs) == 1 else "metrics.png"
     )
+    folder = os.path.dirname(output) or "."
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output} is a folder; name the file to write, e.g. "
+                         f"{os.path.join(output, 'metrics.png')}")  # fmt: skip
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {output}: there is no folder {folder}; create it first, or "
+                         f"name a file in a folder that exists")  # fmt: skip
     plot(runs, output)
     print(f"wrote {output}")
 

@@ -218,7 +218,7 @@ def main() -> None:
         allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--model", default="tiny", help="preset, as in train_dp.py")
-    model_flags.add_shape_flags(p)
+    model_flags.add_shape_flags(p, cli.number_arg)
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: preset's)")
     p.add_argument("--seq-length", type=int, default=default("seq_length"), help="tokens/row")
     p.add_argument("--batch-size", type=int, default=default("batch_size"), help="rows per step")

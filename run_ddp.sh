@@ -21,14 +21,34 @@ set -euo pipefail
 # wherever this is run, as for any other command.
 script="$(cd "$(dirname "$0")" && pwd)/${SCRIPT:-train_ddp.py}"
 
+# The numbers of the environment, checked before they reach bash's arithmetic (which reads
+# NPROC_PER_NODE=abc as a variable's name) or torchrun: a mistake is one line, exit code 2.
+need() {  # need NAME VALUE MIN [MAX [RANGE]]: VALUE is a decimal integer from MIN (to MAX)
+  local name=$1 value=$2 min=$3 max=${4:-999999999} range=${5:-}
+  if [[ -z "$range" ]]; then
+    range="an integer >= $min"
+    if [[ -n "${4:-}" ]]; then range="an integer from $min to $max"
+    elif (( min == 1 )); then range="a positive integer"; fi
+  fi
+  if ! [[ "$value" =~ ^[0-9]{1,9}$ ]] || (( 10#$value < min || 10#$value > max )); then
+    echo "error: $name must be $range, got '$value'" >&2
+    exit 2
+  fi
+  printf -v "$name" '%d' "$((10#$value))"  # 08 is 8 (bash and torchrun would read octal)
+}
+[[ -z "${NPROC_PER_NODE:-}" ]] || need NPROC_PER_NODE "$NPROC_PER_NODE" 1
+need NNODES "${NNODES:-1}" 1
+last=$((NNODES - 1))
+need NODE_RANK "${NODE_RANK:-0}" 0 "$last" "an integer from 0 to NNODES - 1 = $last"
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+need MASTER_PORT "${MASTER_PORT:-29500}" 1 65535
+need MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
+need SHUTDOWN_TIMEOUT "${SHUTDOWN_TIMEOUT:-120}" 1
+
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   gpus=$(python -c "import torch; print(torch.cuda.device_count())")
   NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
 fi
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
 
 # Say explicitly which node hosts the rendezvous store, instead of letting torchrun guess it by
 # comparing host names with MASTER_ADDR (which fails behind NAT or with several interfaces).
@@ -55,10 +75,10 @@ env -u RANK -u LOCAL_RANK WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \
 # save. (It also gives the survivors of a failed worker that long to stop before a restart.)
 # torchrun's --shutdown-timeout came with torch 2.13 (the suite's other version checks are in
 # compat.py); before it the time is fixed at 30 s.
-shutdown_timeout=(--shutdown-timeout="${SHUTDOWN_TIMEOUT:-120}")
+shutdown_timeout=(--shutdown-timeout="$SHUTDOWN_TIMEOUT")
 if [[ "$(torchrun --help 2>/dev/null || true)" != *--shutdown-timeout* ]]; then
   echo "note: this torchrun (torch before 2.13) gives its workers a fixed 30 s to stop, not" \
-    "SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120} s: a step and a save must fit in 30 s" >&2
+    "SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT s: a step and a save must fit in 30 s" >&2
   shutdown_timeout=()
 fi
 set -x
@@ -69,7 +89,7 @@ exec torchrun \
   --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
   --rdzv-id="${RDZV_ID:-llama}" \
   --rdzv-conf="is_host=$is_host" \
-  --max-restarts="${MAX_RESTARTS:-3}" \
+  --max-restarts="$MAX_RESTARTS" \
   --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   ${shutdown_timeout[@]+"${shutdown_timeout[@]}"} \
   "$script" "$@"

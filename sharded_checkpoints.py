@@ -117,6 +117,7 @@ def save_sharded_checkpoint(
             "step": step,
             "config": config.to_dict(),
             "tokenizer_sha256": tokenizer_digest(tokenizer),
+            "corpus_sha256": tokenizer.corpus_sha256,  # what the data is (check_same_data)
             "args": vars(args),
             "data": data_position,
         }

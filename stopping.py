@@ -7,10 +7,13 @@ same step, with a checkpoint there; the loop raises `Stopped`, and `run` says so
 """
 
 import atexit
+import ctypes
+import multiprocessing
 import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -36,6 +39,10 @@ def run(main: Callable[[], None]) -> None:
     of another model, ...), exit code 2, and TrainingError when training itself fails, exit code
     1; a traceback would only bury the message. Under torchrun every rank meets the same
     failure, so only global rank 0 prints it.
+
+    Any other exception (a bug, or a failure no check here names) prints its traceback, as
+    Python would, and exits with 1. However main() ends, the process ends: see end_process,
+    and training.step_batches for the DataLoader workers.
 
     A run stopped by a signal (Stopped) ends in one line too, and exits with 128 + the signal's
     number: 130 after Ctrl-C (SIGINT), 143 after SIGTERM, what a shell reports for a process
@@ -72,6 +79,13 @@ def run(main: Callable[[], None]) -> None:
             print("interrupted: stopped at once, without saving; any checkpoints in --out-dir are "
                   "intact: run the same command to resume", file=sys.stderr)  # fmt: skip
         code = 128 + signal.SIGINT
+    except SystemExit:
+        raise  # argparse's usage errors (exit code 2), ...
+    except BaseException:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
+        # Printed by every rank: an unexpected failure may be one rank's own. Caught rather than
+        # left to the interpreter, so that this process too ends with end_process under torchrun.
+        traceback.print_exc()
+        code = 1
     if _end_with_os_exit:
         end_process(code)
     if code:
@@ -202,9 +216,52 @@ def ignore_stop_signals(worker_id: int) -> None:
     """A DataLoader worker ignores STOP_SIGNALS, which a terminal's Ctrl-C and Slurm (its
     warning, scancel, a preemption) send to every process of a job, workers included: the
     training process still reads batches until it stops, then ends its workers itself, through
-    the DataLoader (they leave when told, or when their parent is gone). A worker killed by the
-    signal instead would fail the step in flight, and the run would lose everything since its
-    last checkpoint.
+    the DataLoader (they leave when told; training.step_batches makes sure they are told, even
+    when the run ends in an error). A worker killed by the signal instead would fail the step in
+    flight, and the run would lose everything since its last checkpoint.
+
+    Deaf to SIGTERM, a worker must never outlive the training process: on Linux the kernel kills
+    it (SIGKILL) the moment its parent exits, however (a SIGKILL, the OOM killer, torchrun's
+    kill after its timeout), even in the middle of a batch. (The DataLoader's own check of its
+    parent runs only between batches, every 5 s; where prctl is missing, it is the only one.)
     """
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()  # the training process (with any start method)
+    end_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def end_with_parent(signum: int, parent: int | None = None) -> None:
+    """Linux: have the kernel send `signum` to this process when its parent exits (prctl's
+    PR_SET_PDEATHSIG), whatever ends the parent: a SIGKILL passes nothing on to its children,
+    who would otherwise run on as orphans. Elsewhere (or should prctl fail), nothing happens.
+
+    The parent is the thread that started this process (for a DataLoader worker, the training
+    loop's; for a rank, torchrun's main thread), and a DataLoader worker under the forkserver
+    start method has the fork server for parent, which ends with the training process.
+    `parent`: the pid of the process that started this one, if known; if it has exited before
+    this call (too early for the kernel to notice), `signum` comes at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no C library to call, or no prctl in it
+        return
+    if parent is not None and os.getppid() != parent and not _exists(parent):
+        os.kill(os.getpid(), signum)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether there is such a process
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # there is, someone else's
+    return True

@@ -110,6 +110,7 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
             tokenizer_path,
             cli.special_tokens(args),
         )
+    tokenizer.corpus_sha256 = corpus.stream_fingerprint(source, val_texts)  # for checkpoints
     val_ids = datasets.Dataset.from_dict({"input_ids": _encode(val_texts, tokenizer)})
     val_set = data.PretrainingDataset(val_ids, args.seq_length, args.data_mode, tokenizer.pad_id)
     if int(os.environ.get("RANK", "0")) == 0:  # as training.describe_data, what is known

@@ -93,7 +93,7 @@ def main():
     )
     parser.add_argument(
         "--cp",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=None,
         help="context-parallel ranks per group: each holds 1/cp of every sequence. It must divide "
         "the number of ranks (dp = world_size / cp groups split the batch) and --seq-length must "
@@ -115,7 +115,7 @@ def main():
     )
     parser.add_argument(
         "--replicate",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=1,
         help="HSDP: shard within groups of world_size / R ranks (say, one node each) and keep R "
         "replicas of the shards; 1: plain FSDP over all ranks",
@@ -128,6 +128,7 @@ def main():
     dp = data_parallel_size(world_size, cp, args.seq_length)  # or ValueError, before any work
     # Only the dp groups split the batch: the cp ranks of a group work on the same sequences.
     plan = cli.plan_run(parser, args, dp, device, context_parallel=True)  # per dp group
+    cli.refuse_experts(parser, args, "train_cp.py")  # MoE: not in this lesson (cli.NO_EXPERTS)
     if plan.precision == "fp16":
         raise ValueError(
             "train_cp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "

@@ -35,7 +35,7 @@ import stopping
 import training
 from auto_batch import auto_micro_batch_size
 from distributed import from_rank0, setup_distributed
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX
 
 
@@ -189,7 +189,9 @@ def main():
             loss = (step_loss / global_tokens).item()
             figures = throughput.figures()
             bar.set_postfix(bar_postfix(loss, lr, figures))
-            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
+            # A mixture of experts' routing, summed over the ranks: a collective, on every rank.
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item(),
+                        **router_figures(model))  # fmt: skip
         if do_eval:
             # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
             # then the sums are added up: the result is the loss over the whole validation set.

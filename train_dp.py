@@ -25,7 +25,7 @@ import out_dir
 import stopping
 import training
 from auto_batch import auto_micro_batch_size
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX
 from replica import Replica
 
@@ -158,7 +158,9 @@ def main():
             loss = (step_loss / global_tokens).item()
             figures = throughput.figures()
             bar.set_postfix(bar_postfix(loss, lr, figures))
-            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
+            # A mixture of experts' routing since the last log; {} for a dense model.
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item(),
+                        **router_figures(model))  # fmt: skip
         if do_eval:
             val_sum, val_tokens = training.evaluate(
                 dp_model, val_loader, device, plan.precision, attn_mask

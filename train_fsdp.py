@@ -58,7 +58,7 @@ import stopping
 import training
 from auto_batch import auto_micro_batch_size
 from distributed import divide_ranks, from_rank0, setup_distributed
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX, LlamaForPretraining
 from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
 
@@ -84,7 +84,7 @@ def main():
     )
     parser.add_argument(
         "--replicate",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=1,
         help="HSDP: shard within groups of world_size / R ranks (say, one node each) and keep R "
         "replicas of the shards; 1: plain FSDP over all ranks",
@@ -279,7 +279,9 @@ def main():
             loss = (step_loss / global_tokens).item()
             figures = throughput.figures()
             bar.set_postfix(bar_postfix(loss, lr, figures))
-            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item())
+            # A mixture of experts' routing, summed over the ranks: a collective, on every rank.
+            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item(),
+                        **router_figures(model))  # fmt: skip
         if do_eval:
             # Every rank evaluates its own shard of the data (the forward all-gathers each layer,
             # so every rank must run it), then the sums are added up over ranks.

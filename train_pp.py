@@ -140,6 +140,7 @@ def check_pipeline_args(
     # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
     plan = cli.plan_run(parser, args, dp, device, default_micro_batch_size=1)
     plan = dataclasses.replace(plan, attention="sdpa")  # --attention auto: never flex here
+    cli.refuse_experts(parser, args, "train_pp.py")  # MoE: not in this lesson (cli.NO_EXPERTS)
     microbatches = plan.accumulation
     config = cli.model_shape(args)
     check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
@@ -175,14 +176,14 @@ def build_parser():
     )
     parser.add_argument(
         "--pp",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=None,
         help="pipeline-parallel size: stages per pipeline; world_size / (pp x tp) pipelines "
         "train data-parallel (FSDP). Default: all ranks (world_size / tp) in one pipeline",
     )
     parser.add_argument(
         "--tp",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=1,
         help="tensor-parallel ranks inside each stage (3D: pp x dp x tp = world_size); keep it "
         "within a node",
@@ -197,7 +198,7 @@ def build_parser():
     )
     parser.add_argument(
         "--stages-per-rank",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=None,
         help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
     )

@@ -89,7 +89,7 @@ def main():
     )
     parser.add_argument(
         "--tp",
-        type=int,
+        type=cli.number_arg(int, 1),
         default=None,
         help="tensor-parallel ranks per group, at most the GPUs of one node; it must divide the "
         "number of ranks, and FSDP shards over the dp = world_size / tp groups (default: the "
@@ -117,6 +117,7 @@ def main():
             "(python memory_plan.py --tp N estimates what fits)"
         )
     plan = cli.plan_run(parser, args, dp, device)  # micro-batch, accumulation, ... per dp group
+    cli.refuse_experts(parser, args, "train_tp.py")  # MoE: not in this lesson (cli.NO_EXPERTS)
     check_tensor_parallel(cli.model_shape(args), tp)  # before any data work
     if args.sequence_parallel:
         check_sequence_parallel(tp, args.seq_length)

@@ -7,10 +7,12 @@ the outputs at the end. That is what keeps the diff between neighbouring lessons
 concept each one adds.
 """
 
+import atexit
 import contextlib
 import functools
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,7 +25,7 @@ import corpus
 import data
 import model_flags
 import streaming
-from checkpoints import load_model, save_final
+from checkpoints import TEMP_RE, load_model, save_failed, save_final
 from distributed import main_process_first
 from generate import generate_text
 from masks import create_causal_mask, create_document_block_mask, create_document_mask, document_ids
@@ -61,6 +63,7 @@ def build_datasets(
             tokenizer_path,
             cli.special_tokens(args),
         )
+        tokenizer.corpus_sha256 = corpus.fingerprint(docs, args.cache_dir)  # for checkpoints
         pad_id = tokenizer.pad_id
         # --num-proc tokenizes in parallel; packing stays in one process, so that the windows
         # never depend on it (see data.PretrainingDataset).
@@ -167,10 +170,48 @@ def _cached_step_batches(dataset, order_for_epoch, micro_batch_size, accumulatio
             drop_last=True,
             worker_init_fn=ignore_stop_signals,
         )
-        batches = iter(loader)
+        batches = _start_loader(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             yield [next(batches) for _ in range(accumulation)]
         epoch, step_in_epoch = epoch + 1, 0
+
+
+# The loader iterators of _start_loader whose workers may still run (a finished one drops out).
+_open_loaders: weakref.WeakSet = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _start_loader(loader: DataLoader) -> Iterator:
+    """iter(loader); its worker processes, if any, end when this process does, however it ends.
+
+    Its workers ignore SIGINT, SIGTERM and SIGUSR1 (stopping.ignore_stop_signals). A run that
+    finishes or stops drops its loader, and the DataLoader tells its workers to leave. A run
+    that ends in an error (a failed save, a TrainingError, any exception) still holds it at exit
+    (the error's traceback holds main()'s frames): then the DataLoader's own shutdown is off
+    (torch's exit hook), and multiprocessing's exit hook sends the workers SIGTERM, which they
+    ignore, and waits for them: the run never ended (under torchrun, on every rank). So the
+    first loader with workers registers _end_open_loaders to run at exit before those hooks
+    (atexit runs the last registered first; both are registered by now, workers having
+    started): it has the DataLoader end every loader still open, as it would have.
+    """
+    global _exit_hook_registered
+    batches = iter(loader)
+    if loader.num_workers > 0:
+        if not _exit_hook_registered:
+            atexit.register(_end_open_loaders)
+            _exit_hook_registered = True
+        _open_loaders.add(batches)
+    return batches
+
+
+def _end_open_loaders() -> None:
+    for batches in list(_open_loaders):
+        # The DataLoader's own shutdown (what it does once its iterator is dropped): the
+        # workers are told to leave and are waited for, a few milliseconds.
+        batches._shutdown_workers()
+        for worker in batches._workers:
+            if worker.is_alive():  # deaf even to that (stuck in a batch): no reason to wait
+                worker.kill()
 
 
 def data_positions(batches) -> list[dict] | None:
@@ -397,7 +438,12 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
     """The end of a run, on the process that writes files: model.pt, config.json and
     tokenizer.json; with --plan on a GPU, the measured peak to hold against the plan printed at
     start-up; and the sample of the trained model (--sample-tokens)."""
-    save_final(args.out_dir, model, config, tokenizer)
+    try:
+        save_final(args.out_dir, model, config, tokenizer)
+    except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
+        # A write's error names no file; model.pt is the large one (a temporary name: its own).
+        path = TEMP_RE.sub("", e.filename) if e.filename else os.path.join(args.out_dir, "model.pt")
+        raise save_failed(path, e, "the run's final file") from e
     print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
     if args.plan and device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 1e9

@@ -11,7 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -354,3 +357,106 @@ def write_foreign_tokenizer(
     if config:
         (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory / "tokenizer.json"
+
+
+# -------------------------------------------------------------------------------------------------
+# A run that must end by itself: how long it took after a line, and what it left running
+
+# The environment variable that marks every process of a watched run: torchrun passes its
+# environment on to the ranks, and a DataLoader worker is a fork of its rank. Unlike a process
+# group or a session (torchrun starts each rank in a session of its own), it stays with a
+# process that outlives its parent.
+RUN_MARKER = "LLAMA_TEST_RUN"
+
+
+@dataclass
+class WatchedRun:
+    returncode: int
+    output: str  # stdout and stderr together
+    ended: float  # time.monotonic() when the launcher exited
+    lines: list[tuple[float, str]] = field(default_factory=list)  # (when it was read, line)
+    left: list[str] = field(default_factory=list)  # the run's processes still alive after it
+    gone_after: float = 0.0  # seconds from the launcher's exit until none of the run was left
+
+    def seconds_after(self, text: str) -> float:
+        """From the first line holding `text` to the launcher's exit."""
+        when = next(t for t, line in self.lines if text in line)
+        return self.ended - when
+
+
+def processes_of_run(marker: str) -> list[str]:
+    """The live processes (not zombies) whose environment holds RUN_MARKER=marker, from /proc:
+    "pid command" each."""
+    found, tag = [], f"{RUN_MARKER}={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if tag not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        if state != "Z":
+            found.append(f"{entry} {command.decode(errors='replace')[:200]}")
+    return found
+
+
+def kill_run(marker: str) -> None:
+    """SIGKILL every live process of a watched run."""
+    for process in processes_of_run(marker):
+        try:
+            os.kill(int(process.split()[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def watch_run(
+    command: list[str], timeout: float = LAUNCH_TIMEOUT, preexec_fn=None, during=None,
+    grace: float = 5.0,
+) -> WatchedRun:  # fmt: skip
+    """Run `command` (script_command's) with every process marked (RUN_MARKER), noting when
+    each line of its output came and when the launcher exited; then what of the run is still
+    alive `grace` seconds later (WatchedRun.left), which is killed, so that a failing test
+    leaves nothing behind. during(proc, marker, lines): called once the run has started, e.g.
+    to signal it. On a timeout every process of the run is killed and the test fails."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=launch_env(**{RUN_MARKER: marker}), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn,
+    )  # fmt: skip
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:  # until every process holding the pipe has exited
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if during is not None:
+            during(proc, marker, lines)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        left = processes_of_run(marker)
+        kill_run(marker)
+        proc.wait()
+        reader.join(timeout=5)
+        output = "".join(line for _, line in lines)
+        raise AssertionError(
+            f"the run did not end within {timeout} s; its processes then: {left}\n"
+            f"--- output (tail) ---\n{output[-6000:]}"
+        ) from None
+    except BaseException:  # `during` failed: leave nothing running
+        kill_run(marker)
+        proc.wait()
+        raise
+    ended = time.monotonic()
+    while (left := processes_of_run(marker)) and time.monotonic() < ended + grace:
+        time.sleep(0.05)
+    gone_after = time.monotonic() - ended
+    kill_run(marker)
+    reader.join(timeout=5)
+    output = "".join(line for _, line in lines)
+    return WatchedRun(proc.returncode, output, ended, list(lines), left, gone_after)

@@ -11,13 +11,26 @@ import importlib
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from harness import DDP, DP, build_args, cmd, load_checkpoint, run_script, snapshot
+from harness import (
+    DDP,
+    DP,
+    LAUNCH_TIMEOUT,
+    REPO,
+    build_args,
+    cmd,
+    launch_env,
+    load_checkpoint,
+    run_script,
+    script_command,
+    snapshot,
+)
 
 import checkpoints
 import cli
@@ -158,6 +171,20 @@ def test_init_from_a_directory_without_a_finished_run_is_refused(
                    cache_dir)  # fmt: skip
 
 
+def test_init_from_the_out_dir_itself_is_refused_however_it_is_spelled(out_dir, corpus, cache_dir):
+    # It would resume from that run's checkpoints and ignore --init-from, or start fresh and
+    # write its model.pt over the one it starts from: neither is what was asked.
+    def plan(out: str):
+        parser = cli.build_parser("test")
+        argv = cmd(corpus, cache_dir, out, model=None, vocab_size=None, init_from=out_dir)
+        return cli.plan_run(parser, parser.parse_args(argv), 1, torch.device("cpu"))
+
+    for spelled in (out_dir, f"{out_dir}/", f"{out_dir}/../{out_dir.name}"):
+        with pytest.raises(ValueError, match=f"--init-from {out_dir} is also the --out-dir"):
+            plan(spelled)
+    plan(f"{out_dir}-2")  # another out-dir: fine
+
+
 def test_init_from_with_a_model_preset_is_refused(existing_run, trained, corpus, cache_dir):
     # The architecture comes from the finished run: a preset as well would contradict it.
     argv = cmd(corpus, cache_dir, existing_run) + ["--init-from", str(trained(DP))]
@@ -180,8 +207,8 @@ def test_non_positive_sizes_steps_and_rates_are_refused(
 
 @pytest.mark.parametrize(
     "shape, message",
-    [(dict(num_layers=0), "--num-layers must be positive, got 0"),
-     (dict(num_kv_heads=-2), "--num-kv-heads must be positive, got -2"),
+    [(dict(num_layers=0), "argument --num-layers: expected an integer >= 1, got '0'"),
+     (dict(num_kv_heads=-2), "argument --num-kv-heads: expected an integer >= 1, got '-2'"),
      (dict(hidden_size=100), "--hidden-size 100 is not divisible by --num-heads 6 (the tiny "
                              "preset's)"),
      (dict(num_heads=5), "--hidden-size 192 (the tiny preset's) is not divisible by --num-heads 5"),
@@ -205,6 +232,75 @@ def test_init_from_with_a_vocab_size_or_a_shape_flag_is_refused(corpus, cache_di
     settings = {"model": None, "vocab_size": None, "init_from": tmp_path, flag: 300}
     with pytest.raises(ValueError, match=f"leave out --{flag.replace('_', '-')} \\(see --help\\)"):
         build_args(corpus, cache_dir, **settings)
+
+
+@pytest.mark.parametrize(
+    "flag, value, expect",
+    [("lr", "inf", "expected a number > 0, got 'inf'"),
+     ("lr", "nan", "expected a number > 0, got 'nan'"),
+     ("min_lr_ratio", "2", "expected a number in [0, 1], got '2'"),
+     ("min_lr_ratio", "-0.5", "expected a number in [0, 1], got '-0.5'"),
+     ("val_fraction", "1", "expected a number in (0, 1), got '1'"),
+     ("grad_clip", "nan", "expected a number >= 0, got 'nan'"),
+     ("weight_decay", "-inf", "expected a number >= 0, got '-inf'"),
+     ("warmup_steps", "-1", "expected an integer >= 0, got '-1'"),
+     ("seed", "-1", "expected an integer in [0, 9223372036854775807], got '-1'"),
+     ("num_workers", "-1", "expected an integer >= 0, got '-1'"),
+     ("num_proc", "0", "expected an integer >= 1, got '0'"),
+     ("eval_batches", "0", "expected an integer >= 1, got '0'"),
+     ("sample_tokens", "-1", "expected an integer >= 0, got '-1'"),
+     ("vocab_size", "100", "expected an integer >= 259, got '100'"),
+     ("max_steps", "1e3", "expected an integer >= 1, got '1e3'"),
+     ("num_heads", "0", "expected an integer >= 1, got '0'")],
+)  # fmt: skip
+def test_a_number_out_of_range_or_not_finite_is_refused_as_it_is_parsed(flag, value, expect):
+    # In argparse itself (cli.number_arg), so --check refuses it too, and a --config file's value.
+    name = f"--{flag.replace('_', '-')}"
+    with pytest.raises(ValueError, match=re.escape(f"argument {name}: {expect}")):
+        cli.build_parser("test").parse_args([f"{name}={value}"])
+
+
+def test_every_number_flag_of_the_shared_parser_refuses_nan_and_inf():
+    parser = cli.build_parser("test", distributed=True)
+    typed = [action for action in parser._actions if action.type is not None]
+    assert len(typed) >= 20  # every number flag has a type= that checks it
+    for action in typed:
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type(value)
+
+
+def test_an_infinite_lr_is_refused_by_check(existing_run, corpus, cache_dir):
+    argv = cmd(corpus, cache_dir, existing_run) + ["--lr", "inf", "--check"]
+    assert_refused(DP, argv, "error: argument --lr: expected a number > 0, got 'inf'",
+                   existing_run, cache_dir)  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", ""])
+def test_a_world_size_that_is_not_a_positive_integer_is_refused(
+    monkeypatch, corpus, cache_dir, value
+):
+    monkeypatch.setenv("WORLD_SIZE", value)
+    with pytest.raises(ValueError, match=f"WORLD_SIZE='{value}' in the environment is not a "
+                                         f"positive integer"):  # fmt: skip
+        build_args(corpus, cache_dir)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_train_ddp_check_refuses_a_world_size_that_is_not_positive(tmp_path, value):
+    # run_ddp.sh sets WORLD_SIZE for --check: 0 divided the batch by zero (a traceback) and -2
+    # said that the flags were fine.
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        script_command(DDP, ["--out-dir", str(out), "--check"]), cwd=REPO,
+        env=launch_env(WORLD_SIZE=value), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: WORLD_SIZE='{value}' in the environment is not a positive integer" in (
+        proc.stderr
+    )
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr
+    assert not out.exists()
 
 
 def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, corpus, cache_dir):
@@ -232,6 +328,35 @@ def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, mod
     assert parsed.value.args[0].allow_abbrev is False
 
 
+@pytest.mark.parametrize(
+    "module",
+    ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "train_cp",
+     "generate", "memory_plan"],
+)  # fmt: skip
+def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, module):
+    # The lessons' own flags too (--tp, --pp, --cp, --replicate, ...): stop main() at its parser.
+    class Parsed(Exception):
+        pass
+
+    def parse_args(parser, *args, **kwargs):
+        raise Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(sys, "argv", [f"{module}.py"])
+    with pytest.raises(Parsed) as parsed:
+        importlib.import_module(module).main()
+    numbers = [
+        action for action in parsed.value.args[0]._actions
+        if action.type is not None and action.choices is None
+        and action.type.__name__ in ("int", "float")
+    ]  # fmt: skip
+    assert numbers, "every script has number flags"
+    for action in numbers:
+        for value in ("nan", "inf", "-inf", "1e400"):
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type(value)
+
+
 def test_too_little_data_for_pack_mode_names_the_flag_that_exists():
     tokens = datasets.Dataset.from_dict({"input_ids": [[1, 5, 2]]})
     with pytest.raises(ValueError, match="too few for one window") as error:
@@ -255,6 +380,14 @@ def test_unknown_choice_is_one_message_not_a_usage_dump(existing_run, corpus, ca
 
 # -------------------------------------------------------------------------------------------------
 # Out-dir and resume
+
+
+def test_a_cache_dir_that_cannot_be_written_is_refused_naming_it(existing_run, corpus, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    argv = cmd(corpus, a_file, existing_run)
+    assert_refused(DP, argv, f"error: --cache-dir {a_file} cannot be created or written",
+                   existing_run, a_file)  # fmt: skip
 
 
 def test_out_dir_that_cannot_be_created_is_refused(corpus, cache_dir, tmp_path):
@@ -302,6 +435,60 @@ def test_resuming_with_another_data_order_or_schedule_is_refused(existing_run, c
     proc = assert_refused(DP, argv, "the checkpoint was made with", existing_run, cache_dir)
     assert "--batch-size 8 (now 16)" in proc.stderr and "--warmup-steps 2 (now 5)" in proc.stderr
     assert "--txt-split 'auto' (now 'line')" in proc.stderr
+
+
+def test_a_resume_compares_the_documents_not_how_data_spells_them(
+    trained, corpus, cache_dir, tmp_path
+):
+    ckpt = load_checkpoint(trained(DP), 8)
+    assert re.fullmatch("[0-9a-f]{64}", ckpt["corpus_sha256"])
+    config = LlamaConfig(**ckpt["config"])
+    tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
+    tokenizer.corpus_sha256 = ckpt["corpus_sha256"]  # as build_datasets sets it: the same data
+    for spelled in (f"{corpus}//", f"{corpus}/../{corpus.name}", tmp_path / "a-copy"):
+        args, _ = build_args(spelled, cache_dir)
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    tokenizer.corpus_sha256 = "0" * 64  # other documents, under the same --data
+    args, _ = build_args(corpus, cache_dir)
+    with pytest.raises(ValueError, match=f"--data {corpus} is not the data the checkpoint was "
+                                         "trained on: its documents differ"):  # fmt: skip
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    # A checkpoint from before the fingerprint: --data is all it has, compared as one path.
+    del ckpt["corpus_sha256"]
+    args, _ = build_args(f"{corpus}//", cache_dir)
+    checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    args, _ = build_args(tmp_path / "other", cache_dir)
+    expect = f"made with --data '{corpus}' (now '{tmp_path / 'other'}')"
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+
+
+def test_turning_the_document_mask_on_or_off_at_a_resume_is_refused(trained, corpus, cache_dir):
+    # It changes what every token attends to: not the run an uninterrupted one would be.
+    ckpt = load_checkpoint(trained(DP), 8)
+    config = LlamaConfig(**ckpt["config"])
+    tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
+    args, _ = build_args(corpus, cache_dir, document_mask=True)
+    with pytest.raises(ValueError, match="made with --document-mask False \\(now True\\)"):
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    del ckpt["args"]["document_mask"]  # a checkpoint from before the flag: made without it
+    with pytest.raises(ValueError, match="made with --document-mask False \\(now True\\)"):
+        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    args, _ = build_args(corpus, cache_dir, attention="sdpa")  # the kernel may change
+    checkpoints.check_resumable(ckpt, config, args, tokenizer)
+
+
+def test_a_resume_notes_that_init_from_is_not_used(trained, out_dir, corpus, cache_dir, capsys):
+    # A run started with --init-from and restarted with the same command resumes (its own
+    # checkpoint holds its weights), and says so.
+    ckpt = load_checkpoint(trained(DP), 8)
+    tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
+    args, _ = build_args(corpus, cache_dir, model=None, vocab_size=None, init_from=out_dir)
+    checkpoints.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
+    assert (
+        f"note: --init-from {out_dir} is not used: the run resumes from its own checkpoint (at "
+        f"step 8)" in capsys.readouterr().out
+    )
 
 
 def test_a_checkpoint_from_before_txt_split_counts_as_auto(trained, corpus, cache_dir):
@@ -369,3 +556,35 @@ def test_under_torchrun_the_error_is_printed_once(existing_run, corpus, cache_di
     if mistake == "data":
         argv[argv.index("--data") + 1] = str(corpus / "missing" / "*.txt")
     assert_refused(DDP, argv, "error: ", existing_run, cache_dir, world=2)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE must be a positive integer, got 'abc'"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be a positive integer, got '0'"),
+        ({"NNODES": "two"}, "NNODES must be a positive integer, got 'two'"),
+        ({"NNODES": "2", "NODE_RANK": "2"},
+         "NODE_RANK must be an integer from 0 to NNODES - 1 = 1, got '2'"),
+        ({"NODE_RANK": "-1"}, "NODE_RANK must be an integer from 0 to NNODES - 1 = 0, got '-1'"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT must be an integer from 1 to 65535, got '70000'"),
+        ({"MAX_RESTARTS": "1.5"}, "MAX_RESTARTS must be an integer >= 0, got '1.5'"),
+        ({"SHUTDOWN_TIMEOUT": "0"}, "SHUTDOWN_TIMEOUT must be a positive integer, got '0'"),
+    ],
+    ids=["nproc_abc", "nproc_0", "nnodes", "node_rank", "node_rank_negative", "port",
+         "max_restarts", "shutdown_timeout"],
+)  # fmt: skip
+def test_run_ddp_sh_refuses_a_bad_number_in_its_environment_in_one_line(tmp_path, env, expected):
+    # Checked before bash's arithmetic ("NPROC_PER_NODE: unbound variable") or torchrun sees it.
+    import subprocess
+
+    from harness import REPO, run_ddp_sh_env
+
+    proc = subprocess.run(["bash", str(REPO / "run_ddp.sh"), "--out-dir", str(tmp_path / "o")],
+                          cwd=tmp_path, env=run_ddp_sh_env(**env), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"error: {expected}") and proc.stderr.count("\n") == 1, (
+        proc.stderr
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written

@@ -56,8 +56,11 @@ def test_a_lesson_s_own_flags_come_from_the_file_too(tmp_path):
     [
         ("seq-length = 64\nseq-lenght = 32\n", "line 2: seq-lenght: no such flag"),
         ("config = 'other.toml'\n", "line 1: config: no such flag"),
-        ('max-steps = "many"\n', "line 1: max-steps: invalid int value: 'many'"),
-        ("max_steps = 8.5\n", "line 1: max_steps: invalid int value: 8.5"),
+        ('max-steps = "many"\n', "line 1: max-steps: expected an integer >= 1, got 'many'"),
+        ("max_steps = 8.5\n", "line 1: max_steps: expected an integer >= 1, got '8.5'"),
+        ("lr = inf\n", "line 1: lr: expected a number > 0, got 'inf'"),
+        ("lr = nan\n", "line 1: lr: expected a number > 0, got 'nan'"),
+        ("min-lr-ratio = 2\n", "line 1: min-lr-ratio: expected a number in [0, 1], got '2'"),
         ("lr = true\n", "line 1: lr: expected a single value (a number or a string), got bool"),
         ('document-mask = "yes"\n', "line 1: document-mask: expected true or false, got 'yes'"),
         ('data-mode = "packed"\n', "line 1: data-mode: invalid choice: 'packed'"),
@@ -84,7 +87,7 @@ def test_a_lesson_refuses_a_bad_config_in_one_line_before_any_work(tmp_path, mis
         expect = f"--config {config}, line 2: warmup: no such flag"
     elif mistake == "wrong type":
         config.write_text("max-steps = 4\nlr = 'fast'\n")
-        expect = f"--config {config}, line 2: lr: invalid float value: 'fast'"
+        expect = f"--config {config}, line 2: lr: expected a number > 0, got 'fast'"
     elif mistake == "no file":
         expect = f"--config {config}: cannot read it (No such file or directory)"
     else:

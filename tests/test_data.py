@@ -3,6 +3,8 @@
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -368,6 +370,99 @@ def test_train_dp_trains_on_one_input_txt_and_refuses_txt_split_for_jsonl(tmp_pa
     proc = run_script(DP, argv, expect_rc=2)
     assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "--txt-split line applies to .txt files only" in proc.stderr
+
+
+def test_a_jsonl_file_that_is_not_utf8_is_refused_naming_the_file_and_line(tmp_path):
+    # datasets' json reader keeps the bytes; only reading the text failed, without a file name.
+    lines = ['{"text": "plain text"}', '{"text": "caf\u00e9 au lait"}']
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes("\n".join(lines).encode("latin-1") + b"\n")
+    byte = len(lines[0]) + 1 + lines[1].index("\u00e9")
+    expect = f"{path} line 2 (byte {byte}) is not UTF-8 text"
+    with pytest.raises(ValueError, match=re.escape(expect) + ".*convert it to UTF-8"):
+        corpus.load_corpus(str(path), cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("in_the_way", ["cache", "cache/datasets"])
+def test_a_cache_dir_that_cannot_be_written_is_refused_naming_it_not_data(tmp_path, in_the_way):
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i}"} for i in range(4)])
+    write(tmp_path / in_the_way, "a file where a directory should be")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=f"^--cache-dir {cache} cannot be created or written"):
+        corpus.load_corpus(str(docs), cache_dir=str(cache))
+    write(tmp_path / "cache2" / "tokenizers", "in the way of the tokenizer cache")
+    with pytest.raises(ValueError, match=f"^--cache-dir {tmp_path / 'cache2'} cannot be"):
+        data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, str(tmp_path / "cache2"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_cache_dir_is_refused_naming_it(tmp_path):
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i}"} for i in range(4)])
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o555)
+    with pytest.raises(ValueError, match=f"^--cache-dir {cache} cannot be created or written"):
+        corpus.load_corpus(str(docs), cache_dir=str(cache))
+
+
+# -----------------------------------------------------------------------------
+# Fingerprints: what a checkpoint records of the data
+
+
+def test_the_corpus_fingerprint_is_of_its_documents_and_is_hashed_once(tmp_path, monkeypatch):
+    docs = [write(tmp_path / "a" / f"doc_{i}.txt", f"document {i}\n" * (i + 1)) for i in range(6)]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    cache = str(tmp_path / "cache")
+
+    def fingerprint(spec: str) -> str:
+        return corpus.fingerprint(corpus.load_corpus(spec, cache_dir=cache), cache)
+
+    digest = fingerprint(str(tmp_path / "a"))
+    assert re.fullmatch("[0-9a-f]{64}", digest)
+    # The same documents, wherever they are and however the path is spelled.
+    assert fingerprint(f"{tmp_path}/b//") == fingerprint(f"{tmp_path}/./a/") == digest
+    # Once hashed, a start-up reads the digest from the cache instead of every document.
+    assert os.listdir(os.path.join(cache, "fingerprints"))
+    monkeypatch.setattr(corpus, "hash_texts", lambda *args: pytest.fail("hashed again"))
+    assert fingerprint(str(tmp_path / "a")) == digest
+    monkeypatch.undo()
+    # Two documents swapped, one edited, one removed: each another fingerprint.
+    texts = docs[0].read_text(), docs[1].read_text()
+    docs[0].write_text(texts[1]), docs[1].write_text(texts[0])
+    swapped = fingerprint(str(tmp_path / "a"))
+    docs[2].write_text("edited\n")
+    edited = fingerprint(str(tmp_path / "a"))
+    docs[3].unlink()
+    assert len({digest, swapped, edited, fingerprint(str(tmp_path / "a"))}) == 4
+
+
+def test_a_streams_fingerprint_is_its_first_documents_and_its_files_sizes(tmp_path):
+    files = [write_jsonl(tmp_path / "s" / f"{i}.jsonl", [{"text": f"d{i}"}]) for i in range(2)]
+    source = corpus.resolve_source(str(tmp_path / "s"))
+    digest = corpus.stream_fingerprint(source, ["first", "second"])
+    assert digest == corpus.stream_fingerprint(corpus.resolve_source(f"{tmp_path}//s/"),
+                                               ["first", "second"])  # fmt: skip
+    assert corpus.stream_fingerprint(source, ["second", "first"]) != digest
+    write_jsonl(files[1], [{"text": "d1"}, {"text": "one more document"}])  # the corpus grew
+    assert corpus.stream_fingerprint(source, ["first", "second"]) != digest
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, streaming):
+    from harness import STREAMING, build_args
+
+    import training
+
+    # The session's corpus and cache (conftest.py); "corpus" is this module's name for corpus.py.
+    docs, cache = request.getfixturevalue("corpus"), request.getfixturevalue("cache_dir")
+    args, plan = build_args(docs, cache, **(STREAMING if streaming else {}))
+    *_, tokenizer = training.build_datasets(args, plan.tokenizer)
+    if streaming:  # the stream's own (its validation documents, its files' sizes)
+        loaded = corpus.resolve_source(str(docs))
+        assert re.fullmatch("[0-9a-f]{64}", tokenizer.corpus_sha256)
+        assert tokenizer.corpus_sha256 != corpus.stream_fingerprint(loaded, [])
+    else:
+        loaded = corpus.load_corpus(str(docs), cache_dir=str(cache))
+        assert tokenizer.corpus_sha256 == corpus.fingerprint(loaded, str(cache))
 
 
 # -----------------------------------------------------------------------------

@@ -7,19 +7,23 @@ LlamaForCausalLM and compare logits and token ids, and import what transformers 
 sharded, with Llama 3's RoPE scaling and a Llama 3 style tokenizer, then continue training it.
 """
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import DP, cmd, run_script, write_foreign_tokenizer
-from safetensors.torch import load_file
+from harness import DP, cmd, run_script, snapshot, write_foreign_tokenizer
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+import checkpoints
 import data
 import export_hf
+import stopping
 from checkpoints import load_model
 from generate import generate_text
 
@@ -218,3 +222,201 @@ def test_from_hf_imports_a_sharded_llama3_and_training_continues_from_it(
     run_script(DP, [*argv, "--init-from", str(out)])
     more, more_tokenizer = load_model(str(tmp_path / "more"))
     assert more.config == ours.config and more_tokenizer.specials == tokenizer.specials
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, no traceback, and what already exists stays as it was
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """export_hf.py's main() with argv, as `python export_hf.py` runs it (stopping.run):
+    (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["export_hf.py", *argv])
+    code = 0
+    try:
+        stopping.run(export_hf.main)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *expected: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+
+
+def write_sharded(hf_dir: Path, dst: Path) -> Path:
+    """dst: hf_dir's export as save_pretrained writes a large model: two shards and an index."""
+    dst.mkdir()
+    tensors = load_file(hf_dir / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), 1):
+        shard = f"model-0000{i}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, dst / shard)
+        weight_map |= dict.fromkeys(part, shard)
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for name in HF_FILES - {"model.safetensors"}:
+        (dst / name).write_bytes((hf_dir / name).read_bytes())
+    return dst
+
+
+def siblings(path: Path) -> set[str]:
+    return {p.name for p in path.parent.iterdir()}
+
+
+def test_export_into_a_folder_holding_a_sharded_model_is_refused_and_leaves_it(
+    exported, tmp_path
+):
+    # It used to write model.safetensors beside the old index and shards, and --from-hf then
+    # read the old shards with the new config.json.
+    out, hf_dir = exported
+    sharded = write_sharded(hf_dir, tmp_path / "sharded")
+    before, beside = snapshot(sharded), siblings(sharded)
+    proc = subprocess.run([sys.executable, str(REPO / "export_hf.py"), str(out), str(sharded)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert_one_line_error(proc.returncode, proc.stderr, f"{sharded} is not empty",
+                          "pass a new or empty folder")  # fmt: skip
+    assert snapshot(sharded) == before and siblings(sharded) == beside
+    export_hf.import_hf(str(sharded), str(tmp_path / "back"))  # it is a model, and loads
+
+
+@pytest.mark.parametrize("direction", ["export", "from_hf"])
+def test_no_direction_writes_into_a_folder_with_files_or_over_a_file(
+    exported, tmp_path, monkeypatch, capsys, direction
+):
+    out, hf_dir = exported
+    src, flags = (out, []) if direction == "export" else (hf_dir, ["--from-hf"])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"mine": true}\n')  # silently replaced, once
+    (tmp_path / "a_file").write_text("keep me\n")
+    before = snapshot(tmp_path)
+    for dst, expected in ((other, "is not empty (it holds config.json)"),
+                          (tmp_path / "a_file", "is a file, not a folder")):  # fmt: skip
+        code, stdout, err = run_main(monkeypatch, capsys, *flags, str(src), str(dst))
+        assert_one_line_error(code, err, expected, "pass a new or empty folder")
+        assert stdout == "" and snapshot(tmp_path) == before
+    # An empty folder, or a new one (with its parents), is written whole.
+    (tmp_path / "empty").mkdir()
+    for dst in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        code, stdout, err = run_main(monkeypatch, capsys, *flags, str(src), str(dst))
+        assert code == 0, err
+        assert {p.name for p in dst.iterdir()} == (
+            HF_FILES if direction == "export" else {
+                "model.pt", "config.json", "tokenizer.json", "tokenizer_config.json"})  # fmt: skip
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("direction", ["export", "from_hf"])
+def test_a_failed_write_leaves_no_folder_behind(exported, tmp_path, monkeypatch, direction):
+    out, hf_dir = exported
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    dst = tmp_path / "dst"
+    if direction == "export":
+        monkeypatch.setattr(export_hf, "write_json", disk_full)  # after model.safetensors
+        with pytest.raises(ValueError, match="No space left on device.*nothing was written"):
+            export_hf.export(str(out), str(dst))
+    else:
+        monkeypatch.setattr(checkpoints, "atomic_write_text", disk_full)  # after model.pt
+        with pytest.raises(ValueError, match="No space left on device.*nothing was written"):
+            export_hf.import_hf(str(hf_dir), str(dst))
+    assert list(tmp_path.iterdir()) == []  # neither dst nor its temporary folder
+
+
+def corrupt(hf_dir: Path, tmp_path: Path, name: str, content: bytes) -> Path:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for path in hf_dir.iterdir():
+        (bad / path.name).write_bytes(path.read_bytes())
+    (bad / name).write_bytes(content)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("model.safetensors", b"junk\n", "cannot read model.safetensors as safetensors"),
+        ("config.json", b"{not json", "config.json is not a JSON file"),
+        ("config.json", b"\xff\xfe", "config.json is not a JSON file"),
+        ("config.json", b"[1, 2]", "config.json: it is a JSON list"),
+        ("config.json", b'{"model_type": "llama", "hidden_size": "abc", "num_attention_heads": 0}',
+         "config.json: bad values: hidden_size 'abc', num_attention_heads 0"),
+        ("model.safetensors.index.json", b'{"weight_map": {"x": "../elsewhere.safetensors"}}',
+         "model.safetensors.index.json is not a safetensors index"),
+        ("model.safetensors.index.json", b"[]", "model.safetensors.index.json is not a"),
+    ],
+    ids=["junk_safetensors", "config_not_json", "config_not_utf8", "config_a_list",
+         "config_bad_values", "index_outside", "index_not_a_map"],
+)  # fmt: skip
+def test_from_hf_names_the_file_it_cannot_read(
+    exported, tmp_path, monkeypatch, capsys, name, content, expected
+):
+    _, hf_dir = exported
+    bad = corrupt(hf_dir, tmp_path, name, content)
+    code, stdout, err = run_main(monkeypatch, capsys, "--from-hf", str(bad), str(tmp_path / "o"))
+    assert_one_line_error(code, err, expected)
+    assert stdout == "" and not (tmp_path / "o").exists()
+    assert {p.name for p in tmp_path.iterdir()} == {"bad"}
+
+
+def test_from_hf_refuses_a_tensor_its_config_has_no_place_for(exported, tmp_path):
+    _, hf_dir = exported
+    config = json.loads((hf_dir / "config.json").read_text())
+    bad = corrupt(hf_dir, tmp_path, "config.json", json.dumps(
+        {**config, "num_hidden_layers": 1}).encode())  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds model\.layers\.1\..*does not have"):
+        export_hf.import_hf(str(bad), str(tmp_path / "o"))
+
+
+# -------------------------------------------------------------------------------------------------
+# Mixtral (a mixture of experts: tests/test_moe.py exports and loads one); here, its config.json
+
+
+def test_a_dense_export_is_a_llama_without_mixture_of_experts_fields(exported):
+    out, hf_dir = exported
+    config = json.loads((hf_dir / "config.json").read_text())
+    ours = json.loads((out / "config.json").read_text())
+    assert "num_local_experts" not in ours and "num_local_experts" not in config
+    assert config["model_type"] == "llama"
+
+
+def test_from_hf_takes_a_mixtral_config_and_ignores_expert_fields_of_a_llama(exported):
+    _, hf_dir = exported
+    llama = json.loads((hf_dir / "config.json").read_text())
+    assert export_hf.config_from_hf({**llama, "num_local_experts": 4}).num_local_experts == 0
+    mixtral = {**llama, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 1,
+               "router_aux_loss_coef": 0.0, "sliding_window": None}  # fmt: skip
+    config = export_hf.config_from_hf(mixtral)
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 1)
+    assert config.router_aux_loss_coef == 0.0
+    defaults = export_hf.config_from_hf({**llama, "model_type": "mixtral"})  # MixtralConfig's
+    assert (defaults.num_local_experts, defaults.num_experts_per_tok) == (8, 2)
+    assert defaults.router_aux_loss_coef == 0.001
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [({"sliding_window": 4096}, "this Mixtral's sliding_window differ"),
+     ({"router_jitter_noise": 0.01}, "this Mixtral's router_jitter_noise differ"),
+     ({"num_local_experts": 0}, "bad values: num_local_experts 0"),
+     ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 must be an integer from 1 to"),
+     ({"router_aux_loss_coef": -1}, "bad values: router_aux_loss_coef -1")],
+    ids=["sliding_window", "router_jitter_noise", "no_experts", "k_above_experts", "coef"],
+)  # fmt: skip
+def test_from_hf_refuses_mixtral_settings_our_model_cannot_represent(
+    exported, tmp_path, monkeypatch, capsys, change, message
+):
+    _, hf_dir = exported
+    config = {**json.loads((hf_dir / "config.json").read_text()), "model_type": "mixtral",
+              "num_local_experts": 4, **change}  # fmt: skip
+    bad = corrupt(hf_dir, tmp_path, "config.json", json.dumps(config).encode())
+    code, stdout, err = run_main(monkeypatch, capsys, "--from-hf", str(bad), str(tmp_path / "o"))
+    assert_one_line_error(code, err, "config.json: ", message)
+    assert stdout == "" and not (tmp_path / "o").exists()

@@ -9,9 +9,11 @@ helpers are reused, so both files speak the same vocabulary).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,10 +32,14 @@ from harness import (
     file_size_limit,
     free_port,
     load_weights,
+    processes_of_run,
     read_metrics,
     run_ddp_sh_env,
     run_script,
+    script_command,
     snapshot,
+    wait_for_step,
+    watch_run,
 )
 
 import metrics
@@ -311,6 +317,98 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_keeping_t
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004.pt"]
     assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == before
     assert not (out / "model.pt").exists()
+
+
+# -------------------------------------------------------------------------------------------------
+# Nothing outlives a run: whatever ends it, its processes end, DataLoader workers included
+
+FSDP = "train_fsdp.py"
+# Seconds from the error line to the launcher's exit (the atexit handlers, the workers' shutdown,
+# torchrun's report: about 1 s), or from torchrun's death to its ranks' end. A run whose exit
+# waited for its DataLoader workers never ended at all.
+PROMPT = 30
+
+
+# DataLoader workers ignore SIGTERM (stopping.ignore_stop_signals), which is all that Python's
+# exit sends the workers of a loader still open; a run that ends in an error must end them.
+@pytest.mark.parametrize("script, world, workers", [(DP, 1, 1), (FSDP, 2, 2)])
+def test_a_failed_save_with_dataloader_workers_ends_the_run_and_its_workers_at_once(
+    trained, corpus, cache_dir, tmp_path, script, world, workers
+):
+    out, sharded = tmp_path / "out", script == FSDP  # FSDP's checkpoints: DCP directories
+    name = "step_0000004" if sharded else "step_0000004.pt"
+    (out / "checkpoints").mkdir(parents=True)
+    copy = shutil.copytree if sharded else shutil.copy
+    copy(trained(script, world=world) / "checkpoints" / name, out / "checkpoints" / name)
+    before = snapshot(out)
+    argv = cmd(corpus, cache_dir, out, num_workers=workers)  # resumes at 4, saves 8: fails
+    run = watch_run(script_command(script, argv, world), timeout=180,
+                    preexec_fn=file_size_limit(FILE_SIZE_LIMIT))  # fmt: skip
+    assert run.returncode == 1 if world == 1 else run.returncode != 0, run.output[-6000:]
+    failed = out / "checkpoints" / ("step_0000008" if sharded else "step_0000008.pt")
+    error = f"error: could not save the checkpoint {failed}: "
+    assert run.output.count(error) == 1, run.output[-6000:]
+    assert "Traceback" not in run.output.split("error: ")[0], run.output[-6000:]
+    assert run.left == [], f"processes of the run outlived it: {run.left}"
+    assert run.seconds_after(error) < PROMPT, run.output[-6000:]
+    # The previous checkpoint intact, nothing of the failed one left behind, no model.pt.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [name]
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == before
+    assert not (out / "model.pt").exists()
+
+
+def test_ranks_and_their_workers_stop_with_a_checkpoint_when_torchrun_is_killed(
+    corpus, cache_dir, tmp_path
+):
+    # torchrun SIGKILLed (an OOM killer, a node agent) cannot pass anything on to its ranks:
+    # each rank asked the kernel for SIGTERM at its launcher's death (distributed.py), and
+    # stops as it would on torchrun's own SIGTERM, its DataLoader worker with it.
+    out = tmp_path / "out"
+    argv = cmd(corpus, cache_dir, out, **FAULT_RUN, num_workers=1)
+
+    def kill_torchrun(proc, marker, lines) -> None:
+        wait_for_step(out, 2, proc)
+        alive = processes_of_run(marker)
+        assert len(alive) >= 5, alive  # torchrun, 2 ranks, a DataLoader worker each
+        proc.kill()
+
+    run = watch_run(script_command(DDP, argv, 2), during=kill_torchrun, grace=PROMPT)
+    assert run.left == [], f"processes of the run outlived torchrun: {run.left}"
+    stopped = re.findall(r"stopped at step (\d+), checkpoint saved", run.output)
+    assert len(stopped) == 1, run.output[-6000:]
+    assert (out / "checkpoints" / f"step_{int(stopped[0]):07d}.pt").is_file()
+    assert "Traceback" not in run.output, run.output[-6000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_a_dataloader_worker_dies_with_its_training_process_even_one_killed_at_once():
+    # A worker ignores SIGTERM; its parent SIGKILLed (no shutdown of its loader) must not leave
+    # it running, not even for the DataLoader's own check of its parent (every 5 s, when idle).
+    program = (
+        "import os, sys, time, torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "from stopping import ignore_stop_signals\n"
+        "class Slow(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 10\n"
+        "    def __getitem__(self, i): time.sleep(60); return i\n"  # busy in a batch
+        "loader = DataLoader(Slow(), num_workers=1, worker_init_fn=ignore_stop_signals)\n"
+        "batches = iter(loader)\n"
+        "print('worker', batches._workers[0].pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+
+    def kill_parent(proc, marker, lines) -> None:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not any(line.startswith("worker") for _, line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            time.sleep(0.05)
+        time.sleep(1)  # the worker's init (ignore_stop_signals) has run by now
+        proc.kill()
+
+    run = watch_run([sys.executable, "-c", program], during=kill_parent, grace=PROMPT)
+    assert run.returncode == -signal.SIGKILL, run.output
+    assert run.left == [], f"the worker outlived its parent: {run.left}"
+    assert run.gone_after < 5, "the kernel's signal, not the DataLoader's 5 s check, ended it"
 
 
 # -------------------------------------------------------------------------------------------------

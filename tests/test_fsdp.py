@@ -376,7 +376,7 @@ def test_fsdp_refuses_fp16_in_one_line(corpus, cache_dir, tmp_path):
     "flags, expect",
     [
         (["--replicate", "2"], "--replicate 2 must divide the number of ranks (1)"),
-        (["--replicate", "0", "--check"], "--replicate 0 must be at least 1"),
+        (["--replicate", "0", "--check"], "argument --replicate: expected an integer >= 1"),
     ],
 )
 def test_fsdp_refuses_a_replicate_that_does_not_divide_the_ranks(

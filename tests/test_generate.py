@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import generate
+import stopping
 import training
 from checkpoints import load_model
-from generate import generate_text
+from generate import generate_ids, generate_text
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def add(x"
@@ -140,3 +142,87 @@ def test_the_training_scripts_sample_is_generate_text_with_seed_0(out_dir):
     model, tokenizer = load_model(str(out_dir))
     expected = generate_text(model, tokenizer, "def ", 20, seed=0)
     assert training.sample_text(model, tokenizer, "def ", 20) == expected
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, no traceback
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """generate.py's main() with argv, as `python generate.py` runs it (stopping.run):
+    (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    code = 0
+    try:
+        stopping.run(generate.main)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_refuses_a_nan_temperature_in_one_line(out_dir):
+    proc = run_generate("--out-dir", str(out_dir), "--temperature", "nan")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "error: argument --temperature: expected a number >= 0, got 'nan' (see --help)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--temperature", "inf", "expected a number >= 0"),
+        ("--temperature", "-0.5", "expected a number >= 0"),
+        ("--top-p", "nan", "expected a number in (0, 1]"),
+        ("--top-p", "0", "expected a number in (0, 1]"),
+        ("--top-p", "1.5", "expected a number in (0, 1]"),
+        ("--top-k", "-1", "expected an integer >= 0"),  # 0: off
+        ("--top-k", "2.5", "expected an integer >= 0"),
+        ("--max-new-tokens", "0", "expected an integer >= 1"),
+        ("--max-new-tokens", "1e9", "expected an integer >= 1"),
+        ("--seed", "-1", "expected an integer in [0, 18446744073709551615]"),
+        ("--seed", str(2**64), "expected an integer in [0, 18446744073709551615]"),
+        ("--device", "banana", "'banana' is not a device"),
+        ("--device", "meta", "meta tensors hold no values"),
+    ],
+)
+def test_cli_refuses_out_of_range_numbers_and_unknown_devices(
+    out_dir, monkeypatch, capsys, flag, value, expected
+):
+    code, out, err = run_main(monkeypatch, capsys, "--out-dir", str(out_dir), flag, value)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: argument {flag}: {expected}") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a CUDA GPU")
+def test_cli_refuses_cuda_without_a_gpu_in_one_line(out_dir, monkeypatch, capsys):
+    for device in ("cuda", "cuda:1"):
+        argv = ["--out-dir", str(out_dir), "--device", device]
+        code, out, err = run_main(monkeypatch, capsys, *argv)
+        assert code == 2 and out == ""
+        assert err.startswith(f"error: argument --device: {device}: no CUDA GPU here"), err
+        assert "use --device cpu" in err and err.count("\n") == 1, err
+
+
+def test_cli_says_once_when_the_context_ends_the_continuation(out_dir, monkeypatch, capsys):
+    context = load_model(str(out_dir))[0].config.max_position_embeddings
+    argv = ["--out-dir", str(out_dir), "--prompt", PROMPT, "--temperature", "0"]
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--max-new-tokens", "100000000")
+    assert code == 0 and out.startswith(PROMPT)
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"note: stopped at the model's context of {context} tokens"), err
+    # Within the context: no note.
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--max-new-tokens", "3")
+    assert code == 0 and out.startswith(PROMPT) and err == ""
+
+
+def test_generate_ids_says_whether_the_context_cut_the_continuation(out_dir):
+    model, tokenizer = load_model(str(out_dir))
+    room = model.config.max_position_embeddings - 1 - len(tokenizer.encode(PROMPT))
+    to_a = always_predicts(model, tokenizer.token_to_id("a"))
+    assert generate_ids(to_a, tokenizer, PROMPT, room + 1, 0)[1] is True
+    assert generate_ids(to_a, tokenizer, PROMPT, room, 0)[1] is False  # exactly what was asked
+    # An end of document before the context ends is no cut, whatever was asked.
+    to_eot = always_predicts(model, tokenizer.eot_id)
+    assert generate_ids(to_eot, tokenizer, PROMPT, 10**8, 0)[1] is False

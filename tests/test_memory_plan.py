@@ -13,6 +13,7 @@ import pytest
 
 import memory_formulas
 import memory_plan
+import stopping
 from model import LlamaConfig, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,9 +108,10 @@ def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
     expected = count_parameters(LlamaConfig.from_preset("1b", **shape))
     assert json.loads(capsys.readouterr().out)["num_params"] == expected
     monkeypatch.setattr(sys, "argv", ["memory_plan.py", "--num-heads", "7"])
-    with pytest.raises(SystemExit):  # argparse's exit 2, after one line naming the flags
-        memory_plan.main()
+    with pytest.raises(SystemExit) as exit:  # exit code 2, after one line naming the flags
+        stopping.run(memory_plan.main)  # as `python memory_plan.py` runs it
     err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1, err
     assert "--hidden-size 4096 (the 7b preset's) is not divisible by --num-heads 7" in err
 
 
@@ -282,3 +284,89 @@ def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
     split = memory_plan.plan(n, 8, "bf16", config, cp=8, **kw)
     assert not alone["strategies"]["zero3"]["fits_checkpointed"]
     assert split["strategies"]["zero3"]["fits_checkpointed"]
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input, and figures of any size
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """memory_plan.py's main() with argv, as `python memory_plan.py` runs it (stopping.run):
+    (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["memory_plan.py", *argv])
+    code = 0
+    try:
+        stopping.run(memory_plan.main)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_refuses_a_nan_parameter_count_in_one_line():
+    proc = subprocess.run([sys.executable, str(REPO / "memory_plan.py"), "--params", "nan"],
+                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "error: argument --params: expected a number in [1, 1e+15], got 'nan' (see --help)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--params", "inf", "expected a number in [1, 1e+15]"),
+        ("--params", "1e30", "expected a number in [1, 1e+15]"),  # not a model: refused
+        ("--params", "0.5", "expected a number in [1, 1e+15]"),
+        ("--gpu-memory", "0", "expected a number > 0"),  # was: "fits in 0 GB: none"
+        ("--gpu-memory", "-80", "expected a number > 0"),
+        ("--gpu-memory", "nan", "expected a number > 0"),
+        ("--gpu-memory", "inf", "expected a number > 0"),
+        ("--world-size", "0", "expected an integer >= 1"),
+        ("--tp", "-2", "expected an integer >= 1"),
+        ("--pp", "1.5", "expected an integer >= 1"),
+        ("--cp", "nan", "expected an integer >= 1"),
+        ("--replicate", "0", "expected an integer >= 1"),
+        ("--micro-batches", "0", "expected an integer >= 1"),
+        ("--stages-per-rank", "0", "expected an integer >= 1"),
+        ("--micro-batch-size", "0", "expected an integer >= 1"),
+        ("--seq-length", "abc", "expected an integer >= 1"),
+        ("--vocab-size", "0", "expected an integer >= 1"),
+    ],
+)
+def test_cli_refuses_non_finite_and_out_of_range_numbers(
+    monkeypatch, capsys, flag, value, expected
+):
+    code, out, err = run_main(monkeypatch, capsys, flag, value)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: argument {flag}: {expected}, got {value!r}"), err
+    assert err.count("\n") == 1
+
+
+def test_figures_too_large_for_a_float_are_refused_in_one_line(monkeypatch, capsys):
+    code, out, err = run_main(monkeypatch, capsys, "--hidden-size", "1" + "0" * 400,
+                              "--num-heads", "1", "--num-kv-heads", "1")  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: these sizes give figures too large to compute"), err
+
+
+@pytest.mark.parametrize(
+    "argv, unit",
+    [
+        (["--model", "7b"], "GB"),
+        (["--params", "1e15", "--world-size", "1"], "TB"),  # 16,000 TB under DDP
+        (["--model", "70b", "--seq-length", "1000000000", "--attention", "math"], "EB"),
+        (["--model", "7b", "--num-layers", "1" + "0" * 30], None),  # past EB: 1.23e+25
+    ],
+)
+def test_the_table_keeps_its_columns_apart_at_any_size(monkeypatch, capsys, argv, unit):
+    code, out, err = run_main(monkeypatch, capsys, *argv, "--world-size", "1")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    if unit is not None:
+        assert f"({unit};" in lines[header]
+    for line in lines[header + 1 : header + 5]:  # ddp ... zero3: a name and 9 figures
+        fields = line.split()
+        assert len(fields) == 10, line
+        assert all(len(f) <= 8 for f in fields[1:]), line

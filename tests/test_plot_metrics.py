@@ -4,7 +4,9 @@ Reading needs only the standard library and is always tested; drawing is tested 
 matplotlib is installed (`pip install -r requirements-plot.txt`).
 """
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +93,81 @@ def test_cli_reports_a_missing_run_in_one_line_with_exit_code_2(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "plot_metrics.py"), *argv],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+
+
+def test_cli_refuses_an_output_in_a_missing_folder_or_a_folder_in_one_line(tmp_path):
+    run = write_metrics(tmp_path / "run")
+    missing = tmp_path / "missing_dir" / "x.png"
+    assert_one_line_error(run_cli(str(run), "--output", str(missing)),
+                          f"--output {missing}: there is no folder")  # fmt: skip
+    assert not missing.parent.exists()
+    assert_one_line_error(run_cli(str(run), "--output", str(run)), f"--output {run} is a folder")
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"step": 3, "loss": "abc"}', '"loss" is \'abc\', not a number'),
+        ('{"step": 3, "loss": 1.0, "lr": [1]}', '"lr" is [1], not a number'),
+        ('{"step": 3, "val_loss": true}', '"val_loss" is True, not a number'),
+        ('{"step": "3", "loss": 1.0}', "\"step\" is '3', not an integer"),
+        ('{"loss": 1.0}', '"step" is None, not an integer'),
+        ("[1, 2]", "a JSON list, not an object"),
+    ],
+)
+def test_a_metrics_line_that_no_training_script_writes_is_named(tmp_path, line, expected):
+    run = write_metrics(tmp_path / "run", steps=2)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(line + "\n" + json.dumps({"step": 4, "loss": 1.0}) + "\n")
+    path = run / "metrics.jsonl"
+    with pytest.raises(ValueError, match="line 3") as error:  # after the 2 train lines
+        plot_metrics.read_metrics(str(run))
+    assert str(error.value).startswith(f"{path}, line 3: {expected}")
+    assert_one_line_error(run_cli(str(run)), f"{path}, line 3: {expected}")
+    assert not (run / "metrics.png").exists()
+
+
+def test_null_values_are_gaps_not_errors(tmp_path):
+    # metrics.py writes a NaN or infinite value as null.
+    run = write_metrics(tmp_path / "run", steps=2)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "loss": None, "lr": 1e-3, "mfu": None}) + "\n")
+    train, _ = plot_metrics.read_metrics(str(run))
+    assert [r["step"] for r in train] == [1, 2, 3]
+
+
+def test_a_failed_write_keeps_the_earlier_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    run = write_metrics(tmp_path / "run")
+    output = run / "metrics.png"
+    output.write_bytes(b"the earlier plot")
+    runs = {"run": plot_metrics.read_metrics(str(run))}
+    plt = plot_metrics.load_pyplot()
+
+    def disk_full(self, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half a PN")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(plt.Figure, "savefig", disk_full)
+    with pytest.raises(ValueError, match="No space left on device"):
+        plot_metrics.plot(runs, str(output))
+    assert output.read_bytes() == b"the earlier plot"
+    assert {p.name for p in run.iterdir()} == {"metrics.jsonl", "metrics.png"}
+    monkeypatch.undo()
+    # A format matplotlib cannot write: one line, nothing written.
+    assert_one_line_error(run_cli(str(run), "--output", str(run / "x.xyz")),
+                          "--output", "Format 'xyz' is not supported")  # fmt: skip
+    assert {p.name for p in run.iterdir()} == {"metrics.jsonl", "metrics.png"}

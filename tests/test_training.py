@@ -347,6 +347,36 @@ def test_checkpoints_cross_load_between_scripts(
         LlamaForPretraining(config).load_state_dict(weights, strict=True)
 
 
+def test_a_resume_checks_what_the_data_is_not_how_data_names_it(trained, corpus, tmp_path):
+    # --tokenizer: a given tokenizer does not change with the corpus, so only the data's own
+    # fingerprint can tell that the documents changed.
+    copy, out, cache = tmp_path / "copy", tmp_path / "resumed", tmp_path / "cache"
+    shutil.copytree(corpus, copy)
+    copy_checkpoint(trained(DP), 4, out)
+    tokenizer = ["--tokenizer", str(trained(DP) / "tokenizer.json")]
+    # The same documents, elsewhere and spelled otherwise: it resumes, as if never stopped.
+    proc = run_script(DP, cmd(f"{copy}//", cache, out) + tokenizer)
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    assert_state_dicts_equal(load_weights(out), load_weights(trained(DP)))
+    # Two documents swapped (the validation split and the data order change): refused in one
+    # line, the checkpoints left as they were.
+    first, second = copy / "doc_00.txt", copy / "doc_01.txt"
+    texts = first.read_text(), second.read_text()
+    first.write_text(texts[1]), second.write_text(texts[0])
+    before = snapshot(out)
+    proc = run_script(DP, cmd(copy, cache, out, max_steps=12) + tokenizer, expect_rc=2)
+    assert f"error: --data {copy} is not the data the checkpoint was trained on" in proc.stderr
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert snapshot(out) == before
+
+
+def test_sharded_checkpoints_record_the_data_fingerprint_too(trained, corpus, cache_dir, tmp_path):
+    out = tmp_path / "fsdp"
+    run_script("train_fsdp.py", cmd(corpus, cache_dir, out, max_steps=4), world=1)
+    train_state = torch.load(out / "checkpoints/step_0000004/train_state.pt", weights_only=True)
+    assert train_state["corpus_sha256"] == load_checkpoint(trained(DP), 4)["corpus_sha256"]
+
+
 def test_init_from_starts_training_from_a_finished_runs_model(trained, corpus, cache_dir, tmp_path):
     # The architecture and the tokenizer come from the source run too, not from a preset or a
     # freshly trained tokenizer.
