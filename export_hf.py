@@ -144,39 +144,33 @@ def from_hf_name(name: str) -> str:
 def hf_config(config: LlamaConfig, tokenizer) -> dict:
     """transformers' LlamaConfig (or MixtralConfig, for a mixture of experts) as config.json: our
     fields (already HF's names) plus the rest."""
-    if config.num_local_experts:
-        return {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            **config.to_dict(),  # num_local_experts, num_experts_per_tok, router_aux_loss_coef
-            "head_dim": config.head_dim,
-            "hidden_act": "silu",
-            "sliding_window": None,  # full attention, as ours
-            "router_jitter_noise": 0.0,
-            "output_router_logits": False,
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-            "bos_token_id": tokenizer.bot_id,
-            "eos_token_id": tokenizer.eot_id,
-            "pad_token_id": tokenizer.pad_id,
-            "torch_dtype": "float32",
-            "use_cache": True,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **config.to_dict(),
+    common = {
+        **config.to_dict(),  # with experts: num_local_experts, num_experts_per_tok, router_aux_..
         "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "initializer_range": 0.02,
         "bos_token_id": tokenizer.bot_id,
         "eos_token_id": tokenizer.eot_id,
         "pad_token_id": tokenizer.pad_id,
         "torch_dtype": "float32",
         "use_cache": True,
+    }
+    if config.num_local_experts:
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            **common,
+            "sliding_window": None,  # full attention, as ours
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **common,
+        "attention_bias": False,
+        "mlp_bias": False,
     }
 
 

@@ -28,26 +28,18 @@ from model import LlamaForPretraining
 
 
 def generate_text(
-    model: LlamaForPretraining,
-    tokenizer: DocumentTokenizer,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    top_p: float | None = None,
-    seed: int | None = None,
-    use_cache: bool = True,
+    model: LlamaForPretraining, tokenizer: DocumentTokenizer, prompt: str, max_new_tokens: int,
+    *sampling, **named_sampling,
 ) -> str:
     """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
-    document (the tokenizer's eot_id).
+    document (the tokenizer's eot_id); the sampling arguments are generate_ids' (temperature,
+    top_k, top_p, seed, use_cache).
 
     temperature 0 is greedy (deterministic). `seed` makes sampling reproducible (None: a fresh
     random draw). The continuation is cut where the model's context (max_position_embeddings)
     ends (generate_ids says whether it was).
     """
-    ids, _ = generate_ids(
-        model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, use_cache
-    )
+    ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
     return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
 
 
