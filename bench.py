@@ -85,9 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {', '.join(STRATEGIES)}; single, the reference of "
         "every ratio, always runs",
     )
-    g.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy")
     g.add_argument(
-        "--warmup", type=int, default=5, help="untimed steps before them (compilation, ...)"
+        "--steps",
+        type=cli.number_arg(int, 1),
+        default=20,
+        help="timed optimizer steps per strategy",
+    )
+    g.add_argument(
+        "--warmup",
+        type=cli.number_arg(int, 0),
+        default=5,
+        help="untimed steps before them (compilation, ...)",
     )
     g.add_argument(
         "--json", default=None, help="also write the results (per device, as printed) to this file"
@@ -96,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and step (the training scripts' flags)")
     g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
     model_flags.add_shape_flags(g, cli.number_arg)
-    g.add_argument("--seq-length", type=int, default=256, help="tokens per sequence")
-    g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per device per step")
+    g.add_argument(
+        "--seq-length", type=cli.number_arg(int, 1), default=256, help="tokens per sequence"
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=cli.number_arg(int, 1),
+        default=16,
+        help="sequences per device per step",
+    )
     g.add_argument(
         "--precision",
         choices=["auto", "fp32", "bf16"],
@@ -122,14 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None, help="an existing tokenizer.json")
     g.add_argument(
         "--vocab-size",
-        type=int,
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
         default=None,
         help="vocabulary of a trained tokenizer (default: the preset's); the model's is the "
         "tokenizer's, as in training",
     )
     g.add_argument("--data-mode", choices=["pack", "pad"], default="pack", help="example layout")
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
-    g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+    g.add_argument(
+        "--num-workers", type=cli.number_arg(int, 0), default=1, help="DataLoader worker processes"
+    )
     return p
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+import cli
+
 REPO = Path(__file__).resolve().parent
 
 # The presets and shapes of BENCHMARKS.md's targets; the micro-batch sizes fit an 80 GB GPU.
@@ -93,7 +95,9 @@ def main() -> int:
     p.add_argument("--out", default="gpu_report", help="folder for the report and the logs")
     p.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
     p.add_argument("--skip-bench", action="store_true", help="only the tests")
-    p.add_argument("--workers", type=int, default=4, help="parallel test processes (xdist)")
+    p.add_argument(
+        "--workers", type=cli.number_arg(int, 1), default=4, help="parallel test processes (xdist)"
+    )
     p.add_argument(
         "--presets", default="small,1b", help=f"benchmarks to run, of {', '.join(BENCHES)}"
     )

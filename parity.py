@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+import cli
 from plot_metrics import load_pyplot, read_metrics
 
 REPO = Path(__file__).resolve().parent
@@ -194,12 +195,30 @@ def main() -> None:
     )
     p.add_argument("--data", default="stdlib", help="corpus, as the train scripts' --data")
     p.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps of every run")
-    p.add_argument("--seq-length", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
-    p.add_argument("--vocab-size", type=int, default=512, help="of the trained tokenizer")
-    p.add_argument("--seed", type=int, default=1234, help="of every run")
-    p.add_argument("--val-fraction", type=float, default=0.01, help="documents held out")
+    p.add_argument(
+        "--steps", type=cli.number_arg(int, 1), default=20, help="optimizer steps of every run"
+    )
+    p.add_argument(
+        "--seq-length", type=cli.number_arg(int, 1), default=64, help="tokens per sequence"
+    )
+    p.add_argument(
+        "--batch-size", type=cli.number_arg(int, 1), default=8, help="global sequences per step"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
+        default=512,
+        help="of the trained tokenizer",
+    )
+    p.add_argument(
+        "--seed", type=cli.number_arg(int, 0, cli.MAX_SEED), default=1234, help="of every run"
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=cli.number_arg(float, 0, 1, low_open=True, high_open=True),
+        default=0.01,
+        help="documents held out",
+    )
     p.add_argument(
         "--png",
         default="parity.png",

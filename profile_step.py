@@ -219,22 +219,55 @@ def main() -> None:
     )
     p.add_argument("--model", default="tiny", help="preset, as in train_dp.py")
     model_flags.add_shape_flags(p, cli.number_arg)
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: preset's)")
-    p.add_argument("--seq-length", type=int, default=default("seq_length"), help="tokens/row")
-    p.add_argument("--batch-size", type=int, default=default("batch_size"), help="rows per step")
     p.add_argument(
-        "--micro-batch-size", type=int, default=None, help="rows per forward (default: all)"
+        "--vocab-size",
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
+        default=None,
+        help="vocabulary (default: preset's)",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=cli.number_arg(int, 1),
+        default=default("seq_length"),
+        help="tokens/row",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=cli.number_arg(int, 1),
+        default=default("batch_size"),
+        help="rows per step",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=cli.number_arg(int, 1),
+        default=None,
+        help="rows per forward (default: all)",
     )
     p.add_argument(
         "--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto", help="as train_dp"
     )
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--warmup", type=int, default=3, help="steps before timing (compiling)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds")
-    p.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps in the profile")
-    p.add_argument("--rows", type=int, default=15, help="rows of the profiler table")
+    p.add_argument(
+        "--threads",
+        type=cli.number_arg(int, 1),
+        default=None,
+        help="CPU threads (default: torch's)",
+    )
+    p.add_argument(
+        "--warmup", type=cli.number_arg(int, 0), default=3, help="steps before timing (compiling)"
+    )
+    p.add_argument(
+        "--rounds", type=cli.number_arg(int, 1), default=5, help="alternating timing rounds"
+    )
+    p.add_argument(
+        "--steps", type=cli.number_arg(int, 1), default=3, help="steps per contender per round"
+    )
+    p.add_argument(
+        "--profile-steps", type=cli.number_arg(int, 1), default=3, help="steps in the profile"
+    )
+    p.add_argument(
+        "--rows", type=cli.number_arg(int, 1), default=15, help="rows of the profiler table"
+    )
     args = p.parse_args()
     micro = args.micro_batch_size or args.batch_size
     counts = (args.warmup, args.rounds, args.steps, args.profile_steps, args.rows)

@@ -331,7 +331,7 @@ def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, mod
 @pytest.mark.parametrize(
     "module",
     ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "train_cp",
-     "generate", "memory_plan"],
+     "generate", "memory_plan", "bench", "profile_step", "parity", "gpu_proof"],
 )  # fmt: skip
 def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, module):
     # The lessons' own flags too (--tp, --pp, --cp, --replicate, ...): stop main() at its parser.
