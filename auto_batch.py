@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from cli import RunPlan
-from model import router_stats
 from training import autocast
 
 # The share of the GPU's memory a micro-batch may fill, with the optimizer state still to come:
@@ -125,6 +124,8 @@ def auto_micro_batch_size(
         return peak.item()
 
     best, peaks = search_micro_batch_size(per_device, peak_bytes, budget)
+    from moe import router_stats
+
     router_stats(model)  # a mixture of experts counted the probes' routing: not training's
     if args.compile or (args.document_mask and plan.attention == "flex"):
         # The probes compiled the layers for several batch sizes, so the kernels kept are

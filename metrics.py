@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoints import atomic_write_text
-from model import LlamaConfig, MoEFeedForward, count_active_parameters, router_stats
+from model import LlamaConfig, count_active_parameters
 from stopping import TrainingError
 
 
@@ -162,11 +162,11 @@ class Throughput:
 
 def router_figures(model: torch.nn.Module, group=None) -> dict:
     """A mixture of experts' routing since the last call, over the global batch, for
-    metrics.log: {"aux_loss": the load-balancing loss as model.router_stats gives it (sum over
+    metrics.log: {"aux_loss": the load-balancing loss as moe.router_stats gives it (sum over
     the MoE layers of the target-weighted mean over sequences), "tokens_per_expert": [[the
     (token, slot) assignments of each expert] for each MoE layer]}; {} for a dense model.
 
-    Each rank counts its own micro-batches (model.router_stats' buffers, on the device); they
+    Each rank counts its own micro-batches (moe.router_stats' buffers, on the device); they
     are summed over the data-parallel ranks of `group` (default: every rank) with one
     all-reduce before router_stats reads and resets them, so aux_loss is the global batch's
     (each rank's sums and target counts added, not its means averaged) and each layer's
@@ -175,6 +175,8 @@ def router_figures(model: torch.nn.Module, group=None) -> dict:
     wrapped (DDP, FSDP: their buffers are not sharded); under nn.DataParallel over several
     GPUs, what the first GPU's share of each batch routed.
     """
+    from moe import MoEFeedForward, router_stats  # here: only a mixture of experts needs them
+
     moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
     if not moes:
         return {}

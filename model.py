@@ -2,8 +2,8 @@
 
 The architecture is Llama 2/3's: token embeddings -> N x [RMSNorm -> grouped-query attention with
 rotary position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
-With `num_local_experts > 0` the MLP is Mixtral's mixture of experts instead (MoEFeedForward): a
-router sends each token to `num_experts_per_tok` of the SwiGLU experts. Parameter names follow
+With `num_local_experts > 0` the MLP is Mixtral's mixture of experts instead (moe.py): a router
+sends each token to `num_experts_per_tok` of the SwiGLU experts. Parameter names follow
 Meta's reference code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`); `LlamaConfig`'s
 fields follow Hugging Face's `config.json`, and RoPE uses the `rotate_half` convention of Hugging
 Face checkpoints, so weights map 1:1 without any permutation.
@@ -15,7 +15,7 @@ shards this one module from the outside.
     model = LlamaForPretraining(config)
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
-    router_stats(model)     # a mixture of experts: its balance since the last call (for logging)
+    moe.router_stats(model)  # a mixture of experts: its balance since the last call (logging)
 """
 
 import functools
@@ -54,7 +54,7 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     # A mixture of experts, with Hugging Face Mixtral's names. 0 experts: the dense SwiGLU MLP.
     # Otherwise each layer's MLP is num_local_experts SwiGLU experts of intermediate_size, and a
-    # router sends every token to num_experts_per_tok of them (MoEFeedForward). While training,
+    # router sends every token to num_experts_per_tok of them (moe.MoEFeedForward). While training,
     # router_aux_loss_coef x the load-balancing loss joins the loss (LlamaForPretraining.forward).
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
@@ -356,115 +356,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class MoEFeedForward(nn.Module):
-    """Mixtral's sparse mixture of experts, dropless: each token goes to num_experts_per_tok of
-    num_local_experts SwiGLU experts, and its output is their outputs weighted by the router.
-
-    Routing (Mixtral's): a linear router `gate` scores the experts, softmax over them in fp32,
-    the top k kept and their probabilities renormalised to sum to 1. Dropless: no capacity
-    factor, every token reaches all k of its experts however many others chose the same ones,
-    so a token's output never depends on which other tokens share its batch, and any split of
-    the batch over micro-batches and ranks computes the same thing.
-
-    The experts' weights are stacked, expert first: w1 and w3 (E, ffn, d), w2 (E, d, ffn), the
-    names of FeedForward's w1 (gate), w3 (up) and w2 (down). Expert parallelism shards dim 0
-    over ranks and calls run_experts on the tokens it receives for its own experts.
-
-    While training (record_routing, set by LlamaForPretraining.forward for a training forward
-    with targets), the routing is kept in `routing` for the load-balancing loss, and the
-    statistics since the last router_stats() call accumulate in the buffers below (not saved).
-    """
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        E, d, ffn = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.num_experts_per_tok = config.num_experts_per_tok
-        self.gate = nn.Linear(d, E, bias=False)  # the router: one score per expert
-        self.w1 = nn.Parameter(torch.empty(E, ffn, d))  # gate projections
-        self.w3 = nn.Parameter(torch.empty(E, ffn, d))  # up projections
-        self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
-        for weight in (self.w1, self.w3, self.w2):
-            nn.init.normal_(weight, std=0.02)  # LlamaForPretraining.init_weights sets them again
-        self.record_routing = False
-        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (probs, experts)
-        # Logging (router_stats): (token, slot) assignments per expert, and the balance loss
-        # summed over sequences weighted by their targets, with that weight. Not in state_dict.
-        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.long), False)
-        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
-        self.register_buffer("aux_loss_tokens", torch.zeros((), dtype=torch.long), False)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, d) -> router probabilities (N, E) in fp32, and each token's k experts (N, k)
-        with their weights (N, k), which sum to 1."""
-        probs = self.gate(x).float().softmax(dim=-1)  # (N, E)
-        weights, experts = probs.topk(self.num_experts_per_tok, dim=-1)  # (N, k) each
-        weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as Mixtral does
-        return probs, weights, experts
-
-    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The experts' SwiGLU on tokens grouped by expert: x (M, d) holds counts[0] tokens for
-        the first expert of w1/w2/w3, then counts[1] for the second, ...; returns (M, d) in the
-        same order. One matmul per expert over all of its tokens (an expert with none costs an
-        empty matmul, and every expert stays in the autograd graph, as DDP wants)."""
-        outputs = [
-            F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)  # (count, d)
-            for tokens, w1, w3, w2 in zip(x.split(counts), self.w1, self.w3, self.w2, strict=True)
-        ]
-        return torch.cat(outputs)  # (M, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, d = x.shape
-        E, k = self.w1.size(0), self.num_experts_per_tok
-        tokens = x.reshape(B * T, d)  # (N, d), N = B * T
-        probs, weights, experts = self.route(tokens)  # (N, E), (N, k), (N, k)
-        if self.record_routing:
-            self.routing = (probs.view(B, T, E), experts.view(B, T, k))
-        # Each token makes k (token, slot) pairs; sorted by expert (stable: in token order within
-        # an expert), each expert's tokens are one contiguous block for run_experts.
-        expert_of_pair = experts.flatten()  # (N * k,) pair j is token j // k's slot j % k
-        order = expert_of_pair.argsort(stable=True)  # (N * k,) pairs, by expert
-        counts = torch.bincount(expert_of_pair, minlength=E).tolist()  # split sizes: a sync
-        y = self.run_experts(tokens[order // k], counts)  # (N * k, d), sorted by expert
-        y = torch.empty_like(y).index_copy(0, order, y)  # (N * k, d), back in pair order
-        # Each token's output: its k experts' outputs, weighted (in fp32, as the router).
-        out = (y.view(B * T, k, d) * weights.unsqueeze(-1)).sum(dim=1)  # (N, d)
-        return out.to(x.dtype).view(B, T, d)
-
-    @torch.no_grad()
-    def reset_router_stats(self) -> None:
-        self.tokens_per_expert.zero_()
-        self.aux_loss_sum.zero_()
-        self.aux_loss_tokens.zero_()
-
-
-def sequence_balance_loss(
-    probs: torch.Tensor, experts: torch.Tensor, counted: torch.Tensor
-) -> torch.Tensor:
-    """The load-balancing loss of one MoE layer for each sequence: (B,).
-
-    Switch Transformer's E * sum_i f_i * P_i, in Mixtral's form (transformers'
-    load_balancing_loss_func): f_i is the number of (token, slot) assignments to expert i per
-    token (summing to k over the experts), P_i the mean router probability of expert i. It is
-    k when the load is perfectly even, and reaches E when the router puts all its probability
-    on one expert that every token takes. Its gradient reaches the router through P alone.
-
-    Per sequence (DeepSeek-V3's sequence-wise balance loss): f and P are over each sequence's
-    own tokens, so a sequence's loss does not depend on the others in its batch, and any split
-    of the global batch over micro-batches and ranks gives the same loss. (transformers'
-    Mixtral computes it once over the whole batch it is given, all layers pooled.)
-
-    probs (B, T, E) the router's probabilities; experts (B, T, k) the chosen experts; counted
-    (B, T) bool: the tokens that count (those with a target). A sequence with none gives 0.
-    """
-    E = probs.size(-1)
-    assigned = F.one_hot(experts, E).sum(dim=2)  # (B, T, E): 1 where a slot chose the expert
-    counted = counted.unsqueeze(-1)  # (B, T, 1)
-    num_counted = counted.sum(dim=1).clamp(min=1)  # (B, 1)
-    f = (assigned * counted).sum(dim=1) / num_counted  # (B, E), sums to k
-    P = (probs * counted).sum(dim=1) / num_counted  # (B, E), sums to 1
-    return E * (f * P).sum(dim=-1)  # (B,)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is a mixture
     of experts when config.num_local_experts > 0 (named feed_forward either way)."""
@@ -474,8 +365,12 @@ class DecoderLayer(nn.Module):
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        mlp = MoEFeedForward if config.num_local_experts > 0 else FeedForward
-        self.feed_forward = mlp(config)
+        if config.num_local_experts > 0:
+            from moe import MoEFeedForward  # here: a dense model never loads moe.py
+
+            self.feed_forward = MoEFeedForward(config)
+        else:
+            self.feed_forward = FeedForward(config)
 
     def forward(self, x, cos, sin, attn_mask=None, cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
@@ -504,19 +399,19 @@ class LlamaForPretraining(nn.Module):
         # residual stream (wo, w2) scaled by 1/sqrt(2 * layers), so the stream's variance stays
         # about constant however deep the model is. RMSNorm weights start at one.
         std = 0.02
-        # A mixture of experts: the router (gate, a Linear) and every expert's w1, w3 likewise,
-        # each expert's w2 as the dense w2.
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
-            elif isinstance(module, MoEFeedForward):
-                nn.init.normal_(module.w1, mean=0.0, std=std)
-                nn.init.normal_(module.w3, mean=0.0, std=std)
-                module.reset_router_stats()
         for layer in self.layers:
             w2 = layer.feed_forward.w2  # a Linear, or the experts' stacked (E, d, ffn) Parameter
+            if self.config.num_local_experts:
+                # A mixture of experts (moe.py): the router (gate, a Linear) as above, every
+                # expert's w1 and w3 likewise, each expert's w2 as the dense w2.
+                nn.init.normal_(layer.feed_forward.w1, mean=0.0, std=std)
+                nn.init.normal_(layer.feed_forward.w3, mean=0.0, std=std)
+                layer.feed_forward.reset_router_stats()
             for projection in (layer.attention.wo.weight, getattr(w2, "weight", w2)):
                 nn.init.normal_(projection, std=std / math.sqrt(2 * len(self.layers)))
 
@@ -575,8 +470,7 @@ class LlamaForPretraining(nn.Module):
         # A mixture of experts keeps its routing for the balance loss in a training forward only;
         # not in evaluation or generation, nor when backward recomputes a layer's forward
         # (activation checkpointing), which happens after this forward has switched it off.
-        experts = [layer.feed_forward for layer in self.layers
-                   if isinstance(layer.feed_forward, MoEFeedForward)]  # fmt: skip
+        experts = [layer.feed_forward for layer in self.layers if self.config.num_local_experts]
         balance = self.training and targets is not None and bool(experts)
         for moe in experts:
             moe.record_routing, moe.routing = balance, None
@@ -588,28 +482,11 @@ class LlamaForPretraining(nn.Module):
             return self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum, num_tokens = self.loss(x, targets)
         if balance:
-            aux_sum = self.balance_loss_sum(experts, targets)
+            from moe import balance_loss_sum
+
+            aux_sum = balance_loss_sum(experts, targets != IGNORE_INDEX)
             loss_sum = loss_sum + self.config.router_aux_loss_coef * aux_sum
         return loss_sum, num_tokens
-
-    def balance_loss_sum(self, experts: list["MoEFeedForward"], targets: torch.Tensor):
-        """Sum over the MoE layers `experts` (just run) and the sequences of each sequence's
-        balance loss x its number of targets; also adds to each layer's router_stats."""
-        counted = targets != IGNORE_INDEX  # (B, T)
-        num_counted = counted.sum(dim=1)  # (B,)
-        total = torch.zeros((), device=targets.device)
-        for moe in experts:
-            probs, chosen = moe.routing  # (B, T, E), (B, T, k)
-            moe.record_routing, moe.routing = False, None
-            layer_sum = (sequence_balance_loss(probs, chosen, counted) * num_counted).sum()
-            total = total + layer_sum
-            with torch.no_grad():  # on the device, no sync: router_stats reads them
-                moe.tokens_per_expert.index_add_(
-                    0, chosen.flatten(), torch.ones_like(chosen.flatten())
-                )
-                moe.aux_loss_sum += layer_sum.detach().to(moe.aux_loss_sum.dtype)
-                moe.aux_loss_tokens += num_counted.sum()
-        return total
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_sum, num_tokens) of the last hidden states x (B, T, d): final norm, lm_head and
@@ -676,31 +553,6 @@ class LlamaForPretraining(nn.Module):
             if eos_id is not None and bool(finished.all()):
                 break
         return tokens
-
-
-def router_stats(model: nn.Module) -> dict:
-    """The routing of a mixture of experts since the last call, and reset: {} for a dense model.
-
-    {"aux_loss": the balance loss over the training forwards since then (sum over layers of the
-     target-weighted mean over sequences, so that loss = cross-entropy + router_aux_loss_coef x
-     aux_loss; None if none ran), "aux_loss_per_layer": [one per MoE layer],
-     "tokens_per_expert": [[(token, slot) assignments of each expert] for each MoE layer]}.
-
-    Counted in training forwards with targets only, as buffers on the device, so reading them
-    here is the only host sync. `model` may be wrapped (DDP, FSDP, ...): each process counts
-    its own batches (all-reduce for global figures); under nn.DataParallel, the first GPU's.
-    """
-    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-    if not moes:
-        return {}
-    counts = torch.stack([m.tokens_per_expert for m in moes]).tolist()  # (layers, E)
-    sums = torch.stack([m.aux_loss_sum.float() for m in moes]).tolist()
-    tokens = torch.stack([m.aux_loss_tokens for m in moes]).tolist()
-    for m in moes:
-        m.reset_router_stats()
-    per_layer = [s / n if n else None for s, n in zip(sums, tokens, strict=True)]
-    aux = None if None in per_layer else sum(per_layer)
-    return {"aux_loss": aux, "aux_loss_per_layer": per_layer, "tokens_per_expert": counts}
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:

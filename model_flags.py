@@ -17,7 +17,7 @@ SHAPE_FLAGS = {
     "num_kv_heads": ("num_key_value_heads", "key/value heads (fewer: grouped-query attention)"),
     "ffn_size": ("intermediate_size", "width of the SwiGLU MLP"),
 }
-# The mixture-of-experts flags (model.MoEFeedForward): each replaces one LlamaConfig field too,
+# The mixture-of-experts flags (moe.MoEFeedForward): each replaces one LlamaConfig field too,
 # with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
 EXPERT_FLAGS = {
     "num_experts": ("num_local_experts", "experts per MoE layer (0: the dense SwiGLU MLP)",

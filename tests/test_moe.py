@@ -1,4 +1,4 @@
-"""Specification of the mixture of experts in model.py (MoEFeedForward), and its Mixtral export.
+"""Specification of the mixture of experts in moe.py (MoEFeedForward), and its Mixtral export.
 
 A config with num_local_experts > 0 replaces every layer's SwiGLU MLP by Mixtral's sparse MoE:
 a router sends each token to num_experts_per_tok experts, dropless (no token is ever dropped),
@@ -31,12 +31,10 @@ from model import (
     IGNORE_INDEX,
     LlamaConfig,
     LlamaForPretraining,
-    MoEFeedForward,
     count_active_parameters,
     count_parameters,
-    router_stats,
-    sequence_balance_loss,
 )
+from moe import MoEFeedForward, router_stats, sequence_balance_loss
 
 VOCAB = 97
 E, K = 4, 2  # experts, experts per token

@@ -50,8 +50,8 @@ from model import (
     LlamaForPretraining,
     count_active_parameters,
     count_parameters,
-    router_stats,
 )
+from moe import router_stats
 
 FSDP = "train_fsdp.py"
 E, K = 4, 2

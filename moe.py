@@ -1,0 +1,169 @@
+"""A Mixtral-style mixture of experts: the MLP that --num-experts puts in every decoder layer.
+
+    mlp = MoEFeedForward(config)            # config.num_local_experts > 0 (a model.LlamaConfig)
+    y = mlp(x)                              # x (B, T, d): each token through k of E experts
+    figures = router_stats(model)           # the balance loss and tokens per expert, and reset
+
+model.py builds it in place of the dense FeedForward (and imports this file only then: copying a
+lesson for a dense model needs no moe.py) and adds the load-balancing loss (balance_loss_sum) to
+the loss it returns.
+No training or distributed code: expert parallelism calls run_experts on the tokens it receives.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MoEFeedForward(nn.Module):
+    """Mixtral's sparse mixture of experts, dropless: each token goes to num_experts_per_tok of
+    num_local_experts SwiGLU experts, and its output is their outputs weighted by the router.
+
+    Routing (Mixtral's): a linear router `gate` scores the experts, softmax over them in fp32,
+    the top k kept and their probabilities renormalised to sum to 1. Dropless: no capacity
+    factor, every token reaches all k of its experts however many others chose the same ones,
+    so a token's output never depends on which other tokens share its batch, and any split of
+    the batch over micro-batches and ranks computes the same thing.
+
+    The experts' weights are stacked, expert first: w1 and w3 (E, ffn, d), w2 (E, d, ffn), the
+    names of FeedForward's w1 (gate), w3 (up) and w2 (down). Expert parallelism shards dim 0
+    over ranks and calls run_experts on the tokens it receives for its own experts.
+
+    While training (record_routing, set by LlamaForPretraining.forward for a training forward
+    with targets), the routing is kept in `routing` for the load-balancing loss, and the
+    statistics since the last router_stats() call accumulate in the buffers below (not saved).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        E, d, ffn = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.num_experts_per_tok = config.num_experts_per_tok
+        self.gate = nn.Linear(d, E, bias=False)  # the router: one score per expert
+        self.w1 = nn.Parameter(torch.empty(E, ffn, d))  # gate projections
+        self.w3 = nn.Parameter(torch.empty(E, ffn, d))  # up projections
+        self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
+        for weight in (self.w1, self.w3, self.w2):
+            nn.init.normal_(weight, std=0.02)  # LlamaForPretraining.init_weights sets them again
+        self.record_routing = False
+        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (probs, experts)
+        # Logging (router_stats): (token, slot) assignments per expert, and the balance loss
+        # summed over sequences weighted by their targets, with that weight. Not in state_dict.
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.long), False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_tokens", torch.zeros((), dtype=torch.long), False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, d) -> router probabilities (N, E) in fp32, and each token's k experts (N, k)
+        with their weights (N, k), which sum to 1."""
+        probs = self.gate(x).float().softmax(dim=-1)  # (N, E)
+        weights, experts = probs.topk(self.num_experts_per_tok, dim=-1)  # (N, k) each
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as Mixtral does
+        return probs, weights, experts
+
+    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts' SwiGLU on tokens grouped by expert: x (M, d) holds counts[0] tokens for
+        the first expert of w1/w2/w3, then counts[1] for the second, ...; returns (M, d) in the
+        same order. One matmul per expert over all of its tokens (an expert with none costs an
+        empty matmul, and every expert stays in the autograd graph, as DDP wants)."""
+        outputs = [
+            F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)  # (count, d)
+            for tokens, w1, w3, w2 in zip(x.split(counts), self.w1, self.w3, self.w2, strict=True)
+        ]
+        return torch.cat(outputs)  # (M, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        E, k = self.w1.size(0), self.num_experts_per_tok
+        tokens = x.reshape(B * T, d)  # (N, d), N = B * T
+        probs, weights, experts = self.route(tokens)  # (N, E), (N, k), (N, k)
+        if self.record_routing:
+            self.routing = (probs.view(B, T, E), experts.view(B, T, k))
+        # Each token makes k (token, slot) pairs; sorted by expert (stable: in token order within
+        # an expert), each expert's tokens are one contiguous block for run_experts.
+        expert_of_pair = experts.flatten()  # (N * k,) pair j is token j // k's slot j % k
+        order = expert_of_pair.argsort(stable=True)  # (N * k,) pairs, by expert
+        counts = torch.bincount(expert_of_pair, minlength=E).tolist()  # split sizes: a sync
+        y = self.run_experts(tokens[order // k], counts)  # (N * k, d), sorted by expert
+        y = torch.empty_like(y).index_copy(0, order, y)  # (N * k, d), back in pair order
+        # Each token's output: its k experts' outputs, weighted (in fp32, as the router).
+        out = (y.view(B * T, k, d) * weights.unsqueeze(-1)).sum(dim=1)  # (N, d)
+        return out.to(x.dtype).view(B, T, d)
+
+    @torch.no_grad()
+    def reset_router_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+        self.aux_loss_tokens.zero_()
+
+
+def sequence_balance_loss(
+    probs: torch.Tensor, experts: torch.Tensor, counted: torch.Tensor
+) -> torch.Tensor:
+    """The load-balancing loss of one MoE layer for each sequence: (B,).
+
+    Switch Transformer's E * sum_i f_i * P_i, in Mixtral's form (transformers'
+    load_balancing_loss_func): f_i is the number of (token, slot) assignments to expert i per
+    token (summing to k over the experts), P_i the mean router probability of expert i. It is
+    k when the load is perfectly even, and reaches E when the router puts all its probability
+    on one expert that every token takes. Its gradient reaches the router through P alone.
+
+    Per sequence (DeepSeek-V3's sequence-wise balance loss): f and P are over each sequence's
+    own tokens, so a sequence's loss does not depend on the others in its batch, and any split
+    of the global batch over micro-batches and ranks gives the same loss. (transformers'
+    Mixtral computes it once over the whole batch it is given, all layers pooled.)
+
+    probs (B, T, E) the router's probabilities; experts (B, T, k) the chosen experts; counted
+    (B, T) bool: the tokens that count (those with a target). A sequence with none gives 0.
+    """
+    E = probs.size(-1)
+    assigned = F.one_hot(experts, E).sum(dim=2)  # (B, T, E): 1 where a slot chose the expert
+    counted = counted.unsqueeze(-1)  # (B, T, 1)
+    num_counted = counted.sum(dim=1).clamp(min=1)  # (B, 1)
+    f = (assigned * counted).sum(dim=1) / num_counted  # (B, E), sums to k
+    P = (probs * counted).sum(dim=1) / num_counted  # (B, E), sums to 1
+    return E * (f * P).sum(dim=-1)  # (B,)
+
+
+def balance_loss_sum(experts: list[MoEFeedForward], counted: torch.Tensor) -> torch.Tensor:
+    """Sum over the MoE layers `experts` (just run) and the sequences of each sequence's
+    balance loss x its number of targets; also adds to each layer's router_stats. counted (B, T)
+    bool: the tokens that have a target."""
+    num_counted = counted.sum(dim=1)  # (B,)
+    total = torch.zeros((), device=counted.device)
+    for moe in experts:
+        probs, chosen = moe.routing  # (B, T, E), (B, T, k)
+        moe.record_routing, moe.routing = False, None
+        layer_sum = (sequence_balance_loss(probs, chosen, counted) * num_counted).sum()
+        total = total + layer_sum
+        with torch.no_grad():  # on the device, no sync: router_stats reads them
+            moe.tokens_per_expert.index_add_(
+                0, chosen.flatten(), torch.ones_like(chosen.flatten())
+            )
+            moe.aux_loss_sum += layer_sum.detach().to(moe.aux_loss_sum.dtype)
+            moe.aux_loss_tokens += num_counted.sum()
+    return total
+
+
+def router_stats(model: nn.Module) -> dict:
+    """The routing of a mixture of experts since the last call, and reset: {} for a dense model.
+
+    {"aux_loss": the balance loss over the training forwards since then (sum over layers of the
+     target-weighted mean over sequences, so that loss = cross-entropy + router_aux_loss_coef x
+     aux_loss; None if none ran), "aux_loss_per_layer": [one per MoE layer],
+     "tokens_per_expert": [[(token, slot) assignments of each expert] for each MoE layer]}.
+
+    Counted in training forwards with targets only, as buffers on the device, so reading them
+    here is the only host sync. `model` may be wrapped (DDP, FSDP, ...): each process counts
+    its own batches (all-reduce for global figures); under nn.DataParallel, the first GPU's.
+    """
+    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not moes:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in moes]).tolist()  # (layers, E)
+    sums = torch.stack([m.aux_loss_sum.float() for m in moes]).tolist()
+    tokens = torch.stack([m.aux_loss_tokens for m in moes]).tolist()
+    for m in moes:
+        m.reset_router_stats()
+    per_layer = [s / n if n else None for s, n in zip(sums, tokens, strict=True)]
+    aux = None if None in per_layer else sum(per_layer)
+    return {"aux_loss": aux, "aux_loss_per_layer": per_layer, "tokens_per_expert": counts}
