@@ -251,7 +251,11 @@ def test_init_from_with_a_vocab_size_or_a_shape_flag_is_refused(corpus, cache_di
      ("sample_tokens", "-1", "expected an integer >= 0, got '-1'"),
      ("vocab_size", "100", "expected an integer >= 259, got '100'"),
      ("max_steps", "1e3", "expected an integer >= 1, got '1e3'"),
-     ("num_heads", "0", "expected an integer >= 1, got '0'")],
+     ("num_heads", "0", "expected an integer >= 1, got '0'"),
+     ("num_experts", "-1", "expected an integer >= 0, got '-1'"),
+     ("experts_per_token", "0", "expected an integer >= 1, got '0'"),
+     ("router_aux_loss_coef", "nan", "expected a number >= 0, got 'nan'"),
+     ("router_aux_loss_coef", "-0.5", "expected a number >= 0, got '-0.5'")],
 )  # fmt: skip
 def test_a_number_out_of_range_or_not_finite_is_refused_as_it_is_parsed(flag, value, expect):
     # In argparse itself (cli.number_arg), so --check refuses it too, and a --config file's value.
