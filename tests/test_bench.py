@@ -144,15 +144,24 @@ def test_bad_input_is_one_message_and_exit_code_2_with_nothing_written(corpus, t
 
 @pytest.mark.parametrize(
     "flag, value, message",
+    [("steps", 0, "argument --steps: expected an integer >= 1, got '0'"),
+     ("micro_batch_size", -1, "argument --micro-batch-size: expected an integer >= 1, got '-1'"),
+     ("warmup", -1, "argument --warmup: expected an integer >= 0, got '-1'"),
+     ("vocab_size", 0, "argument --vocab-size: expected an integer >= 259, got '0'")],
+)  # fmt: skip
+def test_bad_numbers_are_refused_as_they_are_parsed(corpus, tmp_path, flag, value, message):
+    parser = bench.build_parser()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parser.parse_args(bench_argv(corpus, tmp_path, tmp_path / "b.json", **{flag: value}))
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
     [("strategies", ",", "--strategies: no strategy given"),
-     ("steps", 0, "--steps must be positive, got 0"),
-     ("micro_batch_size", -1, "--micro-batch-size must be positive, got -1"),
-     ("warmup", -1, "--warmup and --num-workers must be >= 0"),
      ("seq_length", 4096, "--seq-length 4096 exceeds the tiny model's max_position_embeddings"),
      ("model", "huge", "--model: unknown model preset 'huge'"),
      ("hidden_size", 100, "--hidden-size 100 is not divisible by --num-heads 6 (the tiny "
                           "preset's)"),
-     ("vocab_size", 0, "--vocab-size must be positive, got 0"),
      ("json", "/no/such/dir/bench.json", "its directory does not exist")],
 )  # fmt: skip
 def test_bad_flags_are_refused_before_any_work(corpus, tmp_path, flag, value, message):
