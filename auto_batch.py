@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from cli import RunPlan
+from cli import RunSettings
 from training import autocast
 
 # The share of the GPU's memory a micro-batch may fill, with the optimizer state still to come:
@@ -72,8 +72,8 @@ def optimizer_state_to_come(optimizer) -> int:
 
 
 def auto_micro_batch_size(
-    args, plan: RunPlan, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
-) -> RunPlan:
+    args, plan: RunSettings, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
+) -> RunSettings:
     """--micro-batch-size auto: the plan with the largest micro-batch that fits on this GPU, and
     the gradient accumulation steps that keep the global batch --batch-size.
 

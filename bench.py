@@ -49,10 +49,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import bench_loader
 import checkpoints
 import cli
-import compat
-import data
+import distributed
 import metrics
 import model_flags
 import stopping
@@ -173,7 +173,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
 
 def check_precision(precision: str, device: torch.device) -> str:
     """'auto' resolved as the scripts resolve it; ValueError if the device cannot do bf16."""
-    precision = cli.resolve_precision(precision, device)
+    precision = training.resolve_precision(precision, device)
     if precision != "bf16":
         return precision
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -224,7 +224,7 @@ def build(strategy: str, args, vocab_size: int, device, precision: str):
     ddp_model = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        **compat.NO_FORWARD_BUFFER_SYNC,  # the lessons' setting: no buffer sync per forward
+        **distributed.NO_FORWARD_BUFFER_SYNC,  # the lessons' setting: no buffer sync per forward
     )
     if strategy == "zero1":
         optimizer = ZeroRedundancyOptimizer(
@@ -422,7 +422,7 @@ def main():
             f"fewer than one --micro-batch-size ({args.micro_batch_size}); use more --data"
         )
     pin = device.type == "cuda"
-    loader_rate = data.benchmark_loader(
+    loader_rate = bench_loader.benchmark_loader(
         train_ds, args.micro_batch_size, args.num_workers, pin_memory=pin
     )
     loader_rate = over_ranks(loader_rate, dist.ReduceOp.MIN, device)
@@ -503,4 +503,4 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    stopping.run(main, os_exit=True)  # it joins a process group, as the lessons: see stopping.run

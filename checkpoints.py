@@ -1,38 +1,42 @@
-"""Checkpoints and a run's final files, written so that a kill at any moment loses nothing.
+"""A run's --out-dir: its checkpoints and final files, written so that a kill at any moment
+loses nothing; one live run per directory (a lock), a killed run's debris cleared, the checkpoint
+to resume from chosen, and the record of each start's settings (args.jsonl).
 
 A `.pt` checkpoint (train_dp.py, train_ddp.py, train_zero1.py) holds everything a resumed run
 needs to continue exactly: model, optimizer, schedule, grad scaler, RNG states, the step (which
 also fixes the position in the data), the model config, the tokenizer's digest and the flags.
-At the end a run writes OUT_DIR_FILES, which `load_model` reads back (generate.py, --init-from).
+At the end a run writes OUT_DIR_FILES, which generation.load_model reads back (generate.py,
+--init-from).
 The sharded checkpoints of train_fsdp.py/train_tp.py/train_pp.py are in sharded_checkpoints.py.
 """
 
+import atexit
 import contextlib
+import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
+import socket
+import sys
+import time
 import warnings
 
 import torch
-from tokenizers import Tokenizer
 
-from data import load_tokenizer
+from distributed import world_size_from_env
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 from stopping import TrainingError
 
 # -------------------------------------------------------------------------------------------------
-# A finished run's out-dir: what generate.py, export_hf.py and --init-from read
+# A finished run's out-dir: what generate.py, export_hf.py and --init-from read (generation.py
+# loads the model)
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPUs that support it, else fp32 (CPUs run bf16 matmuls slowly, if at all)."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 def load_config(out_dir: str) -> LlamaConfig:
@@ -43,49 +47,6 @@ def load_config(out_dir: str) -> LlamaConfig:
             return LlamaConfig(**json.load(f))
     except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
         raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
-
-
-def load_model(
-    out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> tuple[LlamaForPretraining, Tokenizer]:
-    """(model in eval mode on `device`, tokenizer) from a training run's --out-dir.
-
-    Raises ValueError, with what to do about it, when the directory or one of its files is
-    missing or unreadable. dtype defaults to `default_dtype(device)`.
-    """
-    device = torch.device(device)
-    if not os.path.isdir(out_dir):
-        raise ValueError(f"--out-dir {out_dir} is not a directory")
-    missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
-    if missing:
-        raise ValueError(
-            f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
-            f"config.json and tokenizer.json at the end of its run (or run "
-            f"`python export_hf.py --from-hf HF_DIR {out_dir}`)"
-        )
-    config = load_config(out_dir)
-    config_path = os.path.join(out_dir, "config.json")
-    tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))
-    if tokenizer.get_vocab_size() > config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only "
-            f"{config.vocab_size}: {out_dir}'s files come from different runs"
-        )
-
-    model_path = os.path.join(out_dir, "model.pt")
-    try:
-        # weights_only=True: unpickling may only rebuild tensors, never run code, so a model.pt
-        # from someone else cannot execute anything on this machine.
-        state_dict = torch.load(model_path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to read means "not a model.pt"
-        raise ValueError(f"could not read {model_path} as a model state_dict ({e})") from e
-    model = LlamaForPretraining(config)
-    try:
-        model.load_state_dict(state_dict)
-    except (RuntimeError, AttributeError) as e:
-        raise ValueError(f"{model_path} does not fit {config_path} ({e})") from e
-    model.to(device=device, dtype=dtype or default_dtype(device))
-    return model.eval(), tokenizer
 
 
 # -------------------------------------------------------------------------------------------------
@@ -140,7 +101,15 @@ def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[
     return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
 
 
-def save_checkpoint(out_dir: str, step: int, state: dict, keep: int) -> str:
+def save_checkpoint(
+    args, step, model, optimizer, scheduler, scaler, config, tokenizer, data_position=None
+) -> str:
+    """Write checkpoints/step_NNNNNNN.pt (checkpoint_state) atomically and keep the newest
+    --keep-checkpoints; TrainingError in one line if it cannot be written (a full disk)."""
+    state = checkpoint_state(
+        model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position
+    )
+    out_dir, keep = args.out_dir, args.keep_checkpoints
     path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -313,7 +282,7 @@ def check_same_data(ckpt: dict, args, tokenizer) -> None:
     """ValueError if this run reads other documents than the checkpoint's run did.
 
     What the data is, not how --data spells it: a checkpoint holds corpus_sha256, the digest of
-    the documents (corpus.fingerprint; for --streaming, corpus.stream_fingerprint). An edited,
+    the documents (data.fingerprint; for --streaming, streaming.stream_fingerprint). An edited,
     reordered, grown or shrunk corpus is refused: it would change the validation split and the
     data order, and train on documents that were validation before. The same files named
     another way (dir//file, ./dir/file, an absolute path, a moved copy) resume. A checkpoint
@@ -399,3 +368,219 @@ def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, to
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)
     atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
+
+
+# -------------------------------------------------------------------------------------------------
+# The out-dir itself: one live run per directory, a killed run's debris cleared, and the
+# checkpoint to resume from chosen (the .pt checkpoints of train_dp.py/ddp/zero1; the sharded
+# ones of train_fsdp.py/tp/pp/cp choose theirs in sharded_checkpoints.py, with the same pieces)
+
+# One run per --out-dir: two runs in one would mix their metrics.jsonl and overwrite each other's
+# checkpoints. The process that writes files holds a lock on this file for its whole life, and
+# writes into it who it is, for the message of a run it keeps out.
+LOCK_FILE = ".lock"
+_held_locks: dict[str, object] = {}  # out-dir -> its open lock file, in the process holding it
+
+
+def lock_out_dir(out_dir: str) -> None:
+    """Take --out-dir for this process, or raise ValueError naming the live run that holds it.
+
+    A POSIX record lock (fcntl.lockf): the kernel releases it when its process ends, however it
+    ends (kill -9, a crash), so a dead run never blocks the rerun. Not flock(): a forked child
+    shares its parent's flock, and a DataLoader worker outliving a killed training process by
+    a few seconds would keep out torchrun's restart of it; a record lock is one process's own.
+    """
+    path = os.path.join(out_dir, LOCK_FILE)
+    if path in _held_locks:
+        return
+    f = open(path, "a+")  # never truncated before the lock is ours: it names the holder
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read()
+        f.close()
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
+            print(f"warning: cannot lock {path} ({e.strerror}): nothing keeps a second run out "
+                  f"of this --out-dir", file=sys.stderr)  # fmt: skip
+            return
+        try:
+            h = json.loads(holder)
+            who = f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+        except (ValueError, KeyError, TypeError):
+            who = "it is starting"
+        raise ValueError(
+            f"--out-dir {out_dir} is in use by another run ({who}); wait for it to end or stop "
+            f"it, or choose another --out-dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started,
+          "command": shlex.join(sys.argv)}  # fmt: skip
+    f.write(json.dumps(me) + "\n")
+    f.flush()
+    if not _held_locks:
+        atexit.register(release_out_dir)  # however the process exits (but for a kill)
+    _held_locks[path] = f
+
+
+def release_out_dir() -> None:
+    """At the end of the process: empty the lock file (nobody holds it), then release it.
+
+    An empty file rather than none: deleting it could let two runs lock two different files of
+    the same name. And a refused or finished run leaves the out-dir byte-identical."""
+    for f in _held_locks.values():
+        f.truncate(0)
+        f.close()
+    _held_locks.clear()
+
+
+def make_out_dir(args) -> None:
+    """Create --out-dir (ValueError if it cannot be written), take its lock (ValueError if a
+    live run holds it) and clear a killed run's debris.
+
+    Called by the one process that writes files. The temporary files of a process killed while
+    writing never replaced a real file, so removing them loses nothing; and with the lock held,
+    they cannot be a live run's.
+    """
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        probe = os.path.join(args.out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--out-dir {args.out_dir} cannot be created or written: {e}") from e
+    lock_out_dir(args.out_dir)
+    for folder in (args.out_dir, os.path.join(args.out_dir, "checkpoints")):
+        if os.path.isdir(folder):
+            for name in os.listdir(folder):
+                if TEMP_RE.search(name):
+                    os.remove(os.path.join(folder, name))
+
+
+def resume_never_error(out_dir: str) -> ValueError:
+    return ValueError(
+        f"--resume never, but {out_dir} already has checkpoints; pass --resume auto to continue "
+        f"that run, or choose another --out-dir (nothing was overwritten)"
+    )
+
+
+def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
+    """The newest of `paths` (oldest first, as list_checkpoints gives them) whose state file
+    loads. An unreadable newest one (a disk error, a crash mid-write on a filesystem without
+    atomic rename) must not cost the whole run: fall back to the one before, saying so."""
+    for path in reversed(paths):
+        try:
+            load_checkpoint(state_file(path))
+            return path
+        except ValueError as e:
+            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
+    return None
+
+
+def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
+    """ValueError if --out-dir holds the other kind of checkpoint than this script's: .pt files
+    (train_dp.py, train_ddp.py, train_zero1.py) or DCP directories (train_fsdp.py, train_tp.py,
+    train_pp.py).
+
+    Neither kind resumes in the other's scripts, and a run that started at step 0 beside them
+    would replace that run's model.pt and metrics, whatever --resume says.
+    """
+    if sharded:
+        pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
+    else:
+        pattern, writers = (
+            CHECKPOINT_DIR_RE,
+            "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py (directories)",
+        )
+    if list_checkpoints(out_dir, pattern):
+        raise ValueError(
+            f"{out_dir} holds checkpoints of {writers}, which {os.path.basename(sys.argv[0])} can "
+            f"neither resume nor write beside; choose another --out-dir (a finished run's out-dir "
+            f"starts any script with --init-from)"
+        )
+
+
+def start_fresh(out_dir: str) -> None:
+    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl moves aside, to
+    metrics.jsonl.1 (.2, ...), and one printed line says what there was.
+
+    That is a run killed before its first checkpoint (run again, or restarted by torchrun), or
+    an out-dir whose checkpoints are gone: the steps it logged are not this run's, and neither
+    appending to them nor dropping them silently would be what anyone wants.
+    """
+    found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
+    if not found:
+        return
+    note = f"note: {out_dir} has {' and '.join(found)} but no checkpoint: starting at step 0"
+    if "metrics.jsonl" in found:
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        n = 1
+        while os.path.exists(f"{metrics}.{n}"):
+            n += 1
+        os.replace(metrics, f"{metrics}.{n}")
+        note += f"; its metrics.jsonl is now metrics.jsonl.{n}"
+    if "model.pt" in found:
+        note += "; model.pt will be replaced when this run ends"
+    print(note)
+
+
+def prepare_out_dir(args) -> str | None:
+    """make_out_dir, then choose the checkpoint to resume from (None: start fresh)."""
+    make_out_dir(args)
+    if args.resume == "never":
+        if list_checkpoints(args.out_dir):
+            raise resume_never_error(args.out_dir)
+        resume = None
+    elif args.resume != "auto":
+        if not os.path.isfile(args.resume):
+            raise ValueError(f"--resume: no checkpoint file at {args.resume}")
+        load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
+        resume = args.resume
+    else:
+        resume = newest_readable(list_checkpoints(args.out_dir))
+    refuse_other_checkpoints(args.out_dir, sharded=False)
+    if resume is None:
+        start_fresh(args.out_dir)
+    return resume
+
+
+# -------------------------------------------------------------------------------------------------
+# The record of a run's settings
+
+RUN_RECORD = "args.jsonl"  # in --out-dir: one line per start of the run there
+
+
+def record_run(args, settings, start_step: int) -> None:
+    """Add this start's settings to OUT_DIR/args.jsonl: every flag's final value (the command
+    line over --config over the defaults), the settings derived from them (cli.RunSettings),
+    the script, its command line and the step it starts from (0, or the checkpoint's).
+
+    One JSON line per start, the fresh start's first and one more for each resume, the earlier
+    lines kept as they were: the last line is what the run uses now (a resume may change
+    --max-steps, --micro-batch-size, the intervals, ...). The file is rewritten whole and
+    atomically, so a kill leaves the old lines or the new ones. Called by the process that
+    writes files, once every check has passed: a refused run leaves the out-dir unchanged.
+    """
+    path = os.path.join(args.out_dir, RUN_RECORD)
+    record = {
+        "script": os.path.basename(sys.argv[0]),
+        "command": shlex.join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "world_size": world_size_from_env(),
+        "start_step": start_step,
+        "args": vars(args),
+        "plan": dataclasses.asdict(settings),  # cli.RunSettings
+    }
+    try:
+        try:
+            with open(path) as f:
+                previous = f.read()
+        except FileNotFoundError:
+            previous = ""
+        if previous and not previous.endswith("\n"):
+            previous += "\n"
+        atomic_write_text(path, previous + json.dumps(record) + "\n")
+    except OSError as e:
+        raise TrainingError(f"could not write {path}: {e.strerror or e}") from e

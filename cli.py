@@ -1,10 +1,10 @@
-"""The command line every train_*.py shares, its checks, and the run plan derived from it.
+"""The command line every train_*.py shares, its checks, and the settings derived from it.
 
-    parser = cli.build_parser("Pretrain a Llama ...")    # the shared flags; a script adds its own
-    args = parser.parse_args()                           # never changed afterwards
-    plan = cli.plan_run(parser, args, devices, device)   # checked; micro-batch, accumulation, ...
+    parser = cli.build_parser("Pretrain a Llama ...")      # the shared flags; a script adds its own
+    args = parser.parse_args()                             # never changed afterwards
+    run = cli.run_settings(parser, args, devices, device)  # checked; micro-batch, accumulation...
     ...
-    cli.record_run(args, plan, start_step)               # OUT_DIR/args.jsonl, once it all passed
+    checkpoints.record_run(args, run, start_step)          # OUT_DIR/args.jsonl, once all passed
 
 Other tools and the tests drive the scripts by these flags' names: keep them stable. Every
 check runs before any data is read, so a mistake costs a second, not a tokenized corpus.
@@ -12,26 +12,20 @@ Every flag can also come from a TOML file, `--config FILE` (toml_flags.py); the 
 """
 
 import argparse
-import dataclasses
 import importlib.util
-import json
 import math
 import os
-import shlex
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
 import model_flags
-import toml_flags
-from checkpoints import OUT_DIR_FILES, atomic_write_text, load_config
+import training
 from data import SPECIAL_TOKENS, load_tokenizer
 from distributed import world_size_from_env
 from metrics import NonFiniteGuard
 from model import LlamaConfig, count_active_parameters, count_parameters
-from stopping import TrainingError
 
 # -------------------------------------------------------------------------------------------------
 # Flags
@@ -71,10 +65,25 @@ class ArgumentParser(argparse.ArgumentParser):
         flag's default. The parser itself is not changed (no set_defaults): parsing again
         without --config gives the defaults."""
         argv = sys.argv[1:] if args is None else list(args)
-        path = toml_flags.config_path(argv)
+        path = config_path(argv)
         if path is not None and namespace is None:
+            import toml_flags  # only for --config
+
             namespace = argparse.Namespace(**toml_flags.read_config(self, path))
         return super().parse_known_args(argv, namespace)
+
+
+def config_path(argv: list[str]) -> str | None:
+    """The value of the last --config in argv (--config FILE or --config=FILE), if any."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.removeprefix("--config=")
+    return path
 
 
 def build_parser(description: str, distributed: bool = False) -> argparse.ArgumentParser:
@@ -390,8 +399,8 @@ def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_ope
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """What the flags imply for this run, derived once by plan_run and passed on explicitly;
+class RunSettings:
+    """What the flags imply for this run, derived once by run_settings and passed on explicitly;
     `args` itself is never changed after parsing (it is what a checkpoint records)."""
 
     model: str | None  # the preset to build; None with --init-from (its config.json)
@@ -403,7 +412,7 @@ class RunPlan:
     attention: str  # the kernel of --document-mask: "sdpa" or "flex"
 
 
-def plan_run(
+def run_settings(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
     devices: int,
@@ -411,19 +420,21 @@ def plan_run(
     replicas: int = 1,
     default_micro_batch_size: int | None = None,
     context_parallel: bool = False,
-) -> RunPlan:
-    """Check the flags against each other and against the device; return the run's plan.
+) -> RunSettings:
+    """Check the flags against each other and against the device; return the run's settings.
 
     devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
     data-parallel groups under TP and PP). replicas, context_parallel: see resolve_attention.
     default_micro_batch_size: the micro-batch without --micro-batch-size (None: no accumulation,
     --batch-size / devices). Raises ValueError (through parser.error) on any inconsistency,
-    before any data is read. With --micro-batch-size auto the plan's micro_batch_size is None
+    before any data is read. With --micro-batch-size auto the settings' micro_batch_size is None
     (and its accumulation 1) until auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
     # Each number's own range (positive, finite, ...) was checked as it was parsed (number_arg);
     # what is left is how the flags go together, with the processes and with the device.
     world_size_from_env()  # WORLD_SIZE itself: ValueError unless a positive integer
+    if getattr(args, "backend", None) == "nccl" and device.type != "cuda":  # the torchrun scripts'
+        parser.error("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     if args.streaming and args.num_proc is not None:
         parser.error(
             "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "
@@ -491,15 +502,15 @@ def plan_run(
         # The weights only mean something with the tokenizer they were trained with.
         model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
     try:
-        config = model_shape(args)
+        config = model_flags.model_shape(args)
     except ValueError as e:
         parser.error(str(e))
     if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
         try:
-            load_tokenizer(tokenizer, special_tokens(args))
+            load_tokenizer(tokenizer, model_flags.special_tokens(args))
         except ValueError as e:
             parser.error(str(e))
-    elif any(special_tokens(args).values()):
+    elif any(model_flags.special_tokens(args).values()):
         parser.error(
             "--bot-token, --eot-token and --pad-token name tokens of --tokenizer's (or "
             "--init-from's) tokenizer; the one a run trains has its own: [BOT], [EOT], [PAD]"
@@ -509,19 +520,14 @@ def plan_run(
             f"--seq-length {args.seq_length} exceeds the {model or args.init_from} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
-    if args.plan and config.num_local_experts:
-        parser.error(
-            "--plan: memory_plan.py estimates a dense model; it does not plan a mixture of "
-            "experts yet: leave out --plan"
-        )
-    return RunPlan(
+    return RunSettings(
         model=model,
         tokenizer=tokenizer,
         devices=devices,
         micro_batch_size=None if auto else micro,
         accumulation=args.batch_size // per_step,
-        precision=resolve_precision(args.precision, device),
-        attention=resolve_attention(args, device, replicas, context_parallel),
+        precision=training.resolve_precision(args.precision, device),
+        attention=training.resolve_attention(args, device, replicas, context_parallel),
     )
 
 
@@ -529,105 +535,10 @@ def plan_run(
 # Derived settings
 
 
-def model_shape(args) -> LlamaConfig:
-    """The architecture this run will train, known before any data is read: --init-from's
-    config.json, or the --model preset with the shape flags applied. Its vocab_size is the one a
-    tokenizer trained by the run gets (vocab_size below); the model's is that tokenizer's, or
-    --tokenizer's, which changes no check made with this. ValueError saying why if none."""
-    if args.init_from is None:
-        return model_flags.preset_config(args, args.model or "tiny")
-    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
-    if missing:
-        raise ValueError(
-            f"--init-from {args.init_from}: no {', '.join(missing)} there; point it at the "
-            f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
-        )
-    return load_config(args.init_from)
-
-
-# The lessons that cannot train a mixture of experts (--num-experts, or an --init-from of one),
-# and why: refuse_experts says so at flag-check time.
-NO_EXPERTS = {
-    "train_tp.py": "its plan splits the dense MLP's Linear layers (w1, w2, w3), which a mixture "
-    "of experts replaces by a router and stacked experts",
-    "train_pp.py": "its stages do not compute the experts' load-balancing loss",
-    "train_cp.py": "it splits every sequence over ranks, and a sequence's load-balancing loss "
-    "needs the whole sequence",
-}
-
-
-def refuse_experts(parser, args, script: str) -> None:
-    """parser.error (ValueError, exit code 2) if this run's model is a mixture of experts and
-    `script`, one of NO_EXPERTS, cannot train one; called after plan_run, before any work."""
-    experts = model_shape(args).num_local_experts
-    if experts:
-        given = (f"--num-experts {experts}" if args.init_from is None
-                 else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
-        parser.error(
-            f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
-            f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py (expert "
-            f"parallelism is a lesson of its own, to come)"
-        )
-
-
-def vocab_size(args) -> int:
-    """The vocabulary of a tokenizer this run trains: --vocab-size, or the preset's own."""
-    return model_shape(args).vocab_size
-
-
-def special_tokens(args) -> dict[str, str | None]:
-    """The special tokens the flags name (None: found in the tokenizer, see data.load_tokenizer)."""
-    return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return "bf16" if cuda_bf16 else "fp32"
-    return precision
-
-
-def resolve_attention(
-    args, device: torch.device, replicas: int = 1, context_parallel: bool = False
-) -> str:
-    """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
-
-    replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py). It splits
-    every tensor argument along the batch, but a BlockMask is no tensor: each GPU would get the
-    whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with SDPA
-    and build their own rows of the mask (context_parallel.py).
-    """
-    if args.attention == "auto":
-        flex = args.document_mask and device.type == "cuda" and replicas == 1
-        return "flex" if flex and not context_parallel else "sdpa"
-    if args.attention == "flex":
-        if not args.document_mask:
-            raise ValueError(
-                "--attention flex runs the --document-mask; without that mask attention is plain "
-                "causal and SDPA's flash kernel is already the fast path (drop --attention)"
-            )
-        if context_parallel:
-            raise ValueError(
-                "--attention flex is not supported under context parallelism: each rank runs "
-                "SDPA with its own rows of the document mask; use --attention sdpa (or auto)"
-            )
-        if device.type != "cuda":
-            raise ValueError(
-                f"--attention flex needs a CUDA GPU: in torch {torch.__version__}, FlexAttention "
-                f"has no backward pass on CPU; use --attention sdpa (or auto)"
-            )
-        if replicas > 1:
-            raise ValueError(
-                f"--attention flex cannot run under DataParallel over {replicas} GPUs (it splits "
-                f"tensors over the GPUs, not a BlockMask); use train_ddp.py or --attention sdpa"
-            )
-    return args.attention
-
-
-def describe_run(args, plan: RunPlan, config: LlamaConfig, device: torch.device) -> str:
+def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.device) -> str:
     """The start-up summary: model, device, batch and schedule, with the figures derived."""
     tokens_per_step = args.batch_size * args.seq_length
-    model = f"model: {model_flags.model_name(args, plan.model)}, "
+    model = f"model: {model_flags.model_name(args, run.model)}, "
     model += f"{count_parameters(config) / 1e6:.2f}M parameters"
     if config.num_local_experts:  # a mixture of experts: a token uses k experts' weights
         model += f" ({count_active_parameters(config) / 1e6:.2f}M active per token)"
@@ -637,53 +548,13 @@ def describe_run(args, plan: RunPlan, config: LlamaConfig, device: torch.device)
     return "\n".join(
         [
             model,
-            f"device: {device} x {plan.devices}, precision {plan.precision}, compile {args.compile}"
-            + (f", document mask by {plan.attention}" if args.document_mask else ""),
+            f"device: {device} x {run.devices}, precision {run.precision}, compile {args.compile}"
+            + (f", document mask by {run.attention}" if args.document_mask else ""),
             f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
-            f"tokens per step = micro-batch {plan.micro_batch_size} x {plan.devices} devices x "
-            f"{plan.accumulation} accumulation steps",
+            f"tokens per step = micro-batch {run.micro_batch_size} x {run.devices} devices x "
+            f"{run.accumulation} accumulation steps",
             f"schedule: {args.max_steps} steps = {args.max_steps * tokens_per_step / 1e6:.1f}M "
             f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
             f"{args.lr * args.min_lr_ratio:g})",
         ]
     )
-
-
-# -------------------------------------------------------------------------------------------------
-# The record of a run's settings
-
-RUN_RECORD = "args.jsonl"  # in --out-dir: one line per start of the run there
-
-
-def record_run(args, plan: RunPlan, start_step: int) -> None:
-    """Add this start's settings to OUT_DIR/args.jsonl: every flag's final value (the command
-    line over --config over the defaults), the run plan, the script, its command line and the
-    step it starts from (0, or the checkpoint's).
-
-    One JSON line per start, the fresh start's first and one more for each resume, the earlier
-    lines kept as they were: the last line is what the run uses now (a resume may change
-    --max-steps, --micro-batch-size, the intervals, ...). The file is rewritten whole and
-    atomically, so a kill leaves the old lines or the new ones. Called by the process that
-    writes files, once every check has passed: a refused run leaves the out-dir unchanged.
-    """
-    path = os.path.join(args.out_dir, RUN_RECORD)
-    record = {
-        "script": os.path.basename(sys.argv[0]),
-        "command": shlex.join(sys.argv),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "world_size": world_size_from_env(),
-        "start_step": start_step,
-        "args": vars(args),
-        "plan": dataclasses.asdict(plan),
-    }
-    try:
-        try:
-            with open(path) as f:
-                previous = f.read()
-        except FileNotFoundError:
-            previous = ""
-        if previous and not previous.endswith("\n"):
-            previous += "\n"
-        atomic_write_text(path, previous + json.dumps(record) + "\n")
-    except OSError as e:
-        raise TrainingError(f"could not write {path}: {e.strerror or e}") from e

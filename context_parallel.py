@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-import compat
+import distributed
 from distributed import divide_ranks
 
 # -------------------------------------------------------------------------------------------------
@@ -150,13 +150,13 @@ class GatherFromRanks(torch.autograd.Function):
         n = dist.get_world_size(group)
         # Concatenated along dim 0, then viewed as stacked (gloo takes only the first form).
         gathered = x.new_empty((n * x.size(0), *x.shape[1:]))
-        compat.all_gather_single(gathered, x.contiguous(), group=group)
+        distributed.all_gather_single(gathered, x.contiguous(), group=group)
         return gathered.view(n, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_x = grad.new_empty(grad.shape[1:])
-        compat.reduce_scatter_single(grad_x, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        distributed.reduce_scatter_single(grad_x, grad.flatten(0, 1).contiguous(), group=ctx.group)
         return grad_x, None  # the sum over ranks of the gradient of this rank's x
 
 

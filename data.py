@@ -1,11 +1,8 @@
-"""Data pipeline: raw text -> tokens -> (x, y) training examples.
-
-The flow, the first two steps in corpus.py and the rest top to bottom of this file:
+"""Data pipeline: raw text -> tokens -> (x, y) training examples, top to bottom of this file.
 
     load_corpus(spec)            a `datasets.Dataset` with one "text" column, one row per document:
-                                 the Python stdlib's .py files, local .txt/.jsonl/.json/.parquet
-                                 files (.txt split into documents by paragraph, line or file),
-                                 or a Hugging Face hub dataset.
+                                 the stdlib's .py files; other --data (files, a hub dataset) is
+                                 corpus.py's, imported only for them.
     split_corpus(ds)             deterministic document-level train/validation split.
     get_tokenizer(train)         byte-level BPE trained on the training split, with [PAD],
                                  [BOT], [EOT] = ids 0, 1, 2; or any given tokenizer.json, its
@@ -15,23 +12,22 @@ The flow, the first two steps in corpus.py and the rest top to bottom of this fi
                                  packed windows over the token stream or one padded document each.
 
 Every expensive step is cached on disk under --cache-dir, so the second run (and every rank but
-the first under torchrun, see `distributed.main_process_first`) starts in seconds:
-  - datasets' own cache (keyed on the input files, the function and its arguments) holds the
-    loaded corpus, the tokenized documents and the packed windows;
-  - trained tokenizers live in <cache_dir>/tokenizers/<sha256 of vocab size and texts>/.
+the first under torchrun, see `distributed.main_process_first`) starts in seconds: datasets' own
+cache holds the loaded corpus, the tokenized documents and the packed windows; trained
+tokenizers live in <cache_dir>/tokenizers/<sha256 of vocab size and texts>/.
 
-Measure how fast the DataLoader delivers tokens (no training code lives here):
-
-    python data.py --bench
-    python data.py --bench --data 'corpus/*.jsonl' --data-mode pad --num-workers 2
+fingerprint is what a checkpoint records of the data, so that a resume can tell that the
+documents changed, however --data names them. No training code lives here.
 """
 
-import argparse
+import contextlib
 import hashlib
-import itertools
 import json
 import os
-import time
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -39,7 +35,6 @@ import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from corpus import TXT_SPLITS, hash_texts, load_corpus, split_corpus, writable_cache_dir
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -47,10 +42,8 @@ SPECIAL_TOKENS = [PAD, BOT, EOT]  # trained first, so their ids are 0, 1, 2 in e
 
 # How the three tokens the pipeline needs are found in a tokenizer.json made elsewhere, when
 # neither the flags (--bot-token, ...) nor a tokenizer_config.json beside it name them: the first
-# of these the vocabulary has. This suite's own names come first; then Llama 3, Llama 2/Mistral,
-# Gemma, and GPT-2/Qwen (one token, <|endoftext|>, both begins and ends documents). Without a
-# padding token, pad mode pads with the end token: padded targets are ignored by the loss, and
-# padding sits right of the text, where causal attention never lets a real token see it.
+# of these the vocabulary has (this suite's; Llama 3, Llama 2/Mistral, Gemma, GPT-2/Qwen). Without
+# a padding token, pad mode pads with the end token (the loss ignores padded targets).
 CONVENTIONS = {
     "bot": ("[BOT]", "<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|endoftext|>"),
     "eot": ("[EOT]", "<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"),
@@ -66,10 +59,210 @@ TOKENIZER_MAX_CHARS = 50_000_000
 
 # Packing cuts windows inside each map() batch of this many documents (see PretrainingDataset).
 PACK_BATCH_DOCS = 1000
-# tokenize() encodes this many documents per map() batch: small enough that its progress bar
-# (which counts documents, but moves once per batch) moves, large enough for encode_batch to keep
-# every core busy. The tokens do not depend on it, nor on --num-proc.
+# tokenize() encodes this many documents per map() batch: its progress bar moves, and
+# encode_batch keeps every core busy. The tokens do not depend on it, nor on --num-proc.
 TOKENIZE_BATCH_DOCS = 64
+
+
+# -------------------------------------------------------------------------------------------------
+# Corpus: --data read into documents (datasets' own cache under --cache-dir holds what was read)
+
+# How .txt files become documents (--txt-split; corpus.py resolves "auto").
+TXT_SPLITS = ("auto", "paragraph", "line", "file")
+
+
+def load_corpus(
+    spec: str = "stdlib",
+    text_column: str = "text",
+    cache_dir: str = ".cache",
+    txt_split: str = "auto",
+) -> datasets.Dataset:
+    """Load documents as a Dataset with exactly one column, "text", in a deterministic order.
+
+    spec is "stdlib" (every .py file of this Python's standard library), or what corpus.py reads:
+    a file, glob or directory of .txt/.jsonl/.json/.parquet, a hub dataset NAME[:CONFIG];
+    text_column and txt_split are theirs. Empty and whitespace-only documents are dropped.
+    Raises ValueError on unusable input.
+    """
+    source = resolve_source(spec, txt_split)
+    ds = open_source(source, spec, text_column, cache_dir)
+    try:
+        ds = ds.filter(_is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+    except UnicodeDecodeError as e:
+        # datasets' json reader keeps text that is not UTF-8 as it is; reading it fails here.
+        raise read_error(source, spec, e) from e
+    if len(ds) == 0:
+        raise ValueError(f"corpus {spec!r} has no non-empty documents")
+    if source.txt_mode is not None and len(ds) == 1:  # say why: split_corpus needs 2 documents
+        import corpus
+
+        raise corpus.one_document_error(source.txt_mode, spec, txt_split)
+    return ds
+
+
+@dataclass(frozen=True)
+class Source:
+    """What --data names, resolved into the arguments of datasets.load_dataset (resolve_source),
+    before anything is read (open_source)."""
+
+    path: str  # a datasets builder ("text", "json", "parquet"), or a hub dataset's name
+    config: str | None = None  # the hub dataset's config: --data NAME:CONFIG
+    data_files: list[str] | None = None  # local files, sorted; None for a hub dataset
+    options: dict = field(default_factory=dict)  # builder options: the text builder's sample_by
+    txt_mode: str | None = None  # how .txt files became documents (see txt_split_mode)
+
+
+def resolve_source(spec: str, txt_split: str = "auto") -> Source:
+    """What `spec` names, checked without reading any document; ValueError saying why not."""
+    if txt_split not in TXT_SPLITS:
+        raise ValueError(f"--txt-split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
+    if spec != "stdlib" or txt_split != "auto":
+        import corpus  # only for --data other than stdlib (or to refuse --txt-split for it)
+
+        return Source(**corpus.resolve(spec, txt_split))
+    # A few stdlib files are deliberately not UTF-8 (encoding tests): their undecodable bytes
+    # become U+FFFD. A user's file that is not UTF-8 is refused instead (read_error).
+    options = {"sample_by": "document", "encoding_errors": "replace"}
+    return Source("text", data_files=_stdlib_files(), options=options)
+
+
+def open_source(
+    source: Source, spec: str, text_column: str, cache_dir: str, streaming: bool = False
+) -> datasets.Dataset | datasets.IterableDataset:
+    """datasets.load_dataset on a resolved --data: its "train" split with the text in one column,
+    "text" (an IterableDataset, read as iterated, if streaming). Raises ValueError in one line."""
+    kwargs = {"split": "train", "cache_dir": os.path.join(cache_dir, "datasets")}
+    kwargs["streaming"] = streaming
+    if not streaming:  # (a stream caches nothing of the corpus)
+        writable_cache_dir(cache_dir, "datasets")
+    if source.data_files is not None:
+        ds = _load_files(source, spec, **kwargs)
+        if source.path == "text":  # the text builder's one column is already "text"
+            return ds
+    import corpus  # json, parquet or a hub dataset: not the stdlib
+
+    if source.data_files is None:
+        ds = corpus.load_hub(source.path, source.config, spec, **kwargs)
+    return corpus.select_text_column(ds, text_column, spec)
+
+
+def _load_files(source: Source, spec: str, **kwargs) -> datasets.Dataset | datasets.IterableDataset:
+    # A user's file that is not UTF-8 (a binary file, another encoding) is refused below, naming
+    # it, not trained on as garbage. (A stream's errors come as it is read: streaming.py.)
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
+    try:
+        return datasets.load_dataset(
+            source.path, data_files=source.data_files, **source.options, **kwargs
+        )
+    except Exception as e:  # datasets wraps a bad file in many exception types
+        import corpus  # --cache-dir's datasets/ not writable, or which file and line is bad
+
+        cache_error = corpus.in_cache_dir(e, os.path.dirname(kwargs["cache_dir"]))
+        raise cache_error or read_error(source, spec, e) from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def read_error(source: Source, spec: str, error: Exception) -> ValueError:
+    """The one-line error for a corpus that failed to read: for local files, which file and line
+    (corpus.read_error)."""
+    import corpus
+
+    return corpus.read_error(source.data_files, source.path, spec, error)
+
+
+def _stdlib_files() -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    # Third-party packages installed next to the stdlib are not part of it (and vary by machine).
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+    ]
+    return [str(p) for p in sorted(files, key=lambda p: p.relative_to(root).as_posix())]
+
+
+def writable_cache_dir(cache_dir: str, sub: str) -> str:
+    """cache_dir/sub, created if need be and checked by writing a file into it; ValueError
+    naming --cache-dir if that cannot be done (a file in the way, no permission, a read-only
+    filesystem), rather than a failure deep inside datasets that looks like one of --data."""
+    path = os.path.join(cache_dir, sub)
+    try:
+        os.makedirs(path, exist_ok=True)
+        # A name of its own (mkstemp), as the ranks of other nodes may probe a shared cache too.
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        import corpus  # the error's message
+
+        raise corpus.cache_dir_error(cache_dir, e) from e
+    return path
+
+
+def _is_nonempty(texts: list[str | None]) -> list[bool]:
+    return [text is not None and text.strip() != "" for text in texts]
+
+
+def split_corpus(
+    ds: datasets.Dataset, val_fraction: float = 0.01, seed: int = 0
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Split documents into (train, validation), the same way in every process and every run.
+
+    Whole documents go to one side, so no validation text is ever trained on. Each side keeps
+    the corpus order. The validation side has round(val_fraction * n) documents, at least 1.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    n = len(ds)
+    n_val = max(1, round(val_fraction * n))
+    if n - n_val < 1:
+        raise ValueError(
+            f"cannot split {n} document(s) into train and validation with "
+            f"val_fraction={val_fraction}: need at least 2 documents and 1 left for training"
+        )
+    # A seeded numpy generator gives the same permutation on every machine and process.
+    order = np.random.default_rng(seed).permutation(n)
+    val_indices, train_indices = np.sort(order[:n_val]), np.sort(order[n_val:])
+    return ds.select(train_indices), ds.select(val_indices)
+
+
+def hash_texts(hasher, texts) -> None:
+    """Add texts to a hashlib hash, each length-prefixed so that ["ab", "c"] and ["a", "bc"]
+    differ: the one way this suite hashes documents (data.py's tokenizer cache key too)."""
+    for text in texts:
+        encoded = text.encode()
+        hasher.update(len(encoded).to_bytes(8, "little"))
+        hasher.update(encoded)
+
+
+def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
+    """The sha256 of a loaded corpus's documents, in order (load_corpus's output): the same for
+    the same documents however --data names them, different if any is edited, added, removed
+    or moved. Checkpoints record it (checkpoints.check_same_data).
+
+    Hashed once per version of the corpus: the digest is kept under cache_dir/fingerprints/,
+    named by datasets' own fingerprint of `ds` (new whenever datasets reads the files again), so
+    a start-up with the corpus cached reads one small file instead of every document.
+    """
+    memo = os.path.join(cache_dir, "fingerprints", f"{ds._fingerprint}.sha256")
+    with contextlib.suppress(OSError):
+        with open(memo) as f:
+            digest = f.read().strip()
+        if len(digest) == 64:
+            return digest
+    hasher = hashlib.sha256()
+    for batch in ds.iter(batch_size=1000):
+        hash_texts(hasher, batch["text"])
+    digest = hasher.hexdigest()
+    with contextlib.suppress(OSError):  # written then renamed: never half a digest
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        tmp = f"{memo}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, memo)
+    return digest
 
 
 # -----------------------------------------------------------------------------
@@ -130,7 +323,7 @@ def _tokenizer_training_texts(ds: datasets.Dataset) -> list[str]:
 
 def _tokenizer_key(vocab_size: int, texts: list[str]) -> str:
     key = hashlib.sha256(f"vocab_size={vocab_size}\n".encode())
-    hash_texts(key, texts)  # each text length-prefixed (as corpus.fingerprint hashes them)
+    hash_texts(key, texts)  # each text length-prefixed (as fingerprint hashes them)
     return key.hexdigest()
 
 
@@ -163,7 +356,7 @@ class DocumentTokenizer:
     special id: only the pipeline marks where documents begin and end.
 
     corpus_sha256: the fingerprint of the documents a training run encodes with it
-    (corpus.fingerprint, set by training.build_datasets; corpus.stream_fingerprint, set by
+    (data.fingerprint, set by training.build_datasets; streaming.stream_fingerprint, set by
     streaming.open_stream), None for a tokenizer loaded on its own. It travels with the
     tokenizer because every checkpoint writer and resume check already takes the tokenizer:
     checkpoints save it beside the tokenizer's digest, and a resume compares both.
@@ -320,11 +513,8 @@ class PretrainingDataset(torch.utils.data.Dataset):
     boundary token and every token after the first is a target exactly once. No padding: a
     window spans several documents, whose boundaries are the [BOT] tokens in x. The cutting
     happens once, in a cached map() over batches of PACK_BATCH_DOCS documents, each cut on its
-    own: the tail of a batch that does not fill a window (fewer than seq_length tokens) is
-    dropped, and a batch's first token is never a target. map() with num_proc > 1 would split
-    the data into other batches, hence other windows: training.build_datasets packs in one
-    process whatever --num-proc says (cutting windows is cheap next to tokenizing), so the
-    windows never depend on it. pad_id is not used.
+    own (a batch's tail that fills no window is dropped). training.build_datasets packs in one
+    process whatever --num-proc says, so the windows never depend on it. pad_id is not used.
 
     mode="pad" (the classic recipe): one document per example, clipped or right-padded with
     pad_id to seq_length + 1 tokens. Targets at padded positions are IGNORE_INDEX, so the loss
@@ -408,76 +598,3 @@ def _cut_windows(input_ids: list[np.ndarray], seq_length: int) -> dict[str, np.n
     # Row k holds stream[k * seq_length : k * seq_length + seq_length + 1].
     index = np.arange(n_windows)[:, None] * seq_length + np.arange(seq_length + 1)
     return {"window": stream[index]}  # (n_windows, seq_length + 1)
-
-
-# -----------------------------------------------------------------------------
-# Loader benchmark
-
-
-def benchmark_loader(
-    dataset: PretrainingDataset,
-    batch_size: int,
-    num_workers: int = 0,
-    num_batches: int = 50,
-    pin_memory: bool = False,
-) -> float:
-    """Tokens per second (of x) that a shuffling DataLoader delivers from `dataset`."""
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=True,  # random access, as in training
-        num_workers=num_workers,
-        pin_memory=pin_memory,  # as the training scripts on GPU: page-locked, for async copies
-        persistent_workers=num_workers > 0,
-    )
-    batches = itertools.chain.from_iterable(itertools.repeat(loader))  # epoch after epoch
-    next(batches)  # not timed: the first batch pays for starting the workers
-    n_tokens, start = 0, time.perf_counter()
-    for x, _ in itertools.islice(batches, num_batches):
-        n_tokens += x.numel()
-    return n_tokens / (time.perf_counter() - start)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--bench", action="store_true", help="measure DataLoader tokens/s")
-    parser.add_argument(
-        "--data", default="stdlib", help="corpus: stdlib, file, glob, dir, hub name"
-    )
-    parser.add_argument(
-        "--text-column", default="text", help="text column of json/parquet/hub data"
-    )
-    parser.add_argument(
-        "--txt-split", choices=TXT_SPLITS, default="auto", help=".txt documents: see docs/data.md"
-    )
-    parser.add_argument("--seq-length", type=int, default=256, help="tokens per example")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per batch")
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    parser.add_argument(
-        "--data-mode", choices=["pack", "pad"], default="pack", help="example layout"
-    )
-    parser.add_argument("--cache-dir", default=".cache", help="where datasets and tokenizers cache")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
-    args = parser.parse_args()
-    if not args.bench:
-        parser.error("nothing to do: pass --bench")
-
-    start = time.perf_counter()
-    corpus = load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
-    train, val = split_corpus(corpus)
-    print(f"corpus: {len(train)} train + {len(val)} val docs in {time.perf_counter() - start:.1f}s")
-    start = time.perf_counter()
-    tokenizer = get_tokenizer(train, args.vocab_size, args.cache_dir)
-    print(f"tokenizer: {tokenizer.get_vocab_size()} tokens in {time.perf_counter() - start:.1f}s")
-    start = time.perf_counter()
-    tokens = tokenize(train, tokenizer)
-    print(f"tokenize: {len(tokens)} docs in {time.perf_counter() - start:.1f}s")
-    start = time.perf_counter()
-    dataset = PretrainingDataset(tokens, args.seq_length, args.data_mode)
-    print(f"{args.data_mode}: {len(dataset)} examples in {time.perf_counter() - start:.1f}s")
-    speed = benchmark_loader(dataset, args.batch_size, args.num_workers)
-    print(f"DataLoader: {speed:,.0f} tokens/s")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,29 +1,37 @@
-"""Joining the process group that torchrun set up, and the rules every rank keeps in it.
+"""What the lessons' processes share: torchrun's ranks, the process group's store, and the rules
+every rank keeps in it.
 
-    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    rank, local_rank, world_size, device = distributed.torchrun_rank()
+    dist.init_process_group(distributed.backend_for(args.backend, device),
+                            store=distributed.rendezvous_store(), rank=rank, world_size=world_size)
 
 torchrun starts one copy of a script per GPU and tells each its RANK, LOCAL_RANK and
-WORLD_SIZE; `setup_distributed` joins the group and picks the device of the local rank.
+WORLD_SIZE; `torchrun_rank` reads them and picks the device of the local rank, and each lesson
+joins the group itself (setup_distributed does all of it in one call, for the tools).
 `from_rank0` runs what only rank 0 may do (write files) and shares its result or its error with
 every rank; `main_process_first` lets one process per node fill a cache while the others wait.
 """
 
 import contextlib
+import inspect
 import os
 import signal
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from stopping import TrainingError, end_with_os_exit, end_with_parent
+from stopping import TrainingError, end_with_parent
 
 
-def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]:
-    """Join the process group torchrun set up; returns (rank, local_rank, world_size, device).
+def torchrun_rank() -> tuple[int, int, int, torch.device]:
+    """(rank, local_rank, world_size, device) of this process, from torchrun's environment.
 
-    The device comes from the *local* rank (the process's index on its own machine), so the same
-    code runs on one node or many. Run without torchrun, this is a group of one process.
+    torchrun starts one copy of a script per GPU and tells each its RANK, LOCAL_RANK (its index
+    on its own machine) and WORLD_SIZE. The device comes from the *local* rank, so the same code
+    runs on one node or many: cuda:LOCAL_RANK (made the current GPU), or the CPU without CUDA.
+    Run without torchrun, this is rank 0 of 1.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Started by torchrun, which stops its workers when it is stopped (SIGTERM, passed on)
@@ -35,36 +43,54 @@ def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
     world_size = world_size_from_env()
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
+    if not torch.cuda.is_available():
+        return rank, local_rank, world_size, torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+            f"launch at most that many processes per node (--nproc_per_node)"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return rank, local_rank, world_size, device
+
+
+def backend_for(flag: str | None, device: torch.device) -> str:
+    """--backend, or the one for the device: NCCL moves CUDA tensors between GPUs directly,
+    gloo works on CPU tensors (cli.run_settings refuses nccl without a GPU)."""
+    return flag or ("nccl" if device.type == "cuda" else "gloo")
+
+
+def rendezvous_store() -> dist.Store:
+    """Where the ranks meet to form the process group (init_process_group's store).
+
+    Under torchrun: its env:// rendezvous, at the MASTER_ADDR and MASTER_PORT torchrun sets
+    (never hard-coded). After torchrun restarts the group (--max-restarts), that store can still
+    hold the last attempt's addresses, and a new worker may connect to its dead predecessor
+    (seen with torch 2.13 and gloo): a key prefix per attempt keeps the attempts apart. Plain
+    `python train_ddp.py`: a group of one, in memory, so the code is the same at every size.
+    """
+    if "RANK" not in os.environ:
+        if world_size_from_env() > 1:  # (run_ddp.sh's --check stops before it joins a group)
             raise ValueError(
-                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                f"launch at most that many processes per node (--nproc_per_node)"
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} without torchrun: launch the processes "
+                f"with torchrun (or run_ddp.sh), or leave WORLD_SIZE unset for one process"
             )
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    # NCCL moves CUDA tensors between GPUs directly; gloo works on CPU tensors.
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-    if "RANK" in os.environ:
-        # torchrun's env:// rendezvous: MASTER_ADDR/PORT are set by torchrun, never hard-coded.
-        # After torchrun restarts the group (--max-restarts), that store can still hold the last
-        # attempt's addresses, and a new worker may connect to its dead predecessor (seen with
-        # torch 2.13 and gloo). A key prefix per attempt keeps the attempts apart.
-        store, _, _ = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
-            world_size=world_size, device_id=device if device.type == "cuda" else None,
-        )  # fmt: skip
-    else:
-        # Plain `python train_ddp.py`: a group of one, kept in memory, so the code below is the
-        # same at every world size.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    end_with_os_exit()  # see stopping.end_process: no abort at exit after a finished run
+        return dist.HashStore()
+    store, _, _ = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}", store)
+
+
+def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]:
+    """The lessons' process-group setup in one call, for the tools (bench.py, ...): join the
+    group torchrun set up (a group of one without it); returns (rank, local_rank, world_size,
+    device). The lessons make these calls themselves, where they can be read."""
+    rank, local_rank, world_size, device = torchrun_rank()
+    dist.init_process_group(
+        backend_for(backend, device), store=rendezvous_store(), rank=rank, world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
     return rank, local_rank, world_size, device
 
 
@@ -145,3 +171,27 @@ def main_process_first() -> Iterator[None]:
         # cleanly, instead of waiting at the barrier forever.
         if is_first:
             dist.barrier()
+
+
+# -------------------------------------------------------------------------------------------------
+# The torch APIs this suite uses that are newer than the oldest torch it supports (2.11): each is
+# one feature check (never a version-string comparison), the new API where this torch has it, the
+# older equivalent where not, with the version that brought the new one. This is the one place:
+# everything else in the suite is the same call on every supported torch (2.11 to 2.15).
+
+# DDP(forward_sync_buffers=False), torch 2.13: no re-broadcast of the buffers before every
+# forward (the initial sync stays). Before 2.13 that was broadcast_buffers=False, since
+# deprecated, which also skips the initial sync: the same for buffers that every rank computes
+# identically (this model's only buffers are its RoPE tables).
+NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+# dist.all_gather_single and dist.reduce_scatter_single, torch 2.13; the same calls were named
+# all_gather_into_tensor and reduce_scatter_tensor before (deprecated since 2.13).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)

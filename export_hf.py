@@ -48,9 +48,10 @@ from safetensors.torch import save_file
 
 import checkpoints
 import cli
+import model_flags
 import stopping
-from checkpoints import load_model
 from data import load_tokenizer
+from generation import load_model
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining, count_parameters
 
 # -------------------------------------------------------------------------------------------------
@@ -522,10 +523,10 @@ def main() -> None:
     cli.add_special_token_flags(p)
     args = p.parse_args()
     if args.from_hf:
-        import_hf(args.src, args.dst, cli.special_tokens(args))
+        import_hf(args.src, args.dst, model_flags.special_tokens(args))
         print(f"wrote model.pt, config.json and tokenizer.json to {args.dst}")
     else:
-        if any(cli.special_tokens(args).values()):
+        if any(model_flags.special_tokens(args).values()):
             p.error("--bot-token, --eot-token and --pad-token go with --from-hf")
         architecture = export(args.src, args.dst)
         kind = "Mixtral" if architecture.startswith("Mixtral") else "Llama"

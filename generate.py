@@ -11,8 +11,8 @@ uses), as every training document is, and decoding stops at the end-of-document 
 which the model learnt to put at the end of a document. On a GPU the weights are loaded in bf16
 (half the memory) where the GPU supports it; on CPU they stay fp32.
 
-The training scripts' end-of-run sample calls `generate_text` below, so what they print is
-exactly what this script prints for the same prompt and seed.
+The training scripts' end-of-run sample calls generation.generate_text, as this script does,
+so what they print is exactly what this script prints for the same prompt and seed.
 """
 
 import argparse
@@ -22,64 +22,7 @@ import torch
 
 import cli
 import stopping
-from checkpoints import load_model
-from data import DocumentTokenizer
-from model import LlamaForPretraining
-
-
-def generate_text(
-    model: LlamaForPretraining, tokenizer: DocumentTokenizer, prompt: str, max_new_tokens: int,
-    *sampling, **named_sampling,
-) -> str:
-    """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
-    document (the tokenizer's eot_id); the sampling arguments are generate_ids' (temperature,
-    top_k, top_p, seed, use_cache).
-
-    temperature 0 is greedy (deterministic). `seed` makes sampling reproducible (None: a fresh
-    random draw). The continuation is cut where the model's context (max_position_embeddings)
-    ends (generate_ids says whether it was).
-    """
-    ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
-    return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
-
-
-def generate_ids(
-    model: LlamaForPretraining,
-    tokenizer: DocumentTokenizer,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    top_p: float | None = None,
-    seed: int | None = None,
-    use_cache: bool = True,
-) -> tuple[list[int], bool]:
-    """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
-    model's context cut the continuation short of max_new_tokens (not an end of document)."""
-    model.eval()
-    device = model.tok_embeddings.weight.device
-    ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]
-    context = model.config.max_position_embeddings
-    room = context - len(ids)
-    if room <= 0:
-        raise ValueError(
-            f"the prompt is {len(ids)} tokens, no shorter than the model's context of {context}"
-        )
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(
-        torch.tensor([ids], device=device),  # (1, T)
-        min(max_new_tokens, room),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=tokenizer.eot_id,
-        generator=generator,
-        use_cache=use_cache,
-    )[0].tolist()  # T + generated
-    cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
-    return out, cut
+from generation import generate_ids, load_model
 
 
 def device_arg(value: str) -> torch.device:

@@ -1,6 +1,6 @@
 """The formulas of memory_plan.py: the bytes per GPU of model states, activations and
-communication under DDP, each ZeRO stage, HSDP, and tensor (+ sequence), pipeline and context
-parallelism, with their sources and assumptions.
+communication under DDP, each ZeRO stage, HSDP, and tensor (+ sequence), pipeline, context and
+expert parallelism, with their sources and assumptions.
 
 Training memory has two parts:
 
@@ -116,6 +116,33 @@ That is why tensor parallelism stays inside a node (NVLink), and pipeline and da
 cross nodes. Not counted: the embedding's and loss's small extra collectives, and the
 recomputation's extra all-reduces under activation checkpointing.
 
+**A mixture of experts** (`--num-experts E --experts-per-token k`, moe.py; train_ep.py --ep X
+for expert parallelism) has E SwiGLU experts in every layer's MLP, and a router (h x E):
+
+  parameters      the experts are E x 3*h*ffn per layer; a token uses k of them, so the active
+                  parameters per token (what the FLOPs count, and MFU with them) are the dense
+                  model's plus the router: model.count_active_parameters.
+  model states    the non-expert weights as any dense weights, over all N ranks; the experts
+                  split X ways first (each rank of an EP group holds E/X of them), and the ZeRO
+                  stage then shards that share over the N/X ranks that hold the same experts
+                  (train_ep.py's FSDP over dp): experts' states / X / (N/X) = / N under ZeRO-3,
+                  but / X only under DDP.
+  activations     the MLP's 19 s*b*h of Korthikanti's 34 once per expert a token goes to (k
+                  times), plus the copies of the tokens the dispatch keeps for backward: the
+                  (token, expert) pairs sorted by expert, the experts' outputs until they are
+                  weighted, and under EP the pairs received from the other ranks: 2k s*b*h
+                  each (2 bytes per value in these units). The router's probabilities (s*b*E)
+                  are left out.
+  all-to-all      (EP) each MoE layer sends every pair to its expert's rank and the output back,
+                  in forward, and the gradients both ways in backward: 4 all-to-alls of the
+                  k*s*b*h values of a micro-batch, of which the share (X-1)/X leaves the rank
+                  when the router is balanced (the load-balancing loss's aim): 4 (X-1)/X
+                  k*s*b*h values per layer and micro-batch. The counts exchanged before each
+                  dispatch (E integers) are left out, and so are the recomputation's two more
+                  under activation checkpointing.
+  Like tensor parallelism's all-reduces, the all-to-alls grow with the tokens, not the model:
+  EP groups stay inside a node when they can (X <= GPUs per node).
+
 Not counted anywhere: the CUDA context and allocator fragmentation (budget 1-3 GB), temporary
 buffers of collectives, and ZeRO-3's gathered layers (the weights of about two decoder layers at
 a time). GB means 1e9 bytes throughout.
@@ -166,16 +193,22 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> float:
     """One decoder layer's stored activations on one GPU (Korthikanti et al. 2022, see the
     docstring): 34 s*b*h at tp 1, of which 24 s*b*h (and the scores) are split by tp, and 6 of
     the other 10 under sequence parallelism. Context parallelism splits every token's share cp
-    ways and adds the keys and values gathered from the other cp ranks."""
+    ways and adds the keys and values gathered from the other cp ranks. A mixture of experts
+    runs the MLP's 19 s*b*h k times and keeps copies of the dispatched tokens (ep > 1: one more
+    for the pairs received)."""
     s, b, h, a = seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads
     # Sequence parallel: the norms' and residuals' 6 s*b*h split; the 4 of the all-gathered
     # inputs of wq/wk/wv and w1/w3 do not (ColwiseParallel stores them whole; see docstring).
     norms = 6 / tp + 4 if sequence_parallel else 10
     per_token = (norms + 24 / tp + (5 * a * s / (h * tp) if attention == "math" else 0)) / cp
+    if config.num_local_experts:  # k experts per token, and the dispatch's copies (docstring)
+        k = config.num_experts_per_tok
+        per_token += 19 * (k - 1) / tp + 2 * k * (3 if ep > 1 else 2)
     # The other ranks' keys and values, kept for backward (this rank's own are in the 24): two
     # tensors of s*b*kv_dim values, 2 bytes each in Korthikanti's units of 16-bit bytes.
     kv_dim = config.num_key_value_heads * config.head_dim / tp
@@ -195,6 +228,7 @@ def activation_bytes(
     logprob_copies: int = 1,
     sequence_parallel: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> float:
     """Activations held at once on one GPU, with or without activation checkpointing.
 
@@ -204,7 +238,9 @@ def activation_bytes(
     """
     s, b, h = seq_length, micro_batch_size, config.hidden_size
     layers = config.num_hidden_layers if layers is None else layers
-    layer = layer_activation_bytes(config, b, s, precision, attention, tp, sequence_parallel, cp)
+    layer = layer_activation_bytes(
+        config, b, s, precision, attention, tp, sequence_parallel, cp, ep
+    )
     # fp32, kept by cross-entropy for backward; split over the vocabulary under tensor parallel,
     # over the sequence under context parallel.
     logprobs = logprob_copies * 4 * s * b * config.vocab_size / (tp * cp)
@@ -226,7 +262,9 @@ def stage_parameters(config: LlamaConfig, tp: int, pp: int) -> tuple[float, floa
     norm and lm_head.
     """
     d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
-    matrices = 2 * d * d + 2 * d * kv_dim + 3 * d * config.intermediate_size
+    experts = config.num_local_experts  # 0: the dense MLP; else that many, and their router
+    mlp = 3 * d * config.intermediate_size * max(experts, 1) + d * experts
+    matrices = 2 * d * d + 2 * d * kv_dim + mlp
     layer = matrices / tp + 2 * d
     table = config.vocab_size * d / tp
     lm_head = 0 if config.tie_word_embeddings else table
@@ -250,21 +288,6 @@ def pipeline_in_flight(schedule: str, pp: int, micro_batches: int, stages_per_ra
         return min(m, pp) / pp, 1
     chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)  # interleaved 1F1B
     return chunks / (pp * v), 1
-
-
-def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float:
-    """The share of a step each rank of a pipeline of `pp` stages sits idle.
-
-    GPipe and 1F1B: counted in slots of one micro-batch's forward + backward on one stage, the
-    work takes m slots, and filling and draining the pipeline p-1 more: (p-1)/(m+p-1) (Huang et
-    al. 2019, GPipe; 1F1B, PipeDream-Flush's schedule, only reorders the same work). Interleaved
-    1F1B: each rank runs v stages of 1/v of its layers, so its slots are v times shorter; the
-    work takes v*m of them and the fill and drain still p-1: (p-1)/(v*m+p-1). (Narayanan et al.
-    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-    sec. 2.2, give it as (p-1)/(v*m) of the ideal time; as a share of the whole step, this.)
-    """
-    slots = micro_batches * (stages_per_rank if schedule == "interleaved" else 1)
-    return (pp - 1) / (slots + pp - 1)
 
 
 def communication_bytes(
@@ -324,3 +347,27 @@ def communication_bytes(
         "context_parallel": cp_bytes,
         "hsdp_across_groups": across,
     }
+
+
+def expert_parameters(config: LlamaConfig) -> int:
+    """The parameters of all the experts of every MoE layer (0 for a dense model): what expert
+    parallelism splits; the rest of the model (router included) is replicated or FSDP-sharded
+    as a dense model's."""
+    if not config.num_local_experts:
+        return 0
+    per_expert = 3 * config.hidden_size * config.intermediate_size  # w1, w2, w3 of one expert
+    return config.num_hidden_layers * config.num_local_experts * per_expert
+
+
+def all_to_all_bytes(
+    config: LlamaConfig, micro_batch_size: int, seq_length: int, micro_batches: int,
+    precision: str, ep: int,
+) -> float:  # fmt: skip
+    """Bytes one GPU sends per optimizer step in expert parallelism's all-to-alls (docstring):
+    4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and backward) of
+    the micro-batch's k*s*b*h values, the share (ep-1)/ep of them to other ranks."""
+    if not config.num_local_experts or ep == 1:
+        return 0.0
+    pairs = micro_batch_size * seq_length * config.num_experts_per_tok  # (token, expert) pairs
+    values = pairs * config.hidden_size * (ep - 1) / ep
+    return 4 * values * ACTIVATION_BYTES[precision] * config.num_hidden_layers * micro_batches

@@ -1,10 +1,11 @@
 """How much GPU memory (and communication) does training need per GPU, under DDP, each ZeRO stage,
-HSDP, and tensor (+ sequence), pipeline and context parallelism?
+HSDP, and tensor (+ sequence), pipeline, context and expert parallelism?
 
     python memory_plan.py --model 7b --world-size 8                 # Llama 2 7B on 8 GPUs
     python memory_plan.py --model 70b --world-size 64 --tp 8 --pp 4 --micro-batches 16   # 3D
     python memory_plan.py --model 7b --world-size 16 --cp 4 --seq-length 131072       # long context
     python memory_plan.py --model 7b --world-size 32 --replicate 4   # HSDP: 4 nodes of 8
+    python memory_plan.py --model 1b --num-experts 8 --world-size 16 --ep 8   # experts: EP 8
     python memory_plan.py --model 70b --world-size 64 --gpu-memory 80 --micro-batch-size 1
     python memory_plan.py --model 1b --num-layers 24 --world-size 8  # a preset, reshaped
     python memory_plan.py --params 7.5e9 --world-size 64 --precision paper   # the ZeRO paper
@@ -13,7 +14,7 @@ HSDP, and tensor (+ sequence), pipeline and context parallelism?
 
 The formulas, where they come from and what they leave out, are memory_formulas.py's; this
 file puts them together for one layout (plan), prints the table (format_plan) and the plan of
-a training run (plan_for_run, the train scripts' --plan), and is the command line.
+a training run (estimate_for_run, the train scripts' --plan), and is the command line.
 """
 
 import json
@@ -27,13 +28,15 @@ from memory_formulas import (
     GB,
     STRATEGIES,
     activation_bytes,
-    bubble_fraction,
+    all_to_all_bytes,
     communication_bytes,
+    expert_parameters,
     model_states_bytes,
     pipeline_in_flight,
     stage_parameters,
 )
-from model import PRESETS, LlamaConfig, count_parameters
+from model import PRESETS, LlamaConfig, count_active_parameters, count_parameters
+from pipeline import bubble_fraction
 
 MAX_PARAMS = 1e15  # --params: a quadrillion, 500 times the largest models trained today
 
@@ -55,6 +58,7 @@ def plan(
     sequence_parallel: bool = False,
     cp: int = 1,
     replicate: int = 1,
+    ep: int = 1,
 ) -> dict:
     """The per-GPU plan for every data-parallel strategy, in GB (1e9 bytes); the --json output.
 
@@ -65,11 +69,23 @@ def plan(
     the heavier stage's. Without a `config` (a bare parameter count) there is no shape to
     estimate activations from: the activation and total fields are then None, and the
     parameters are assumed evenly split over tp x pp.
+
+    A mixture of experts (config.num_local_experts > 0) is planned as train_ep.py trains it:
+    ep ranks share out each layer's experts, and the ZeRO stage shards the experts' states over
+    the world_size / ep ranks that hold the same ones (memory_formulas' docstring).
     """
-    if config is not None and config.num_local_experts:
+    experts = config.num_local_experts if config is not None else 0
+    if experts and max(tp, pp, cp) > 1:
         raise ValueError(
-            "the formulas here are a dense model's (one SwiGLU MLP per layer): a mixture of "
-            "experts (--num-experts) is not planned yet"
+            "a mixture of experts trains with data parallelism and --ep (train_ep.py), not "
+            "with --tp, --pp or --cp: no lesson combines them"
+        )
+    if ep > 1 and not experts:
+        raise ValueError("--ep shares out the experts of a mixture of experts: give --num-experts")
+    if ep < 1 or (experts and (experts % ep or world_size % ep)):
+        raise ValueError(
+            f"--ep {ep} must divide --num-experts {experts} and --world-size {world_size}: each "
+            f"rank of an EP group holds the same number of experts"
         )
     if min(world_size, num_params, tp, pp, cp, replicate, micro_batches) < 1:
         raise ValueError(
@@ -108,11 +124,20 @@ def plan(
         }
     else:
         stages = {"first": (num_params / (tp * pp), None, None)}
+    # A mixture of experts: its experts (scaled as the rest, for --params) split ep ways first,
+    # then their states shard over the dp * cp / ep ranks holding the same ones (HSDP's row:
+    # plain ZeRO-3 there, as train_ep.py shards them; --replicate is for the rest).
+    expert_share = expert_parameters(config) * scale / ep if experts else 0.0
     strategies = {}
     for name in STRATEGIES + (("hsdp",) if replicate > 1 else ()):
         rows = []
         for params, layers, logprob_copies in stages.values():
-            states = model_states_bytes(params, dp * cp, precision, replicate)[name]
+            states = model_states_bytes(params - expert_share * ep, dp * cp, precision, replicate)
+            states = states[name]
+            if experts:
+                share = model_states_bytes(expert_share, dp * cp // ep, precision)
+                share = share["zero3" if name == "hsdp" else name]
+                states = {part: states[part] + share[part] for part in states}
             model_states = sum(states.values())
             row = {f"{part}_gb": value / GB for part, value in states.items()}
             row["model_states_gb"] = model_states / GB
@@ -121,7 +146,7 @@ def plan(
                 if config is not None:
                     acts = activation_bytes(
                         config, micro_batch_size, seq_length, precision, attention, ckpt, tp,
-                        layers, logprob_copies, sequence_parallel, cp,
+                        layers, logprob_copies, sequence_parallel, cp, ep,
                     )  # fmt: skip
                 row[f"activations{suffix}_gb"] = acts / GB if acts is not None else None
                 row[f"total{suffix}_gb"] = (model_states + acts) / GB if acts is not None else None
@@ -133,11 +158,17 @@ def plan(
         strategies[name] = row
     heaviest = max(params for params, *_ in stages.values())
     comm = communication_bytes(
-        config, heaviest, dp * cp, tp, pp, precision, micro_batch_size, seq_length,
-        micro_batches, stages_per_rank, schedule, cp, replicate,
+        config, heaviest - expert_share * ep, dp * cp, tp, pp, precision, micro_batch_size,
+        seq_length, micro_batches, stages_per_rank, schedule, cp, replicate,
     )  # fmt: skip
+    expert_comm = communication_bytes(
+        None, expert_share, max(dp * cp // ep, 1), tp, pp, precision, micro_batch_size,
+        seq_length, micro_batches, stages_per_rank, schedule,
+    )["data_parallel"]  # fmt: skip
     for name, row in strategies.items():
-        row["dp_comm_gb"] = comm["data_parallel"][name] / GB
+        row["dp_comm_gb"] = (
+            comm["data_parallel"][name] + expert_comm["zero3" if name == "hsdp" else name]
+        ) / GB
     pipelined = pp > 1
     return {
         "num_params": num_params,
@@ -148,6 +179,15 @@ def plan(
         "sequence_parallel": sequence_parallel and tp > 1,
         "pp": pp,
         "replicate": replicate,
+        "ep": ep,
+        "active_params": round(count_active_parameters(config) * scale) if experts else None,
+        "expert_params_per_gpu": expert_share if experts else None,
+        "ep_comm_gb": (
+            all_to_all_bytes(config, micro_batch_size, seq_length, micro_batches, precision, ep)
+            / GB
+            if experts
+            else None
+        ),
         "schedule": schedule if pipelined else None,
         "stages_per_rank": stages_per_rank if pipelined and schedule == "interleaved" else None,
         "micro_batches": micro_batches,
@@ -179,6 +219,10 @@ def format_plan(p: dict) -> str:
     layout += f" x pp {p['pp']}"
     if p["replicate"] > 1:
         layout += f"; hsdp: {p['replicate']} replicas of {p['dp'] * p['cp'] // p['replicate']}"
+    if p["ep"] > 1:
+        layout += (
+            f"; ep {p['ep']}: each GPU of a group of {p['ep']} holds 1/{p['ep']} of the experts"
+        )
     if p["pp"] > 1:
         layout += (
             f", {p['schedule']} schedule"
@@ -222,6 +266,14 @@ def format_plan(p: dict) -> str:
             f"{unit}, pipeline {gb(p['pp_comm_gb'])} {unit}, context parallel "
             f"{gb(p['cp_comm_gb'])} {unit}"
         )
+    if p["active_params"] is not None:
+        lines.append(
+            f"mixture of experts: {parameter_count(p['active_params'])} of the "
+            f"{parameter_count(p['num_params'])} parameters active per token; each GPU holds "
+            f"{parameter_count(p['expert_params_per_gpu'])} of the experts' (1/{p['ep']} of them,"
+            f" then sharded as each row says); expert parallelism's all-to-alls send "
+            f"{gb(p['ep_comm_gb'])} {unit} per GPU per step"
+        )
     if p["replicate"] > 1:
         lines.append(
             f"hsdp: {gb(p['hsdp_across_groups_gb'])} {unit} of its dp comm crosses between "
@@ -257,7 +309,10 @@ def table_unit(p: dict) -> tuple[float, str]:
         for row in p["strategies"].values()
         for value in row.values()
         if isinstance(value, float)
-    ] + [p[k] or 0.0 for k in ("tp_comm_gb", "pp_comm_gb", "cp_comm_gb", "hsdp_across_groups_gb")]
+    ] + [
+        p[k] or 0.0
+        for k in ("tp_comm_gb", "pp_comm_gb", "cp_comm_gb", "hsdp_across_groups_gb", "ep_comm_gb")
+    ]
     largest = max(figures)
     i = 1 if p["strategies"]["ddp"]["model_states_gb"] >= 1 else 0
     while largest * UNITS[i][1] >= 1e5 and i + 1 < len(UNITS):
@@ -271,7 +326,7 @@ def parameter_count(n: float) -> str:
     return f"{n / 1e12:.4g}T" if n >= 1e12 else f"{n / 1e9:.3g}B"
 
 
-def plan_for_run(
+def estimate_for_run(
     args,
     run_plan,
     config: LlamaConfig,
@@ -283,9 +338,10 @@ def plan_for_run(
     sequence_parallel: bool = False,
     cp: int = 1,
     replicate: int = 1,
+    ep: int = 1,
 ) -> str:
     """The plan of a training run, as the train scripts print it with --plan; run_plan is the
-    run's cli.RunPlan (micro-batch, accumulation, precision, attention kernel)."""
+    run's cli.RunSettings (micro-batch, accumulation, precision, attention kernel)."""
     p = plan(
         count_parameters(config),
         world_size,
@@ -304,6 +360,7 @@ def plan_for_run(
         sequence_parallel=sequence_parallel,
         cp=cp,
         replicate=replicate,
+        ep=ep,
     )
     return format_plan(p)
 
@@ -353,6 +410,13 @@ def main() -> None:
         default=1,
         help="HSDP: R replicas, ZeRO-3 within each group of dp x cp / R GPUs, an hsdp row "
         "(train_fsdp.py --replicate)",
+    )
+    p.add_argument(
+        "--ep",
+        type=positive,
+        default=1,
+        help="expert-parallel degree X: each GPU holds 1/X of every layer's experts, with "
+        "--num-experts (train_ep.py --ep)",
     )
     p.add_argument("--pp", type=positive, default=1, help="pipeline stages P (train_pp.py)")
     p.add_argument(
@@ -424,6 +488,7 @@ def main() -> None:
             args.sequence_parallel,
             args.cp,
             args.replicate,
+            args.ep,
         )
         figures = [v for row in result["strategies"].values() for v in row.values()]
         if not all(math.isfinite(v) for v in figures if isinstance(v, float)):

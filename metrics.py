@@ -21,7 +21,7 @@ class Metrics:
 
     tensorboard=True (--tensorboard): every number of every record also goes to TensorBoard
     event files in out_dir/tensorboard, as train/<name> or val/<name> against the step. The
-    package is imported only then (cli.plan_run has checked that it is installed).
+    package is imported only then (cli.run_settings has checked that it is installed).
     """
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int, tensorboard: bool = False):
@@ -33,7 +33,7 @@ class Metrics:
 
             # purge_step: TensorBoard hides what an earlier run logged after the step this run
             # starts from (a killed run's steps after its checkpoint; at step 0, a previous
-            # run's, whose metrics.jsonl out_dir.start_fresh moved aside), as the lines of
+            # run's, whose metrics.jsonl checkpoints.start_fresh moved aside), as the lines of
             # metrics.jsonl are cut below.
             directory = os.path.join(out_dir, "tensorboard")
             self.writer = SummaryWriter(directory, purge_step=resume_step + 1)

@@ -1,11 +1,14 @@
-"""The model a run trains, as flags say it: the --model preset with the shape flags over it.
+"""The model a run trains, as flags say it: the --model preset with the shape flags over it, or
+--init-from's config.json (model_shape); and the special tokens the flags name.
 
     model_flags.add_shape_flags(group, cli.number_arg)  # --num-layers, --hidden-size, ...
     config = model_flags.preset_config(args, "tiny")  # LlamaConfig, checked: errors name flags
 
-One place turns flags into a shape, for the train scripts (cli.plan_run's checks before any data
+One place turns flags into a shape, for the train scripts (cli.run_settings's checks before any data
 is read, training.build_model), bench.py, memory_plan.py and profile_step.py alike.
 """
+
+import os
 
 from model import LlamaConfig
 
@@ -49,7 +52,7 @@ def add_shape_flags(group, number_arg) -> None:
 
 def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConfig:
     """The preset with the shape and expert flags applied, and vocab_size (else --vocab-size,
-    else the preset's): the one place flags become a shape, for the plan's checks, the model
+    else the preset's): the one place flags become a shape, for the flag checks, the model
     built and memory_plan.py alike. ValueError naming the flags that do not fit."""
     try:
         base = LlamaConfig.from_preset(preset)
@@ -113,3 +116,57 @@ def model_name(args, preset: str | None) -> str:
     given = [n for n in MODEL_FLAGS if getattr(args, n, None) is not None]
     flags = " ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in given)
     return f"{preset} with {flags}" if flags else preset
+
+
+def model_shape(args) -> LlamaConfig:
+    """The architecture this run will train, known before any data is read: --init-from's
+    config.json, or the --model preset with the shape flags applied. Its vocab_size is the one a
+    tokenizer trained by the run gets (vocab_size below); the model's is that tokenizer's, or
+    --tokenizer's, which changes no check made with this. ValueError saying why if none."""
+    if args.init_from is None:
+        return preset_config(args, args.model or "tiny")
+    from checkpoints import OUT_DIR_FILES, load_config  # only for --init-from
+
+    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
+    if missing:
+        raise ValueError(
+            f"--init-from {args.init_from}: no {', '.join(missing)} there; point it at the "
+            f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
+        )
+    return load_config(args.init_from)
+
+
+# The lessons that cannot train a mixture of experts (--num-experts, or an --init-from of one),
+# and why: refuse_experts says so at flag-check time.
+NO_EXPERTS = {
+    "train_tp.py": "its plan splits the dense MLP's Linear layers (w1, w2, w3), which a mixture "
+    "of experts replaces by a router and stacked experts",
+    "train_pp.py": "its stages do not compute the experts' load-balancing loss",
+    "train_cp.py": "it splits every sequence over ranks, and a sequence's load-balancing loss "
+    "needs the whole sequence",
+}
+
+
+def refuse_experts(parser, args, script: str) -> None:
+    """parser.error (ValueError, exit code 2) if this run's model is a mixture of experts and
+    `script`, one of NO_EXPERTS, cannot train one; called after
+    cli.run_settings, before any work."""
+    experts = model_shape(args).num_local_experts
+    if experts:
+        given = (f"--num-experts {experts}" if args.init_from is None
+                 else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
+        parser.error(
+            f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
+            f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py, or with "
+            f"expert parallelism: train_ep.py --ep N"
+        )
+
+
+def vocab_size(args) -> int:
+    """The vocabulary of a tokenizer this run trains: --vocab-size, or the preset's own."""
+    return model_shape(args).vocab_size
+
+
+def special_tokens(args) -> dict[str, str | None]:
+    """The special tokens the flags name (None: found in the tokenizer, see data.load_tokenizer)."""
+    return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}

@@ -7,8 +7,11 @@
 model.py builds it in place of the dense FeedForward (and imports this file only then: copying a
 lesson for a dense model needs no moe.py) and adds the load-balancing loss (balance_loss_sum) to
 the loss it returns.
-No training or distributed code: expert parallelism calls run_experts on the tokens it receives.
+No training or distributed code: expert parallelism (expert_parallel.py) sets each layer's
+`dispatch` to its all-to-all, which calls run_experts on the tokens a rank receives.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -27,7 +30,8 @@ class MoEFeedForward(nn.Module):
 
     The experts' weights are stacked, expert first: w1 and w3 (E, ffn, d), w2 (E, d, ffn), the
     names of FeedForward's w1 (gate), w3 (up) and w2 (down). Expert parallelism shards dim 0
-    over ranks and calls run_experts on the tokens it receives for its own experts.
+    over ranks: `dispatch` then sends each expert's tokens to the rank that holds it, which
+    calls run_experts on them with its own experts, and brings the outputs back.
 
     While training (record_routing, set by LlamaForPretraining.forward for a training forward
     with targets), the routing is kept in `routing` for the load-balancing loss, and the
@@ -44,6 +48,9 @@ class MoEFeedForward(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
         for weight in (self.w1, self.w3, self.w2):
             nn.init.normal_(weight, std=0.02)  # LlamaForPretraining.init_weights sets them again
+        # Expert parallelism (expert_parallel.py) sets this to a function like run_experts that
+        # sends the tokens to the ranks holding their experts and brings the outputs back.
+        self.dispatch: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
         self.record_routing = False
         self.routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (probs, experts)
         # Logging (router_stats): (token, slot) assignments per expert, and the balance loss
@@ -60,14 +67,22 @@ class MoEFeedForward(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)  # renormalised, as Mixtral does
         return probs, weights, experts
 
-    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def run_experts(
+        self,
+        x: torch.Tensor,
+        counts: list[int],
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The experts' SwiGLU on tokens grouped by expert: x (M, d) holds counts[0] tokens for
         the first expert of w1/w2/w3, then counts[1] for the second, ...; returns (M, d) in the
         same order. One matmul per expert over all of its tokens (an expert with none costs an
-        empty matmul, and every expert stays in the autograd graph, as DDP wants)."""
+        empty matmul, and every expert stays in the autograd graph, as DDP wants).
+        weights: the (w1, w2, w3) of the experts that counts counts, stacked as this module's;
+        default this module's own (expert parallelism passes the shards this rank holds)."""
+        w1s, w2s, w3s = (self.w1, self.w2, self.w3) if weights is None else weights
         outputs = [
             F.linear(F.silu(F.linear(tokens, w1)) * F.linear(tokens, w3), w2)  # (count, d)
-            for tokens, w1, w3, w2 in zip(x.split(counts), self.w1, self.w3, self.w2, strict=True)
+            for tokens, w1, w3, w2 in zip(x.split(counts), w1s, w3s, w2s, strict=True)
         ]
         return torch.cat(outputs)  # (M, d)
 
@@ -83,7 +98,8 @@ class MoEFeedForward(nn.Module):
         expert_of_pair = experts.flatten()  # (N * k,) pair j is token j // k's slot j % k
         order = expert_of_pair.argsort(stable=True)  # (N * k,) pairs, by expert
         counts = torch.bincount(expert_of_pair, minlength=E).tolist()  # split sizes: a sync
-        y = self.run_experts(tokens[order // k], counts)  # (N * k, d), sorted by expert
+        run = self.run_experts if self.dispatch is None else self.dispatch
+        y = run(tokens[order // k], counts)  # (N * k, d), sorted by expert
         y = torch.empty_like(y).index_copy(0, order, y)  # (N * k, d), back in pair order
         # Each token's output: its k experts' outputs, weighted (in fp32, as the router).
         out = (y.view(B * T, k, d) * weights.unsqueeze(-1)).sum(dim=1)  # (N, d)
@@ -136,9 +152,7 @@ def balance_loss_sum(experts: list[MoEFeedForward], counted: torch.Tensor) -> to
         layer_sum = (sequence_balance_loss(probs, chosen, counted) * num_counted).sum()
         total = total + layer_sum
         with torch.no_grad():  # on the device, no sync: router_stats reads them
-            moe.tokens_per_expert.index_add_(
-                0, chosen.flatten(), torch.ones_like(chosen.flatten())
-            )
+            moe.tokens_per_expert.index_add_(0, chosen.flatten(), torch.ones_like(chosen.flatten()))
             moe.aux_loss_sum += layer_sum.detach().to(moe.aux_loss_sum.dtype)
             moe.aux_loss_tokens += num_counted.sum()
     return total

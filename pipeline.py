@@ -1,7 +1,11 @@
-"""The pipeline of train_pp.py: the model cut into stages of consecutive layers, which stages
-each rank holds, the loss of the last stage, and the sums and gradient clipping over the
-pipeline's ranks. The schedule that runs them (torch.distributed.pipelining) is in train_pp.py.
+"""The pipeline of train_pp.py: its flags and their checks, the model cut into stages of
+consecutive layers, which stages each rank holds, the loss of the last stage, gradient clipping
+over the pipeline's ranks, and the whole model read back from a checkpoint. The PipelineStages
+and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
 """
+
+import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -14,13 +18,147 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+import cli
+import model_flags
 import training
 from model import IGNORE_INDEX, LlamaForPretraining
+from sharded_checkpoints import safe_load
+from tensor_parallel import check_tensor_parallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 # -------------------------------------------------------------------------------------------------
+# Flags
+
+
+def build_parser():
+    """train_pp.py's flags: every train script's (cli.py), and the pipeline's own."""
+    parser = cli.build_parser(
+        "Pretrain a Llama with torchrun + pipeline parallelism (GPipe, 1F1B or interleaved "
+        "1F1B), optionally with FSDP across pipelines. Here --micro-batch-size defaults to 1: "
+        "many micro-batches, a small pipeline bubble.",
+        distributed=True,
+    )
+    parser.add_argument(
+        "--pp",
+        type=cli.number_arg(int, 1),
+        default=None,
+        help="pipeline-parallel size: stages per pipeline; world_size / (pp x tp) pipelines "
+        "train data-parallel (FSDP). Default: all ranks (world_size / tp) in one pipeline",
+    )
+    parser.add_argument(
+        "--tp",
+        type=cli.number_arg(int, 1),
+        default=1,
+        help="tensor-parallel ranks inside each stage (3D: pp x dp x tp = world_size); keep it "
+        "within a node",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default="1f1b",
+        help="gpipe: all forwards, then all backwards; 1f1b: the same bubble, activations of at "
+        "most pp micro-batches alive; interleaved: several smaller stages per rank, a smaller "
+        "bubble",
+    )
+    parser.add_argument(
+        "--stages-per-rank",
+        type=cli.number_arg(int, 1),
+        default=None,
+        help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
+    )
+    return parser
+
+
+def check_pipeline_args(
+    parser, args, world_size: int, device: torch.device
+) -> tuple[cli.RunSettings, int, int, int]:
+    """Validate the pipeline flags; returns (run, pp, stages per rank, dp): the run's
+    accumulation is the number of micro-batches m per step. ValueError if wrong.
+
+    Called before any data is read: a mistake costs seconds, not a tokenized corpus.
+    """
+    schedule = args.schedule
+    v = args.stages_per_rank
+    if v is None:
+        v = 2 if schedule == "interleaved" else 1
+    if v < 1:
+        parser.error(f"--stages-per-rank must be positive, got {v}")
+    if schedule == "interleaved" and v < 2:
+        parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
+    if schedule != "interleaved" and v != 1:
+        parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
+    if args.tp < 1:
+        parser.error(f"--tp must be positive, got {args.tp}")
+    # Default: one pipeline over all ranks (of a tp rank).
+    pp = max(1, world_size // args.tp) if args.pp is None else args.pp
+    if pp < 1:
+        parser.error(f"--pp must be positive, got {pp}")
+    if world_size % (pp * args.tp):
+        parser.error(
+            f"--pp {pp} x --tp {args.tp} does not divide the number of processes "
+            f"({world_size}): the mesh is pp x dp x tp, so launch a multiple of "
+            f"{pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
+        )
+    dp = world_size // (pp * args.tp)
+    if args.micro_batch_size == "auto":
+        parser.error(
+            "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
+            "probed alone); give a number (python memory_plan.py --pp N estimates what fits)"
+        )
+    if args.attention == "flex":
+        # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
+        # micro-batch would get the whole batch's mask.
+        parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
+    # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
+    # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
+    run = cli.run_settings(parser, args, dp, device, default_micro_batch_size=1)
+    run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
+    model_flags.refuse_experts(parser, args, "train_pp.py")  # MoE: not here (NO_EXPERTS says why)
+    microbatches = run.accumulation
+    config = model_flags.model_shape(args)
+    check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
+    num_stages = pp * v
+    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
+    if config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    if args.precision == "fp16":
+        parser.error(
+            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
+            "inf checks span every stage, which this script does not implement"
+        )
+    if schedule == "1f1b" and microbatches < pp:
+        parser.error(
+            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {pp}; "
+            f"lower --micro-batch-size or raise --batch-size"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved" and microbatches % rounds:
+        parser.error(
+            f"interleaved needs the micro-batches ({microbatches}) to be a multiple of "
+            f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
+        )
+    return run, pp, v, dp
+
+
+# -------------------------------------------------------------------------------------------------
 # Stages
+
+
+def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float:
+    """The share of a step each rank of a pipeline of `pp` stages sits idle.
+
+    GPipe and 1F1B: counted in slots of one micro-batch's forward + backward on one stage, the
+    work takes m slots, and filling and draining the pipeline p-1 more: (p-1)/(m+p-1) (Huang et
+    al. 2019, GPipe; 1F1B, PipeDream-Flush's schedule, only reorders the same work). Interleaved
+    1F1B: each rank runs v stages of 1/v of its layers, so its slots are v times shorter; the
+    work takes v*m of them and the fill and drain still p-1: (p-1)/(v*m+p-1). (Narayanan et al.
+    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+    sec. 2.2, give it as (p-1)/(v*m) of the ideal time; as a share of the whole step, this.)
+    """
+    slots = micro_batches * (stages_per_rank if schedule == "interleaved" else 1)
+    return (pp - 1) / (slots + pp - 1)
+
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -159,15 +297,7 @@ class PipelineLoss:
 
 
 # -------------------------------------------------------------------------------------------------
-# Reductions over the mesh
-
-
-def sum_over_mesh(value: torch.Tensor, mesh) -> torch.Tensor:
-    """Sum over the pipeline (the last stage's value, zeros elsewhere), then over data parallel:
-    every rank gets the global total, so every rank takes the same decisions about it."""
-    dist.all_reduce(value, group=mesh["pp"].get_group())
-    dist.all_reduce(value, group=mesh["dp"].get_group())
-    return value
+# Gradient clipping over the pipeline
 
 
 def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch.Tensor:
@@ -188,3 +318,22 @@ def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch
     total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+# -------------------------------------------------------------------------------------------------
+# The weights at the end
+
+
+def load_checkpoint_weights(model: LlamaForPretraining, path: str) -> None:
+    """Load the model weights of the DCP checkpoint `path` into a whole (plain) `model`, in
+    this process alone: no collective, so rank 0 can do it by itself.
+
+    Every stage wrote its tensors under the full model's names, so the checkpoint holds the
+    whole model whatever layout wrote it (pp, dp, tp, interleaved); safe_load: no pickle in the
+    directory can run code.
+    """
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        safe_load(state, path, no_dist=True)
+    model.load_state_dict(state["model"])

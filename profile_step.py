@@ -287,7 +287,7 @@ def main() -> None:
     if args.seq_length > config.max_position_embeddings:
         p.error(f"--seq-length exceeds the model's {config.max_position_embeddings} positions")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    precision = cli.resolve_precision(args.precision, device)
+    precision = training.resolve_precision(args.precision, device)
 
     tokens = torch.randint(
         config.vocab_size, (args.batch_size, args.seq_length + 1),

@@ -32,7 +32,7 @@ class Stopped(Exception):
         self.step, self.signum = step, signum
 
 
-def run(main: Callable[[], None]) -> None:
+def run(main: Callable[[], None], os_exit: bool = False) -> None:
     """Call a script's main(); a known failure ends in one line on stderr, not a traceback.
 
     The checks in this suite raise ValueError for bad input (no data at that path, a checkpoint
@@ -41,8 +41,10 @@ def run(main: Callable[[], None]) -> None:
     failure, so only global rank 0 prints it.
 
     Any other exception (a bug, or a failure no check here names) prints its traceback, as
-    Python would, and exits with 1. However main() ends, the process ends: see end_process,
-    and training.step_batches for the DataLoader workers.
+    Python would, and exits with 1. However main() ends, the process ends: see
+    training.step_batches for the DataLoader workers. os_exit=True (the lessons that join a
+    process group): it ends with end_process, os._exit once the atexit handlers have run,
+    rather than the interpreter's own teardown, which torch.distributed's C++ objects can abort.
 
     A run stopped by a signal (Stopped) ends in one line too, and exits with 128 + the signal's
     number: 130 after Ctrl-C (SIGINT), 143 after SIGTERM, what a shell reports for a process
@@ -86,20 +88,10 @@ def run(main: Callable[[], None]) -> None:
         # left to the interpreter, so that this process too ends with end_process under torchrun.
         traceback.print_exc()
         code = 1
-    if _end_with_os_exit:
+    if os_exit:
         end_process(code)
     if code:
         sys.exit(code)
-
-
-# Set by distributed.setup_distributed (end_with_os_exit): this process joined a process group.
-_end_with_os_exit = False
-
-
-def end_with_os_exit() -> None:
-    """Have run() end this process with end_process() once main() is over, however it ends."""
-    global _end_with_os_exit
-    _end_with_os_exit = True
 
 
 def end_process(code: int) -> None:
@@ -136,7 +128,7 @@ class StopRequest:
     """A STOP_SIGNALS signal stops the run cleanly: after the step in flight, with a checkpoint
     there, on every rank at the same step.
 
-    The signal handler only notes the signal; the training loop asks agreed() after each step.
+    The signal handler only notes the signal; the training loop calls all_reduce() after each step.
     Ranks receive a signal at slightly different moments (or only some of them do), and a rank
     that left the loop alone would leave the others waiting forever in their next collective.
     So every rank all-reduces (MAX) the signal it has received, every step, and reads the
@@ -180,9 +172,10 @@ class StopRequest:
             # os.write, not print: a handler may run in the middle of a print to stderr.
             os.write(sys.stderr.fileno(), note.encode())
 
-    def agreed(self) -> int:
-        """Every rank, after every step: the signal to stop on after this step, the same on all
-        ranks; 0: go on."""
+    def all_reduce(self) -> int:
+        """A collective: every rank calls it after every step. The signal to stop on after this
+        step, the same on all ranks (the MAX over the ranks of the signal each received; one
+        process: its own, with no collective); 0: go on."""
         if not self._distributed:
             self.signal = self._received
             return self.signal
@@ -204,7 +197,7 @@ class StopRequest:
 
     def finish(self) -> None:
         """After the last step, before the process group goes: wait for the all-reduce that
-        agreed() left in flight. Its handle would otherwise outlive the process group, and a
+        all_reduce() left in flight. Its handle would otherwise outlive the process group, and a
         collective's work freed only at interpreter exit can abort the process there (gloo:
         "terminate called without an active exception")."""
         if self._wait is not None:

@@ -10,7 +10,7 @@ The train scripts reach it through training.py: build_datasets returns the Strea
 the training set, step_batches the StreamingBatches of the script's data-parallel rank, and
 data_positions gathers every rank's state_dict() for the checkpoint.
 
---data is resolved as for the cached path (corpus.resolve_source, open_source) and read by
+--data is resolved as for the cached path (data.resolve_source, open_source) and read by
 datasets' streaming mode, in the corpus order:
   - validation: the first documents, on every rank, enough for --eval-batches x --batch-size
     sequences (pad mode: that many documents; pack mode: counted in characters, as the tokenizer
@@ -27,6 +27,7 @@ tokens read but not yet trained on, and the epoch. No shuffle buffer: datasets c
 one (its state_dict leaves the buffer's contents out).
 """
 
+import contextlib
 import copy
 import hashlib
 import os
@@ -36,12 +37,12 @@ from dataclasses import dataclass
 
 import datasets
 import torch
+import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
 from huggingface_hub import HfFileSystem
 
-import cli
-import corpus
 import data
+import model_flags
 from distributed import main_process_first
 
 READ_DOCS = 64  # documents per read; the saved states count in these, so keep it fixed
@@ -54,7 +55,7 @@ VAL_CHARS_PER_TOKEN = 8
 class Stream:
     """What open_stream read once, the same on every rank, for StreamingBatches to go on from."""
 
-    source: corpus.Source
+    source: data.Source
     spec: str  # --data, for error messages
     documents: datasets.IterableDataset  # the whole corpus, one "text" column, not yet read
     held_out: frozenset[bytes]  # digests of the validation documents' texts
@@ -68,9 +69,9 @@ class Stream:
 def open_stream(args, tokenizer_path: str | None) -> Stream:
     """The validation documents (held out), the tokenizer, and the stream of the rest: the
     streaming counterpart of training.build_datasets. ValueError in one line if unusable."""
-    source = corpus.resolve_source(args.data, args.txt_split)
+    source = data.resolve_source(args.data, args.txt_split)
     with main_process_first():  # one process per node trains the tokenizer, the others load it
-        documents = corpus.open_source(
+        documents = data.open_source(
             source, args.data, args.text_column, args.cache_dir, streaming=True
         )
         texts = (text for batch in _read(documents, source, args.data) for text in batch)
@@ -105,12 +106,12 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
             )
         tokenizer = data.get_tokenizer(
             datasets.Dataset.from_dict({"text": train_texts}),
-            cli.vocab_size(args),
+            model_flags.vocab_size(args),
             args.cache_dir,
             tokenizer_path,
-            cli.special_tokens(args),
+            model_flags.special_tokens(args),
         )
-    tokenizer.corpus_sha256 = corpus.stream_fingerprint(source, val_texts)  # for checkpoints
+    tokenizer.corpus_sha256 = stream_fingerprint(source, val_texts)  # for checkpoints
     val_ids = datasets.Dataset.from_dict({"input_ids": _encode(val_texts, tokenizer)})
     val_set = data.PretrainingDataset(val_ids, args.seq_length, args.data_mode, tokenizer.pad_id)
     if int(os.environ.get("RANK", "0")) == 0:  # as training.describe_data, what is known
@@ -128,7 +129,21 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
     )  # fmt: skip
 
 
-def _read(documents: datasets.IterableDataset, source: corpus.Source, spec: str):
+def stream_fingerprint(source: data.Source, first_texts: list[str]) -> str:
+    """A stream's fingerprint (--streaming), from what it knows without reading the whole
+    corpus: its first documents (the ones held out for validation, read first anyway) and, for
+    local files, how many there are and each one's size, in order. It catches a reordered,
+    edited-at-the-start, grown or shrunk corpus; an edit further in that keeps every file's size
+    goes unseen (hashing it would mean reading the whole stream at every start)."""
+    hasher = hashlib.sha256(b"stream\n")
+    data.hash_texts(hasher, first_texts)
+    for path in source.data_files or []:
+        with contextlib.suppress(OSError):
+            hasher.update(os.path.getsize(path).to_bytes(8, "little"))
+    return hasher.hexdigest()
+
+
+def _read(documents: datasets.IterableDataset, source: data.Source, spec: str):
     """The non-empty texts of `documents`, READ_DOCS documents at a time (fewer once empty ones
     are dropped). Between two reads, documents.state_dict() is exactly after the last one."""
     batches = documents.iter(batch_size=READ_DOCS)
@@ -140,7 +155,7 @@ def _read(documents: datasets.IterableDataset, source: corpus.Source, spec: str)
         except StopIteration:
             return
         except Exception as e:  # a file that cannot be read: say which, and where, in one line
-            raise corpus.read_error(source, spec, e) from e
+            raise data.read_error(source, spec, e) from e
         finally:
             datasets.logging.set_verbosity(verbosity)
         yield [text for text in texts if text is not None and text.strip()]
@@ -300,3 +315,34 @@ class StreamingBatches:
             "world_size": self.world_size,
             "val_documents": self.stream.val_documents,
         }
+
+
+def data_positions(batches: StreamingBatches) -> list[dict] | None:
+    """What a checkpoint saves of the position in the stream (training.data_positions): every
+    data-parallel rank's StreamingBatches.state_dict(), in data-parallel rank order, on global
+    rank 0 (None elsewhere). A collective under torchrun: every rank calls it."""
+    state = batches.state_dict()
+    if not dist.is_initialized():
+        return [state]
+    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, states, dst=0)  # to rank 0 alone: the rank that saves it
+    if states is None:
+        return None
+    # Ranks that share a data shard (the tp, cp or pp ranks of one data-parallel rank) read the
+    # same documents: one state per data-parallel rank.
+    by_rank = {state["rank"]: state for state in states}
+    return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def own_position(positions: list[dict] | None, rank: int, ranks: int) -> dict:
+    """This data-parallel rank's entry of a checkpoint's data_positions(); ValueError if none."""
+    if positions is None:
+        raise ValueError(
+            "the checkpoint holds no position in the stream (it was not made with --streaming)"
+        )
+    if len(positions) != ranks:
+        raise ValueError(
+            f"the checkpoint's stream was read by {len(positions)} data-parallel ranks, this run "
+            f"has {ranks}: resume --streaming with as many data-parallel ranks"
+        )
+    return positions[rank]

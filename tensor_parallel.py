@@ -2,8 +2,9 @@
 Llama is split by columns, which by rows, and what runs replicated or split along the sequence,
 with torch.distributed.tensor.parallel.
 
-    apply_tensor_parallel(model, mesh["tp"])   # in place: every matrix split over the tp ranks
-    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True)  # and the norms' activations
+    for layer in model.layers:                 # in place: each layer's matrices over the tp ranks
+        parallelize_module(layer, mesh["tp"], layer_plan(sequence_parallel))
+    apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)  # the rest
     replicate_partial_grads(model.parameters())  # before clipping, with sequence parallelism
 """
 
@@ -142,13 +143,58 @@ def replicate_partial_grads(parameters) -> None:
             p.grad = grad.redistribute(grad.device_mesh, placements)
 
 
+def layer_plan(sequence_parallel: bool = False) -> dict:
+    """The tensor-parallel plan of one decoder layer, for parallelize_module(layer, tp_mesh,
+    plan): Megatron's, wq, wk, wv, w1 and w3 split by columns, wo and w2 by rows, so that
+    attention and the MLP each end in one all-reduce (with sequence_parallel, a reduce-scatter
+    into this rank's positions, the residual stream staying split along the sequence)."""
+    # The layout of the residual stream between the layers (see apply_tensor_parallel).
+    stream = Shard(1) if sequence_parallel else Replicate()
+    return {
+        # The attention's input x, whole (all-gathered from the sequence pieces with sequence
+        # parallelism), as one Replicate DTensor for wq, wk and wv: the gradients they send
+        # back into it are added up first, then all-reduced (or reduce-scattered) once, not
+        # once per projection. One layout per positional argument of DecoderLayer's call
+        # attention(x, cos, sin, attn_mask, cache): the others (cos, sin (T, hd) of the
+        # whole sequence; attn_mask None, a dense mask or a BlockMask; the KV cache) are the
+        # same on every rank and pass through untouched (None).
+        "attention": PrepareModuleInput(
+            input_layouts=(stream, None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+        ),
+        # Columnwise: each rank computes nh/tp query heads and nkv/tp key/value heads from the
+        # whole (replicated) input, without communication. Attention is per head, so it runs
+        # on those local heads alone: model.Attention reads the head counts from the
+        # projections' outputs (use_local_output: plain local tensors). With grouped-query
+        # attention the query heads of a rank are exactly those that use its kv heads.
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        # Rowwise: wo's input features are the heads, so its rows split like them; each rank
+        # multiplies its own heads' output, and one all-reduce adds up the partial sums (or a
+        # reduce-scatter: each rank receives the sums of its own positions only).
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+        # The same in the MLP: w1 (gate) and w3 (up) by columns, so each rank holds whole
+        # hidden units and silu(w1 x) * w3 x is local; w2 (down) by rows, one all-reduce (or
+        # reduce-scatter).
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+    }
+
+
 def apply_tensor_parallel(
     module: nn.Module,
     tp_mesh: DeviceMesh,
     loss_parallel: bool = True,
     sequence_parallel: bool = False,
 ) -> None:
-    """Split `module`'s weights over `tp_mesh` (a 1-D mesh: the tp ranks of one group), in place.
+    """Split the rest of `module`'s weights over `tp_mesh` (a 1-D mesh: the tp ranks of one
+    group), in place, once the lesson has given each decoder layer its layer_plan: the embedding,
+    the norms and lm_head.
 
     The contract, for this script and for train_pp.py's pipeline stages: `module` has any subset
     of LlamaForPretraining's attributes `tok_embeddings`, `layers`, `norm`, `lm_head`, and only
@@ -184,41 +230,6 @@ def apply_tensor_parallel(
         parallelize_module(embeddings, tp_mesh, style)
         embeddings.register_forward_hook(wait_for_output)
     for layer in training.decoder_layers(module) if hasattr(module, "layers") else ():
-        plan = {
-            # The attention's input x, whole (all-gathered from the sequence pieces with sequence
-            # parallelism), as one Replicate DTensor for wq, wk and wv: the gradients they send
-            # back into it are added up first, then all-reduced (or reduce-scattered) once, not
-            # once per projection. One layout per positional argument of DecoderLayer's call
-            # attention(x, cos, sin, attn_mask, cache): the others (cos, sin (T, hd) of the
-            # whole sequence; attn_mask None, a dense mask or a BlockMask; the KV cache) are the
-            # same on every rank and pass through untouched (None).
-            "attention": PrepareModuleInput(
-                input_layouts=(stream, None, None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None, None),
-            ),
-            # Columnwise: each rank computes nh/tp query heads and nkv/tp key/value heads from the
-            # whole (replicated) input, without communication. Attention is per head, so it runs
-            # on those local heads alone: model.Attention reads the head counts from the
-            # projections' outputs (use_local_output: plain local tensors). With grouped-query
-            # attention the query heads of a rank are exactly those that use its kv heads.
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            # Rowwise: wo's input features are the heads, so its rows split like them; each rank
-            # multiplies its own heads' output, and one all-reduce adds up the partial sums (or a
-            # reduce-scatter: each rank receives the sums of its own positions only).
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-            # The same in the MLP: w1 (gate) and w3 (up) by columns, so each rank holds whole
-            # hidden units and silu(w1 x) * w3 x is local; w2 (down) by rows, one all-reduce (or
-            # reduce-scatter).
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(stream,), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-        }
-        parallelize_module(layer, tp_mesh, plan)
         # Norms are tiny and act on each position's feature vector: whole weights, run on the
         # whole sequence, or (sequence parallelism) on this rank's positions.
         parallelize_norm(layer.attention_norm, tp_mesh, sequence_parallel)

@@ -9,19 +9,6 @@ import argparse
 import re
 
 
-def config_path(argv: list[str]) -> str | None:
-    """The value of the last --config in argv (--config FILE or --config=FILE), if any."""
-    path = None
-    for i, arg in enumerate(argv):
-        if arg == "--":
-            break
-        if arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif arg.startswith("--config="):
-            path = arg.removeprefix("--config=")
-    return path
-
-
 def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
     """The flag values of a TOML file, {dest: value}, checked as the command line checks them.
 

@@ -59,6 +59,12 @@ at a time (the recompute in backward gathers them again); without it, autograd k
 layer's for backward. Cost: per layer, an all-gather of K and V in forward (and in the recompute)
 and a reduce-scatter of their gradients in backward, which nothing overlaps with compute here.
 --compile compiles each layer around the gather (one graph break per layer).
+
+Files: to run it, copy it with context_parallel.py, masks.py, sharded_checkpoints.py and the
+library every lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
+model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+(--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
+train_fsdp.py: `diff train_fsdp.py train_cp.py`.
 """
 
 import math
@@ -66,23 +72,30 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
+import checkpoints
 import cli
-import memory_plan
+import distributed
+import model_flags
 import stopping
 import training
-from auto_batch import auto_micro_batch_size
 from context_parallel import ContextParallel, data_parallel_size, zigzag_slice
-from distributed import divide_ranks, from_rank0, setup_distributed
+from distributed import divide_ranks, from_rank0
 from masks import document_ids
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
+from sharded_checkpoints import (
+    load_sharded_checkpoint,
+    prepare_out_dir,
+    safe_load_options,
+    save_sharded_checkpoint,
+)
 
 
 def main():
@@ -121,15 +134,15 @@ def main():
         "replicas of the shards; 1: plain FSDP over all ranks",
     )
     args = parser.parse_args()
-    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # Without --cp: the processes of one node (each layer's all-gather on the fastest links).
     cp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.cp is None else args.cp
     dp = data_parallel_size(world_size, cp, args.seq_length)  # or ValueError, before any work
     # Only the dp groups split the batch: the cp ranks of a group work on the same sequences.
-    plan = cli.plan_run(parser, args, dp, device, context_parallel=True)  # per dp group
-    cli.refuse_experts(parser, args, "train_cp.py")  # MoE: not in this lesson (cli.NO_EXPERTS)
-    if plan.precision == "fp16":
+    run = cli.run_settings(parser, args, dp, device, context_parallel=True)  # per dp group
+    model_flags.refuse_experts(parser, args, "train_cp.py")  # MoE: not here (NO_EXPERTS says why)
+    if run.precision == "fp16":
         raise ValueError(
             "train_cp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
@@ -139,6 +152,10 @@ def main():
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
+    dist.init_process_group(
+        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
     # The grid of ranks: rank = dp_rank * cp + cp_rank. cp_mesh["cp"] is this rank's CP group
     # (cp consecutive ranks), cp_mesh["dp"] the ranks that hold the same slice in other groups.
     cp_mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
@@ -146,7 +163,7 @@ def main():
     resume_path = from_rank0(lambda: prepare_out_dir(args, "train_cp.py"), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
     bot_id = tokenizer.bot_id
 
@@ -169,7 +186,7 @@ def main():
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
 
     # ---- model, sharding, optimizer, resume -----------------------------------------------------
-    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
     # Activation checkpointing and compilation go inside the sharding units, as in torchtitan:
     # each layer's all-gather then wraps the (checkpointed, compiled) layer.
     if args.activation_checkpointing:
@@ -180,7 +197,7 @@ def main():
     # bf16: weights are all-gathered in bf16 (half the traffic and memory of fp32) and gradients
     # reduce-scattered in fp32 into fp32 shards, which stay the master weights AdamW updates.
     # fp32: no casts at all, so the result equals train_ddp.py's (the tests hold that).
-    bf16 = plan.precision == "bf16"
+    bf16 = run.precision == "bf16"
     mp_policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None
     )
@@ -215,21 +232,27 @@ def main():
     scheduler = training.build_scheduler(optimizer, args)
     start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
-        start_step, data_position = load_sharded_checkpoint(
+        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of
+        # ranks that wrote them; safe_load_options: no pickle in the directory can run code.
+        with load_sharded_checkpoint(
             resume_path, model, optimizer, scheduler, config, args, tokenizer
-        )
+        ) as (state, train_state):
+            dcp.load(state, **safe_load_options(resume_path))  # in place, into `state`'s shards
+        start_step, data_position = train_state["step"], train_state.get("data")
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the sharded model
-        plan = auto_micro_batch_size(
-            args, plan, cp_model, doc_ids, optimizer, config.vocab_size, device
+        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+
+        run = auto_micro_batch_size(
+            args, run, cp_model, doc_ids, optimizer, config.vocab_size, device
         )
     # Every dp-th validation sample, nothing dropped or repeated, and the same number of
     # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
-    val_loader = training.ValidationShard(val_set, dp_rank, dp, plan.micro_batch_size)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, run.micro_batch_size)
     if is_main:
-        print(cli.describe_run(args, plan, config, device))
-        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
+        print(cli.describe_run(args, run, config, device))
+        checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
         if args.replicate > 1:
             sharding = (
@@ -240,10 +263,12 @@ def main():
             f"tokens of each sequence per rank); sharding: {sharding}, cpu offload "
             f"{args.cpu_offload}, activation checkpointing {args.activation_checkpointing}"
         )
-        if args.plan:
+        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
+            import memory_plan
+
             print(
-                memory_plan.plan_for_run(
-                    args, plan, config, world_size, cp=cp, replicate=args.replicate
+                memory_plan.estimate_for_run(
+                    args, run, config, world_size, cp=cp, replicate=args.replicate
                 )
             )
 
@@ -251,8 +276,8 @@ def main():
     batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        plan.micro_batch_size,
-        plan.accumulation,
+        run.micro_batch_size,
+        run.accumulation,
         steps_per_epoch,
         start_step,
         args.num_workers,
@@ -292,10 +317,10 @@ def main():
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: reduce-scatter only after the last micro-step; before it,
             # each layer accumulates its unsharded gradients locally (FSDP's no_sync).
-            model.set_requires_gradient_sync(i == plan.accumulation - 1)
+            model.set_requires_gradient_sync(i == run.accumulation - 1)
             # autocast as in train_ddp.py: with bf16 weights from the policy it changes no
             # matmul, but still runs cross-entropy and softmax in fp32.
-            with training.autocast(device, plan.precision):
+            with training.autocast(device, run.precision):
                 # x, y: whole sequences; the loss of this rank's slice of them (see point 2).
                 loss_sum, _ = cp_model(x, y, doc_ids(x))
             # The reduce-scatter averages gradients over ranks, as DDP's all-reduce does: the
@@ -320,7 +345,7 @@ def main():
         done = step + 1
         last = done == args.max_steps
         # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
-        stop = stop_request.agreed() and not last
+        stop = stop_request.all_reduce() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
@@ -341,7 +366,7 @@ def main():
             # all-gathers each layer, so every rank must run it), then the sums are added up
             # over all ranks.
             val_sum, val_tokens = training.evaluate(
-                cp_model, val_loader, device, plan.precision, doc_ids
+                cp_model, val_loader, device, run.precision, doc_ids
             )
             dist.all_reduce(val_sum)
             dist.all_reduce(val_tokens)
@@ -351,9 +376,10 @@ def main():
         if do_save:
             # Every rank: each writes its own shards (a collective, never inside is_main).
             data_position = training.data_positions(batches)  # --streaming; a collective
-            save_sharded_checkpoint(
+            with save_sharded_checkpoint(
                 args, done, model, optimizer, scheduler, config, tokenizer, is_main, data_position
-            )
+            ) as (state, path):
+                dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
             raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
@@ -375,4 +401,6 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    # A known failure ends in one line; the process ends with os._exit once main() is over
+    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
+    stopping.run(main, os_exit=True)

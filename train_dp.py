@@ -9,6 +9,11 @@ gathers the results on GPU 0. The price is that GPU 0 does extra work for all of
 weights are copied to every GPU on every step, and Python's GIL serialises the threads; that is
 why train_ddp.py (one process per GPU) is the recipe for real runs. Compare the two with
 `diff train_dp.py train_ddp.py`.
+
+Files: to run it, copy it with replica.py and the library every lesson shares: checkpoints.py,
+cli.py, data.py, distributed.py, metrics.py, model.py, model_flags.py, stopping.py, training.py. A
+module that only an optional feature needs (--streaming, --plan, another --data, ...) is imported
+where that feature is used.
 """
 
 import math
@@ -20,11 +25,8 @@ from tqdm import tqdm
 
 import checkpoints
 import cli
-import memory_plan
-import out_dir
 import stopping
 import training
-from auto_batch import auto_micro_batch_size
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX
 from replica import Replica
@@ -36,16 +38,16 @@ def main():
     num_gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if num_gpus else torch.device("cpu")
     devices = max(num_gpus, 1)  # how many devices share each batch
-    plan = cli.plan_run(parser, args, devices, device, replicas=devices)  # micro-batch, ...
+    run = cli.run_settings(parser, args, devices, device, replicas=devices)  # micro-batch, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    resume_path = out_dir.prepare_out_dir(args)
+    resume_path = checkpoints.prepare_out_dir(args)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+    attn_mask = training.attention_masks(args, run, tokenizer)  # mask(x): None unless asked
 
     def order_for_epoch(epoch: int) -> list[int]:
         # A new shuffle each epoch, seeded by seed + epoch: a resumed run draws the same order,
@@ -56,11 +58,11 @@ def main():
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
     model.to(device)
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
     start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:
         ckpt = checkpoints.load_checkpoint(resume_path)
@@ -74,24 +76,28 @@ def main():
         training.compile_layers(model)
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.
-    dp_model = nn.DataParallel(Replica(model, device, plan.precision))
+    dp_model = nn.DataParallel(Replica(model, device, run.precision))
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        plan = auto_micro_batch_size(
-            args, plan, dp_model, attn_mask, optimizer, config.vocab_size, device, devices
+        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+
+        run = auto_micro_batch_size(
+            args, run, dp_model, attn_mask, optimizer, config.vocab_size, device, devices
         )
     # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
-    val_loader = DataLoader(val_set, batch_size=plan.micro_batch_size * devices)
-    print(cli.describe_run(args, plan, config, device))
-    cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
-    if args.plan:
-        print(memory_plan.plan_for_run(args, plan, config, devices))
+    val_loader = DataLoader(val_set, batch_size=run.micro_batch_size * devices)
+    print(cli.describe_run(args, run, config, device))
+    checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
+    if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
+        import memory_plan
+
+        print(memory_plan.estimate_for_run(args, run, config, devices))
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        plan.micro_batch_size * devices,
-        plan.accumulation,
+        run.micro_batch_size * devices,
+        run.accumulation,
         steps_per_epoch,
         start_step,
         args.num_workers,
@@ -143,7 +149,7 @@ def main():
         done = step + 1
         last = done == args.max_steps
         # After Ctrl-C or SIGTERM, the run stops after this step, with a checkpoint there.
-        stop = stop_request.agreed() and not last
+        stop = stop_request.all_reduce() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
@@ -163,17 +169,16 @@ def main():
                         **router_figures(model))  # fmt: skip
         if do_eval:
             val_sum, val_tokens = training.evaluate(
-                dp_model, val_loader, device, plan.precision, attn_mask
+                dp_model, val_loader, device, run.precision, attn_mask
             )
             val_loss = (val_sum / val_tokens).item()
             metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
             data_position = training.data_positions(batches)  # --streaming: where it is
-            state = checkpoints.checkpoint_state(
-                model, optimizer, scheduler, scaler, done, config, args, tokenizer, data_position
-            )
-            checkpoints.save_checkpoint(args.out_dir, done, state, args.keep_checkpoints)
+            checkpoints.save_checkpoint(
+                args, done, model, optimizer, scheduler, scaler, config, tokenizer, data_position,
+            )  # fmt: skip
             throughput.restart()
         if stop:
             raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits

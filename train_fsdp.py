@@ -40,27 +40,39 @@ sharded checkpoints of point 5 are calls into sharded_checkpoints.py, part of th
      the slow link between them carries one all-reduce of 1/S of the gradients per step,
      instead of every layer's all-gathers and reduce-scatters; the price is the memory of FSDP
      over S ranks, not over all of them. --replicate world_size shards nothing (S = 1): DDP.
+
+Files: to run it, copy it with sharded_checkpoints.py and the library every lesson shares:
+checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py, model_flags.py, stopping.py,
+training.py. A module that only an optional feature needs (--streaming, --plan, another --data,
+...) is imported where that feature is used. Its neighbour is train_zero1.py: `diff train_zero1.py
+train_fsdp.py`.
 """
 
 import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
+import checkpoints
 import cli
-import memory_plan
+import distributed
 import stopping
 import training
-from auto_batch import auto_micro_batch_size
-from distributed import divide_ranks, from_rank0, setup_distributed
+from distributed import divide_ranks, from_rank0
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
+from sharded_checkpoints import (
+    load_sharded_checkpoint,
+    prepare_out_dir,
+    safe_load_options,
+    save_sharded_checkpoint,
+)
 
 
 def main():
@@ -90,10 +102,10 @@ def main():
         "replicas of the shards; 1: plain FSDP over all ranks",
     )
     args = parser.parse_args()
-    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    plan = cli.plan_run(parser, args, world_size, device)  # micro-batch, accumulation, ...
-    if plan.precision == "fp16":
+    run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    if run.precision == "fp16":
         raise ValueError(
             "train_fsdp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
@@ -103,12 +115,16 @@ def main():
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
+    dist.init_process_group(
+        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
     resume_path = from_rank0(lambda: prepare_out_dir(args, "train_fsdp.py"), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+    attn_mask = training.attention_masks(args, run, tokenizer)  # mask(x): None unless asked
 
     # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
     # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
@@ -124,7 +140,7 @@ def main():
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
 
     # ---- model, sharding, optimizer, resume -----------------------------------------------------
-    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
     # Activation checkpointing and compilation go inside the sharding units, as in torchtitan:
     # each layer's all-gather then wraps the (checkpointed, compiled) layer.
     if args.activation_checkpointing:
@@ -135,7 +151,7 @@ def main():
     # bf16: weights are all-gathered in bf16 (half the traffic and memory of fp32) and gradients
     # reduce-scattered in fp32 into fp32 shards, which stay the master weights AdamW updates.
     # fp32: no casts at all, so the result equals train_ddp.py's (the tests hold that).
-    bf16 = plan.precision == "bf16"
+    bf16 = run.precision == "bf16"
     mp_policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None
     )
@@ -166,21 +182,27 @@ def main():
     scheduler = training.build_scheduler(optimizer, args)
     start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
-        start_step, data_position = load_sharded_checkpoint(
+        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of
+        # ranks that wrote them; safe_load_options: no pickle in the directory can run code.
+        with load_sharded_checkpoint(
             resume_path, model, optimizer, scheduler, config, args, tokenizer
-        )
+        ) as (state, train_state):
+            dcp.load(state, **safe_load_options(resume_path))  # in place, into `state`'s shards
+        start_step, data_position = train_state["step"], train_state.get("data")
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the sharded model
-        plan = auto_micro_batch_size(
-            args, plan, model, attn_mask, optimizer, config.vocab_size, device
+        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+
+        run = auto_micro_batch_size(
+            args, run, model, attn_mask, optimizer, config.vocab_size, device
         )
     # Every world_size-th validation sample, nothing dropped or repeated, and the same number of
     # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
-    val_loader = training.ValidationShard(val_set, rank, world_size, plan.micro_batch_size)
+    val_loader = training.ValidationShard(val_set, rank, world_size, run.micro_batch_size)
     if is_main:
-        print(cli.describe_run(args, plan, config, device))
-        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
+        print(cli.describe_run(args, run, config, device))
+        checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
         if args.replicate > 1:
             sharding = (
@@ -190,17 +212,21 @@ def main():
             f"sharding: {sharding}, cpu offload {args.cpu_offload}, activation checkpointing "
             f"{args.activation_checkpointing}"
         )
-        if args.plan:
+        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
+            import memory_plan
+
             print(
-                memory_plan.plan_for_run(args, plan, config, world_size, replicate=args.replicate)
+                memory_plan.estimate_for_run(
+                    args, run, config, world_size, replicate=args.replicate
+                )
             )
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        plan.micro_batch_size,
-        plan.accumulation,
+        run.micro_batch_size,
+        run.accumulation,
         steps_per_epoch,
         start_step,
         args.num_workers,
@@ -237,10 +263,10 @@ def main():
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: reduce-scatter only after the last micro-step; before it,
             # each layer accumulates its unsharded gradients locally (FSDP's no_sync).
-            model.set_requires_gradient_sync(i == plan.accumulation - 1)
+            model.set_requires_gradient_sync(i == run.accumulation - 1)
             # autocast as in train_ddp.py: with bf16 weights from the policy it changes no
             # matmul, but still runs cross-entropy and softmax in fp32.
-            with training.autocast(device, plan.precision):
+            with training.autocast(device, run.precision):
                 loss_sum, _ = model(x, y, attn_mask(x))
             # The reduce-scatter averages gradients over ranks, as DDP's all-reduce does: the
             # factor world_size undoes that division, leaving sum of all losses / all tokens.
@@ -264,7 +290,7 @@ def main():
         done = step + 1
         last = done == args.max_steps
         # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
-        stop = stop_request.agreed() and not last
+        stop = stop_request.all_reduce() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
@@ -286,7 +312,7 @@ def main():
             # Every rank evaluates its own shard of the data (the forward all-gathers each layer,
             # so every rank must run it), then the sums are added up over ranks.
             val_sum, val_tokens = training.evaluate(
-                model, val_loader, device, plan.precision, attn_mask
+                model, val_loader, device, run.precision, attn_mask
             )
             dist.all_reduce(val_sum)
             dist.all_reduce(val_tokens)
@@ -296,9 +322,10 @@ def main():
         if do_save:
             # Every rank: each writes its own shards (a collective, never inside is_main).
             data_position = training.data_positions(batches)  # --streaming; a collective
-            save_sharded_checkpoint(
+            with save_sharded_checkpoint(
                 args, done, model, optimizer, scheduler, config, tokenizer, is_main, data_position
-            )
+            ) as (state, path):
+                dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
             raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
@@ -320,4 +347,6 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    # A known failure ends in one line; the process ends with os._exit once main() is over
+    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
+    stopping.run(main, os_exit=True)

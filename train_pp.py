@@ -11,16 +11,19 @@ go with the first stage, the final norm and lm_head with the last. Each rank run
 only and passes activations forward (and their gradients backward) to its neighbours with
 point-to-point sends. torch.distributed.pipelining does the scheduling and the sends.
 
-What changes against train_fsdp.py / train_tp.py:
-  1. One DeviceMesh of shape (pp, dp, tp): dp = world_size / (pp x tp) pipelines each train on
-     their own 1/dp of the global batch. With dp > 1 every stage is sharded over its dp group
-     with FSDP2 (fully_shard), as train_fsdp.py does for the whole model; with --tp > 1 every
-     stage's matrices are also split over tp ranks exactly as train_tp.py splits them (its
-     apply_tensor_parallel, tensor_parallel.py): 3D parallelism, as used for BLOOM-176B.
+What this changes in train_tp.py, its neighbour (`diff train_tp.py train_pp.py` shows each
+change; the flags and their checks, the stages and the last stage's loss are pipeline.py, part
+of this lesson):
+  1. A DeviceMesh (pp, dp, tp) instead of (dp, tp): dp = world_size / (pp x tp) pipelines each
+     train on their own 1/dp of the global batch. With --tp > 1 every stage's matrices are split
+     over tp ranks exactly as train_tp.py splits the model's (apply_tensor_parallel,
+     tensor_parallel.py; here --tp defaults to 1), and with dp > 1 every stage is sharded over
+     its dp group with FSDP2 (fully_shard), as train_tp.py shards the whole model: 3D
+     parallelism, as used for BLOOM-176B.
   2. No rank holds the whole model: build_stages() (pipeline.py) keeps this rank's layers, under
      the full model's parameter names (layers.<original index>), so the stages' state dicts
      together are exactly the full model's, and checkpoints are the same DCP directories as
-     train_fsdp.py's.
+     train_tp.py's and train_fsdp.py's. model.pt is read back from the last of them on rank 0.
   3. Gradient accumulation *is* the pipeline: the rank's share of the batch is cut into m
      micro-batches, and the schedule streams them through the stages, so that every stage is
      busy with a different micro-batch. The loop calls schedule.step() once per optimizer step;
@@ -28,6 +31,8 @@ What changes against train_fsdp.py / train_tp.py:
   4. Everything global needs a reduction over the pipeline too: the loss exists on the last stage
      only, and each rank holds only its own layers' gradients, so the gradient norm that
      clipping uses is combined over the pp group.
+  Not here: train_tp.py's --sequence-parallel and its vocabulary-parallel loss (see Limits), and
+  FSDP's bf16 policy (autocast runs inside each stage instead).
 
 The bubble: a stage cannot start before the previous one has handed it its first micro-batch,
 nor finish before the last one has handed back its last gradient. With p stages and m
@@ -55,180 +60,89 @@ local process. Tied embeddings (the 1b preset) put one tensor on the first and t
 are refused with --pp > 1. --precision fp16 is refused (a grad scaler across stages is not
 implemented); bf16 autocast works as everywhere else. With --tp, lm_head's logits are gathered
 on the last stage (train_tp.py's vocabulary-parallel loss is not used across the pipeline).
+
+Files: to run it, copy it with pipeline.py, sharded_checkpoints.py, tensor_parallel.py and the
+library every lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
+model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+(--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
+train_tp.py: `diff train_tp.py train_pp.py`.
 """
 
-import dataclasses
 import math
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
+import checkpoints
 import cli
-import memory_plan
-import safe_dcp
+import distributed
 import stopping
 import training
-from distributed import from_rank0, setup_distributed
+from distributed import from_rank0
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX, LlamaForPretraining
 from pipeline import (
     SCHEDULES,
     PipelineLoss,
     RankModel,
+    bubble_fraction,
+    build_parser,
     build_stages,
+    check_pipeline_args,
     clip_grad_norm_over_pipeline,
+    load_checkpoint_weights,
     split_layers,
     stage_ids_of_rank,
-    sum_over_mesh,
-    tied_embeddings_error,
 )
-from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
-from tensor_parallel import apply_tensor_parallel, check_tensor_parallel
-
-# -------------------------------------------------------------------------------------------------
-# Flags
-
-
-def check_pipeline_args(
-    parser, args, world_size: int, device: torch.device
-) -> tuple[cli.RunPlan, int, int, int]:
-    """Validate the pipeline flags; returns (plan, pp, stages per rank, dp): the run plan's
-    accumulation is the number of micro-batches m per step. ValueError if wrong.
-
-    Called before any data is read: a mistake costs seconds, not a tokenized corpus.
-    """
-    schedule = args.schedule
-    v = args.stages_per_rank
-    if v is None:
-        v = 2 if schedule == "interleaved" else 1
-    if v < 1:
-        parser.error(f"--stages-per-rank must be positive, got {v}")
-    if schedule == "interleaved" and v < 2:
-        parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
-    if schedule != "interleaved" and v != 1:
-        parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
-    if args.tp < 1:
-        parser.error(f"--tp must be positive, got {args.tp}")
-    # Default: one pipeline over all ranks (of a tp rank).
-    pp = max(1, world_size // args.tp) if args.pp is None else args.pp
-    if pp < 1:
-        parser.error(f"--pp must be positive, got {pp}")
-    if world_size % (pp * args.tp):
-        parser.error(
-            f"--pp {pp} x --tp {args.tp} does not divide the number of processes "
-            f"({world_size}): the mesh is pp x dp x tp, so launch a multiple of "
-            f"{pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
-        )
-    dp = world_size // (pp * args.tp)
-    if args.micro_batch_size == "auto":
-        parser.error(
-            "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
-            "probed alone); give a number (python memory_plan.py --pp N estimates what fits)"
-        )
-    if args.attention == "flex":
-        # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
-        # micro-batch would get the whole batch's mask.
-        parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
-    # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
-    # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
-    plan = cli.plan_run(parser, args, dp, device, default_micro_batch_size=1)
-    plan = dataclasses.replace(plan, attention="sdpa")  # --attention auto: never flex here
-    cli.refuse_experts(parser, args, "train_pp.py")  # MoE: not in this lesson (cli.NO_EXPERTS)
-    microbatches = plan.accumulation
-    config = cli.model_shape(args)
-    check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
-    num_stages = pp * v
-    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
-    if config.tie_word_embeddings and num_stages > 1:
-        raise tied_embeddings_error(num_stages)
-    if args.precision == "fp16":
-        parser.error(
-            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
-            "inf checks span every stage, which this script does not implement"
-        )
-    if schedule == "1f1b" and microbatches < pp:
-        parser.error(
-            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {pp}; "
-            f"lower --micro-batch-size or raise --batch-size"
-        )
-    rounds = max(1, microbatches // pp)
-    if schedule == "interleaved" and microbatches % rounds:
-        parser.error(
-            f"interleaved needs the micro-batches ({microbatches}) to be a multiple of "
-            f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
-        )
-    return plan, pp, v, dp
-
-
-def build_parser():
-    parser = cli.build_parser(
-        "Pretrain a Llama with torchrun + pipeline parallelism (GPipe, 1F1B or interleaved "
-        "1F1B), optionally with FSDP across pipelines. Here --micro-batch-size defaults to 1: "
-        "many micro-batches, a small pipeline bubble.",
-        distributed=True,
-    )
-    parser.add_argument(
-        "--pp",
-        type=cli.number_arg(int, 1),
-        default=None,
-        help="pipeline-parallel size: stages per pipeline; world_size / (pp x tp) pipelines "
-        "train data-parallel (FSDP). Default: all ranks (world_size / tp) in one pipeline",
-    )
-    parser.add_argument(
-        "--tp",
-        type=cli.number_arg(int, 1),
-        default=1,
-        help="tensor-parallel ranks inside each stage (3D: pp x dp x tp = world_size); keep it "
-        "within a node",
-    )
-    parser.add_argument(
-        "--schedule",
-        choices=list(SCHEDULES),
-        default="1f1b",
-        help="gpipe: all forwards, then all backwards; 1f1b: the same bubble, activations of at "
-        "most pp micro-batches alive; interleaved: several smaller stages per rank, a smaller "
-        "bubble",
-    )
-    parser.add_argument(
-        "--stages-per-rank",
-        type=cli.number_arg(int, 1),
-        default=None,
-        help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
-    )
-    return parser
+from sharded_checkpoints import (
+    load_sharded_checkpoint,
+    prepare_out_dir,
+    safe_load_options,
+    save_sharded_checkpoint,
+)
+from tensor_parallel import apply_tensor_parallel, layer_plan
 
 
 def main():
-    parser = build_parser()
+    parser = build_parser()  # pipeline.py: every script's flags, and --pp, --tp, --schedule, ...
     args = parser.parse_args()
-    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    plan, pp, v, dp = check_pipeline_args(parser, args, world_size, device)
-    microbatches = plan.accumulation  # m: the micro-batches the schedule streams per step
+    run, pp, v, dp = check_pipeline_args(parser, args, world_size, device)
+    microbatches = run.accumulation  # m: the micro-batches the schedule streams per step
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
+    dist.init_process_group(
+        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+    tp = args.tp  # tensor-parallel ranks inside each stage (default 1: none)
     num_stages = pp * v
     # The 3D mesh: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The last dimension varies
     # fastest: a tensor-parallel group is tp consecutive ranks, on one node (its all-reduces, in
     # every layer, need NVLink); next come the dp replicas of a stage (FSDP's gathers); the
     # pipeline is the outermost dimension, the one that crosses nodes (its traffic, one
     # activation per micro-batch between neighbours, is the lightest). torchtitan's order.
-    mesh = init_device_mesh(device.type, (pp, dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
-    dp_rank, pp_rank = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    dp_group = mesh["dp"].get_group()
+    pp_rank = mesh.get_local_rank("pp")  # which stage(s) of its pipeline this rank runs
+    pp_group = mesh["pp"].get_group()  # the ranks of this rank's pipeline, one per stage
     resume_path = from_rank0(lambda: prepare_out_dir(args, "train_pp.py"), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+    attn_mask = training.attention_masks(args, run, tokenizer)  # mask(x): None unless asked
 
     # The shards are per pipeline (dp rank), not per process: every stage of one pipeline reads
     # the same samples. The first stage needs the tokens, the last the targets, and all of them
@@ -242,25 +156,27 @@ def main():
         return list(sampler)
 
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-    rows = microbatches * plan.micro_batch_size  # sequences per pipeline per step
-    val_batches = training.ValidationShard(val_set, dp_rank, dp, rows)
+    rows = microbatches * run.micro_batch_size  # sequences per pipeline per step
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows)
 
     # ---- model, stages, data parallelism, optimizer, resume ------------------------------------
-    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
     # Applied to the whole model's layers before the split: the stages hold these same layers.
     if args.activation_checkpointing:
         training.apply_activation_checkpointing(model)
     if args.compile:
         training.compile_layers(model, loss=False)  # the last stage runs PipelineLoss
-    stage_models = build_stages(model, pp_rank, pp, v, device, plan.precision)
+    stage_models = build_stages(model, pp_rank, pp, v, device, run.precision)
     del model  # the layers of the other ranks' stages are freed with it
-    if args.tp > 1:
+    if tp > 1:
         # Tensor parallelism inside each stage: train_tp.py's split of every matrix over the tp
         # ranks. The stage's inputs and outputs stay plain replicated tensors, so the pipeline
         # sends exactly what it would without TP. lm_head all-gathers the logits here
         # (loss_parallel=False): the vocabulary-parallel loss of train_tp.py would need its
         # loss_parallel() context around the schedule's backward of the last stage too.
         for stage_model in stage_models:
+            for layer in training.decoder_layers(stage_model):
+                parallelize_module(layer, mesh["tp"], layer_plan())
             apply_tensor_parallel(stage_model, mesh["tp"], loss_parallel=False)
     if dp > 1:
         # FSDP across the pipelines: each layer a unit, then each stage the root of the rest
@@ -273,14 +189,21 @@ def main():
             for layer in stage_model.layers.values():
                 fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
             fully_shard(stage_model, mesh=mesh["dp"], reshard_after_forward=False)
-    rank_model = RankModel(stage_models)
-    optimizer = training.build_optimizer(rank_model, args, device.type)
+    # From here on, `model` is this rank's part of the model: every parameter of its stages,
+    # once, under the full model's names (RankModel), for the optimizer, the gradient norm and
+    # the checkpoints. The stages (the same modules) run the computation.
+    model = RankModel(stage_models)
+    optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
-        start_step, data_position = load_sharded_checkpoint(
-            resume_path, rank_model, optimizer, scheduler, config, args, tokenizer
-        )
+        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of
+        # ranks that wrote them; safe_load_options: no pickle in the directory can run code.
+        with load_sharded_checkpoint(
+            resume_path, model, optimizer, scheduler, config, args, tokenizer
+        ) as (state, train_state):
+            dcp.load(state, **safe_load_options(resume_path))  # in place, into `state`'s shards
+        start_step, data_position = train_state["step"], train_state.get("data")
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     # The runtime side: a PipelineStage per stage knows its index, its neighbours' ranks in the
@@ -288,12 +211,11 @@ def main():
     # backwards and sends of all micro-batches. scale_grads=False: the loss is already
     # normalised by the global number of targets (the schedule would divide by m again).
     stages = [
-        PipelineStage(stage_model, s, num_stages, device, group=mesh["pp"].get_group())
+        PipelineStage(stage_model, s, num_stages, device, group=pp_group)
         for stage_model, s in zip(stage_models, stage_ids_of_rank(pp_rank, pp, v), strict=True)
     ]
     loss_fn = PipelineLoss()  # summed cross-entropy x loss_fn.scale, set by run_pipeline
-    schedule_class = SCHEDULES[args.schedule]
-    schedule = schedule_class(
+    schedule = SCHEDULES[args.schedule](  # ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
         stages if args.schedule == "interleaved" else stages[0],
         n_microbatches=microbatches,
         loss_fn=loss_fn,
@@ -302,22 +224,24 @@ def main():
     is_first = any(stage.is_first for stage in stages)  # this rank feeds the tokens in
     is_last = any(stage.is_last for stage in stages)  # this rank computes the loss
     if is_main:
-        print(cli.describe_run(args, plan, config, device))
-        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
+        print(cli.describe_run(args, run, config, device))
+        checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         layers = [len(r) for r in split_layers(config.num_hidden_layers, num_stages)]
-        bubble = memory_plan.bubble_fraction(args.schedule, pp, microbatches, v)
+        bubble = bubble_fraction(args.schedule, pp, microbatches, v)
         formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
         print(
             f"pipeline: {args.schedule} schedule, {num_stages} stages on {pp} ranks "
             f"({v} per rank), layers per stage {layers}, m = {microbatches} micro-batches of "
-            f"{plan.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines, "
-            f"tensor parallel {args.tp} inside each stage; "
+            f"{run.micro_batch_size} sequences per pipeline, {dp} data-parallel pipelines, "
+            f"tensor parallel {tp} inside each stage; "
             f"bubble {formula} = {bubble:.1%}"
         )
-        if args.plan:
+        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
+            import memory_plan
+
             print(
-                memory_plan.plan_for_run(
-                    args, plan, config, world_size, args.tp, pp, args.schedule, v
+                memory_plan.estimate_for_run(
+                    args, run, config, world_size, tp, pp, args.schedule, v
                 )
             )
 
@@ -325,8 +249,8 @@ def main():
     batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        plan.micro_batch_size,
-        microbatches,
+        run.micro_batch_size,
+        run.accumulation,  # m micro-batches per step
         steps_per_epoch,
         start_step,
         args.num_workers,
@@ -368,26 +292,33 @@ def main():
 
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
-        micro_batches = next(batches)
-        x = torch.cat([x for x, _ in micro_batches])  # (m * micro, T); the schedule splits it
-        y = torch.cat([y for _, y in micro_batches])  # back into the same m micro-batches
         # On the device first, asynchronously, and the targets counted there: a count made on
         # the CPU and copied over would make the CPU wait for the previous step every step.
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        micro_batches = [
+            (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            for x, y in next(batches)
+        ]
         # Normalise by the number of targets in the whole global batch (all micro-batches, all
         # dp ranks), as in every script. FSDP averages gradients over dp ranks; the factor dp
         # undoes that, leaving sum of all losses / all targets.
-        global_tokens = (y != IGNORE_INDEX).sum()
-        dist.all_reduce(global_tokens, group=mesh["dp"].get_group())
+        global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        dist.all_reduce(global_tokens, group=dp_group)
+        # One batch for the whole pipeline: the schedule cuts it back into the same m micro-batches.
+        x = torch.cat([x for x, _ in micro_batches])  # (m * micro, T)
+        y = torch.cat([y for _, y in micro_batches])
+        step_loss = torch.zeros((), device=device)
         losses = []  # filled on the last stage: one scaled loss per micro-batch
         run_pipeline(x, y, dp / global_tokens, losses, train=True)
-        # The global loss, on every rank: the scaled losses add up to dp x the mean loss.
-        step_loss = torch.stack(losses).sum() if is_last else torch.zeros((), device=device)
-        step_loss = sum_over_mesh(step_loss.detach(), mesh) / dp
+        if is_last:
+            step_loss += torch.stack(losses).sum().detach()
+        # The global loss, on every rank: the last stage's, sent along the pipeline (the other
+        # stages add zeros), then added up over the pipelines; the scaled losses add up to dp x
+        # the mean loss. (No wait for it here: the all-reduces are queued like any other kernel.)
+        dist.all_reduce(step_loss, group=pp_group)
+        dist.all_reduce(step_loss, group=dp_group)
+        step_loss /= dp
         grad_norm = clip_grad_norm_over_pipeline(
-            rank_model.parameters(),
-            args.grad_clip if args.grad_clip > 0 else math.inf,
-            mesh["pp"].get_group(),
+            model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf, pp_group
         )
         if guard.step_ok(step + 1, step_loss, grad_norm):
             optimizer.step()
@@ -397,7 +328,7 @@ def main():
         done = step + 1
         last = done == args.max_steps
         # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
-        stop = stop_request.agreed() and not last
+        stop = stop_request.all_reduce() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
@@ -420,23 +351,27 @@ def main():
             val_sum = torch.zeros((), device=device)
             val_tokens = torch.zeros((), device=device, dtype=torch.long)
             with torch.no_grad():
-                for vx, vy in val_batches:
+                for vx, vy in val_loader:
                     losses = []
                     run_pipeline(vx, vy, 1.0, losses, train=False)
                     if is_last:
                         val_sum += torch.stack(losses).sum()
                         val_tokens += (vy != IGNORE_INDEX).sum().to(device)
-            val_loss = (sum_over_mesh(val_sum, mesh) / sum_over_mesh(val_tokens, mesh)).item()
+            dist.all_reduce(val_sum, group=pp_group)  # the last stage's sums, on every stage
+            dist.all_reduce(val_tokens, group=pp_group)
+            dist.all_reduce(val_sum, group=dp_group)
+            dist.all_reduce(val_tokens, group=dp_group)
+            val_loss = (val_sum / val_tokens).item()
             metrics.log_validation(done, val_loss)  # printed on rank 0 too
             throughput.restart()  # keep evaluation time out of the tokens/s figure
         if do_save:
             # Every rank writes its own stages' parameters and AdamW state, under the full
             # model's names (a collective, never inside is_main).
             data_position = training.data_positions(batches)  # --streaming; a collective
-            save_sharded_checkpoint(
-                args, done, rank_model, optimizer, scheduler, config, tokenizer, is_main,
-                data_position,
-            )  # fmt: skip
+            with save_sharded_checkpoint(
+                args, done, model, optimizer, scheduler, config, tokenizer, is_main, data_position
+            ) as (state, path):
+                dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
             throughput.restart()
         if stop:
@@ -449,11 +384,7 @@ def main():
     # with code of its own. Like resuming, it needs --out-dir on a filesystem rank 0 can read.
     if is_main:
         plain = LlamaForPretraining(config)
-        state = {"model": plain.state_dict()}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-            warnings.simplefilter("ignore", UserWarning)
-            safe_dcp.load(state, final_checkpoint, no_dist=True)
-        plain.load_state_dict(state["model"])
+        load_checkpoint_weights(plain, final_checkpoint)  # safe_load in this process alone
         training.finish_run(args, plain, config, tokenizer, device)
     stop_request.finish()  # no collective of it left in flight when the process group goes
     dist.barrier()  # the run is over when rank 0's files are written, for every rank
@@ -461,4 +392,6 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    # A known failure ends in one line; the process ends with os._exit once main() is over
+    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
+    stopping.run(main, os_exit=True)

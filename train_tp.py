@@ -15,12 +15,12 @@ GPUs of one node when tp <= GPUs per node. That is where TP belongs: it communic
 every layer, twice per forward and twice per backward, and only NVLink is fast enough for that.
 FSDP communicates once per layer per pass and overlaps it with compute: it crosses nodes.
 
-What this changes in train_fsdp.py (`diff train_fsdp.py train_tp.py` shows each change; the plan of
-point 2 is tensor_parallel.py, part of this lesson):
+What this changes in train_fsdp.py, its neighbour (`diff train_fsdp.py train_tp.py` shows each
+change; the run of point 2 is tensor_parallel.py, part of this lesson):
   1. A DeviceMesh (dp, tp) instead of one flat group of ranks. The tp ranks of a group read the
      same samples; the data is split over the dp groups only, exactly as train_fsdp.py splits it
      over ranks, so every global batch is the same as in train_dp.py.
-  2. apply_tensor_parallel() (tensor_parallel.py holds the plan): every matrix is split over the
+  2. apply_tensor_parallel() (tensor_parallel.py holds the run): every matrix is split over the
      tp ranks of a group, with torch.distributed.tensor.parallel (parallelize_module,
      ColwiseParallel, RowwiseParallel).
      In attention and in the MLP the first projections are split by columns (each rank computes
@@ -47,6 +47,12 @@ point 2 is tensor_parallel.py, part of this lesson):
   sharded_checkpoints.py: DCP saves DTensors of any layout, and reshards on load, so a run can
   resume with another --tp.
   Not here: --zero-stage (FSDP is ZeRO-3), --cpu-offload, fp16.
+
+Files: to run it, copy it with sharded_checkpoints.py, tensor_parallel.py and the library every
+lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
+model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+(--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
+train_fsdp.py: `diff train_fsdp.py train_tp.py`.
 """
 
 import contextlib
@@ -55,27 +61,36 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
+import checkpoints
 import cli
-import memory_plan
+import distributed
+import model_flags
 import stopping
 import training
-from distributed import from_rank0, setup_distributed
+from distributed import from_rank0
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
 from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import load_sharded_checkpoint, prepare_out_dir, save_sharded_checkpoint
+from sharded_checkpoints import (
+    load_sharded_checkpoint,
+    prepare_out_dir,
+    safe_load_options,
+    save_sharded_checkpoint,
+)
 from tensor_parallel import (
     apply_tensor_parallel,
     check_sequence_parallel,
     check_tensor_parallel,
     data_parallel_size,
+    layer_plan,
     local_outputs,
     replicate_partial_grads,
 )
@@ -103,7 +118,7 @@ def main():
         "--tp 2 or more and a --seq-length divisible by --tp)",
     )
     args = parser.parse_args()
-    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # Without --tp: the processes of one node (TP inside nodes, FSDP across them).
     tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.tp is None else args.tp
@@ -116,12 +131,12 @@ def main():
             "--micro-batch-size auto is not supported by train_tp.py; give a number "
             "(python memory_plan.py --tp N estimates what fits)"
         )
-    plan = cli.plan_run(parser, args, dp, device)  # micro-batch, accumulation, ... per dp group
-    cli.refuse_experts(parser, args, "train_tp.py")  # MoE: not in this lesson (cli.NO_EXPERTS)
-    check_tensor_parallel(cli.model_shape(args), tp)  # before any data work
+    run = cli.run_settings(parser, args, dp, device)  # micro-batch, accumulation, ... per dp group
+    model_flags.refuse_experts(parser, args, "train_tp.py")  # MoE: not here (NO_EXPERTS says why)
+    check_tensor_parallel(model_flags.model_shape(args), tp)  # before any data work
     if args.sequence_parallel:
         check_sequence_parallel(tp, args.seq_length)
-    if plan.precision == "fp16":
+    if run.precision == "fp16":
         raise ValueError(
             "train_tp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
             "gradients, which this script does not implement"
@@ -129,6 +144,10 @@ def main():
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
+    dist.init_process_group(
+        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
     # The grid of ranks: rank = dp_rank * tp + tp_rank. mesh["tp"] is this rank's TP group (tp
     # consecutive ranks), mesh["dp"] the ranks that hold the same shard in the other groups.
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -137,9 +156,9 @@ def main():
     resume_path = from_rank0(lambda: prepare_out_dir(args, "train_tp.py"), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+    attn_mask = training.attention_masks(args, run, tokenizer)  # mask(x): None unless asked
 
     # Each dp group reads every dp-th sample of one shared shuffle. Over the groups, step s covers
     # exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that train_dp.py
@@ -155,14 +174,19 @@ def main():
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
     # Every dp-th validation sample, nothing dropped or repeated, and the same number of
     # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
-    val_loader = training.ValidationShard(val_set, dp_rank, dp, plan.micro_batch_size)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, run.micro_batch_size)
 
     # ---- model, sharding, optimizer, resume -----------------------------------------------------
-    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
     model.to(device)
     # torchtitan's order: TP first (it changes the layers' computation), then activation
     # checkpointing and compilation of each (now tensor-parallel) layer, then FSDP around them.
     if tp > 1:
+        # Megatron's plan in every decoder layer (layer_plan: wq, wk, wv, w1 and w3 split by
+        # columns, wo and w2 by rows, each half ending in one all-reduce), then what surrounds
+        # the layers: the embedding, the norms and lm_head (apply_tensor_parallel).
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], layer_plan(args.sequence_parallel))
         apply_tensor_parallel(
             model, mesh["tp"], loss_parallel=True, sequence_parallel=args.sequence_parallel
         )
@@ -174,7 +198,7 @@ def main():
         # bf16: weights are all-gathered in bf16 (half the traffic and memory of fp32) and
         # gradients reduce-scattered in fp32 into fp32 shards, which stay the master weights
         # AdamW updates. fp32: no casts at all, so the result equals train_dp.py's.
-        bf16 = plan.precision == "bf16"
+        bf16 = run.precision == "bf16"
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
@@ -193,23 +217,29 @@ def main():
     scheduler = training.build_scheduler(optimizer, args)
     start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same directory: the one rank 0 chose
-        start_step, data_position = load_sharded_checkpoint(
+        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of
+        # ranks that wrote them; safe_load_options: no pickle in the directory can run code.
+        with load_sharded_checkpoint(
             resume_path, model, optimizer, scheduler, config, args, tokenizer
-        )
+        ) as (state, train_state):
+            dcp.load(state, **safe_load_options(resume_path))  # in place, into `state`'s shards
+        start_step, data_position = train_state["step"], train_state.get("data")
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     if is_main:
-        print(cli.describe_run(args, plan, config, device))
-        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
+        print(cli.describe_run(args, run, config, device))
+        checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         print(
             f"parallelism: {world_size} ranks = dp {dp} x tp {tp} (tensor parallel "
             f"{tp > 1}, sequence parallel {args.sequence_parallel}, FSDP {dp > 1}), activation "
             f"checkpointing {args.activation_checkpointing}"
         )
-        if args.plan:
+        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
+            import memory_plan
+
             print(
-                memory_plan.plan_for_run(
-                    args, plan, config, world_size, tp=tp, sequence_parallel=args.sequence_parallel
+                memory_plan.estimate_for_run(
+                    args, run, config, world_size, tp=tp, sequence_parallel=args.sequence_parallel
                 )
             )
 
@@ -217,8 +247,8 @@ def main():
     batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        plan.micro_batch_size,
-        plan.accumulation,
+        run.micro_batch_size,
+        run.accumulation,
         steps_per_epoch,
         start_step,
         args.num_workers,
@@ -255,11 +285,11 @@ def main():
         for i, (x, y) in enumerate(micro_batches):
             if dp > 1:
                 # Gradient accumulation: reduce-scatter only after the last micro-step.
-                model.set_requires_gradient_sync(i == plan.accumulation - 1)
+                model.set_requires_gradient_sync(i == run.accumulation - 1)
             with vocab_parallel():
                 # autocast as in train_fsdp.py: with bf16 weights from the policy it changes no
                 # matmul, but still runs cross-entropy and softmax in fp32.
-                with training.autocast(device, plan.precision):
+                with training.autocast(device, run.precision):
                     loss_sum, _ = model(x, y, attn_mask(x))
                 # FSDP averages gradients over the dp groups: the factor dp undoes that, leaving
                 # sum of all losses / all tokens. (TP needs no factor: each rank's gradient is
@@ -288,7 +318,7 @@ def main():
         done = step + 1
         last = done == args.max_steps
         # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
-        stop = stop_request.agreed() and not last
+        stop = stop_request.all_reduce() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
@@ -310,7 +340,7 @@ def main():
             # are added up over the dp groups.
             with vocab_parallel():
                 val_sum, val_tokens = training.evaluate(
-                    model, val_loader, device, plan.precision, attn_mask
+                    model, val_loader, device, run.precision, attn_mask
                 )
             dist.all_reduce(val_sum, group=dp_group)
             dist.all_reduce(val_tokens, group=dp_group)
@@ -320,9 +350,10 @@ def main():
         if do_save:
             # Every rank: each writes its own shards (a collective, never inside is_main).
             data_position = training.data_positions(batches)  # --streaming; a collective
-            save_sharded_checkpoint(
+            with save_sharded_checkpoint(
                 args, done, model, optimizer, scheduler, config, tokenizer, is_main, data_position
-            )
+            ) as (state, path):
+                dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
             raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
@@ -344,4 +375,6 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    # A known failure ends in one line; the process ends with os._exit once main() is over
+    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
+    stopping.run(main, os_exit=True)

@@ -17,6 +17,11 @@ What this changes in train_ddp.py (`diff train_ddp.py train_zero1.py` shows exac
      does: checkpoints resume in train_dp.py, train_ddp.py and here, at any world size.
 Per-GPU memory for AdamW in fp32: 16 bytes per parameter under DDP, 8 + 8/N here (weights and
 gradients stay replicated; train_fsdp.py shards those too). `python memory_plan.py` compares.
+
+Files: to run it, copy it with the library every lesson shares: checkpoints.py, cli.py, data.py,
+distributed.py, metrics.py, model.py, model_flags.py, stopping.py, training.py. A module that only
+an optional feature needs (--streaming, --plan, another --data, ...) is imported where that feature
+is used. Its neighbour is train_ddp.py: `diff train_ddp.py train_zero1.py`.
 """
 
 import math
@@ -31,13 +36,9 @@ from tqdm import tqdm
 
 import checkpoints
 import cli
-import compat
-import memory_plan
-import out_dir
+import distributed
 import stopping
 import training
-from auto_batch import auto_micro_batch_size
-from distributed import from_rank0, setup_distributed
 from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX
 
@@ -45,18 +46,22 @@ from model import IGNORE_INDEX
 def main():
     parser = cli.build_parser("Pretrain a Llama with torchrun + DDP + ZeRO-1.", distributed=True)
     args = parser.parse_args()
-    rank, local_rank, world_size, device = setup_distributed(args.backend)
+    rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    plan = cli.plan_run(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    resume_path = from_rank0(lambda: out_dir.prepare_out_dir(args), is_main)
+    dist.init_process_group(
+        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+    resume_path = distributed.from_rank0(lambda: checkpoints.prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, plan.tokenizer)
+    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
     steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    attn_mask = training.attention_masks(args, plan, tokenizer)  # mask(x): None unless asked
+    attn_mask = training.attention_masks(args, run, tokenizer)  # mask(x): None unless asked
 
     # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
     # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
@@ -72,7 +77,7 @@ def main():
     val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
     model.to(device)
     optimizer = training.build_optimizer(model, args, device.type)
     # ZeRO-1: the same AdamW, but each rank keeps the moments of only ~1/N of the parameters and
@@ -83,7 +88,7 @@ def main():
         optimizer.param_groups, optimizer_class=torch.optim.AdamW, lr=args.lr
     )
     scheduler = training.build_scheduler(optimizer, args)
-    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
     start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
     if resume_path:  # every rank loads the same file: the one rank 0 chose
         ckpt = checkpoints.load_checkpoint(resume_path)
@@ -99,28 +104,32 @@ def main():
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
     # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
     # are constants, so re-broadcasting them before every forward would be wasted traffic
-    # (compat.py: torch before 2.13 calls it broadcast_buffers=False).
+    # (distributed.py: torch before 2.13 calls it broadcast_buffers=False).
     device_ids = [local_rank] if device.type == "cuda" else None
-    ddp_model = DDP(model, device_ids=device_ids, **compat.NO_FORWARD_BUFFER_SYNC)
+    ddp_model = DDP(model, device_ids=device_ids, **distributed.NO_FORWARD_BUFFER_SYNC)
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        plan = auto_micro_batch_size(
-            args, plan, ddp_model, attn_mask, optimizer, config.vocab_size, device
+        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+
+        run = auto_micro_batch_size(
+            args, run, ddp_model, attn_mask, optimizer, config.vocab_size, device
         )
     # Every world_size-th validation sample, nothing dropped or repeated, and the same number of
     # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
-    val_loader = training.ValidationShard(val_set, rank, world_size, plan.micro_batch_size)
+    val_loader = training.ValidationShard(val_set, rank, world_size, run.micro_batch_size)
     if is_main:
-        print(cli.describe_run(args, plan, config, device))
-        cli.record_run(args, plan, start_step)  # OUT_DIR/args.jsonl: the settings
-        if args.plan:
-            print(memory_plan.plan_for_run(args, plan, config, world_size))
+        print(cli.describe_run(args, run, config, device))
+        checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
+        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
+            import memory_plan
+
+            print(memory_plan.estimate_for_run(args, run, config, world_size))
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
         train_ds,
         order_for_epoch,
-        plan.micro_batch_size,
-        plan.accumulation,
+        run.micro_batch_size,
+        run.accumulation,
         steps_per_epoch,
         start_step,
         args.num_workers,
@@ -157,9 +166,9 @@ def main():
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: all-reduce only after the last micro-step. no_sync() must
             # wrap the forward as well as the backward: DDP prepares its reduction in forward.
-            sync = i == plan.accumulation - 1
+            sync = i == run.accumulation - 1
             with nullcontext() if sync else ddp_model.no_sync():
-                with training.autocast(device, plan.precision):
+                with training.autocast(device, run.precision):
                     loss_sum, _ = ddp_model(x, y, attn_mask(x))
                 # DDP averages gradients over ranks (sums, then divides by world_size); the
                 # factor world_size undoes that division, leaving sum of all losses / all tokens.
@@ -183,7 +192,7 @@ def main():
         done = step + 1
         last = done == args.max_steps
         # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
-        stop = stop_request.agreed() and not last
+        stop = stop_request.all_reduce() and not last
         do_log, do_eval, do_save = (
             done % interval == 0 or last
             for interval in (args.log_interval, args.eval_interval, args.save_interval)
@@ -205,7 +214,7 @@ def main():
             # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
             # then the sums are added up: the result is the loss over the whole validation set.
             val_sum, val_tokens = training.evaluate(
-                model, val_loader, device, plan.precision, attn_mask
+                model, val_loader, device, run.precision, attn_mask
             )
             dist.all_reduce(val_sum)
             dist.all_reduce(val_tokens)
@@ -218,17 +227,12 @@ def main():
             # checkpoint then holds the full, unsharded state: any world size loads it.
             optimizer.consolidate_state_dict(to=0)
             data_position = training.data_positions(batches)  # --streaming; a collective
-            state = None
-            if is_main:  # no collective in here: the other ranks are not in this branch
-                state = checkpoints.checkpoint_state(
-                    model, optimizer, scheduler, scaler, done, config, args, tokenizer,
-                    data_position,
-                )  # fmt: skip
-            # Rank 0 writes it, and every rank learns whether it could: if not (a full disk),
-            # all stop with its message, instead of the others failing in the next collective.
-            from_rank0(
-                checkpoints.save_checkpoint, is_main, args.out_dir, done, state,
-                args.keep_checkpoints,
+            # Rank 0 builds and writes it (no collective in there: the other ranks do not run it),
+            # and every rank learns whether it could: if not (a full disk), all stop with its
+            # message, instead of the others failing in the next collective.
+            distributed.from_rank0(
+                checkpoints.save_checkpoint, is_main,
+                args, done, model, optimizer, scheduler, scaler, config, tokenizer, data_position,
             )  # fmt: skip
             throughput.restart()
         if stop:
@@ -249,4 +253,6 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    # A known failure ends in one line; the process ends with os._exit once main() is over
+    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
+    stopping.run(main, os_exit=True)

@@ -4,7 +4,9 @@ Each train_*.py keeps its own visible loop (setup -> data -> model -> wrap -> lo
 and calls these for what does not change between strategies: the datasets and the batches of
 each step, the model, AdamW and its schedule, mixed precision, attention masks, evaluation, and
 the outputs at the end. That is what keeps the diff between neighbouring lessons to the
-concept each one adds.
+concept each one adds. What only an optional feature needs is imported where it is used:
+streaming.py (--streaming), masks.py (--document-mask), generation.py (the sample at the end,
+--init-from's model).
 """
 
 import atexit
@@ -12,23 +14,18 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
 
-import cli
-import corpus
 import data
 import model_flags
-import streaming
-from checkpoints import TEMP_RE, load_model, save_failed, save_final
+from checkpoints import TEMP_RE, save_failed, save_final
 from distributed import main_process_first
-from generate import generate_text
-from masks import create_causal_mask, create_document_block_mask, create_document_mask, document_ids
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
 from stopping import ignore_stop_signals
 
@@ -38,10 +35,10 @@ from stopping import ignore_stop_signals
 
 def build_datasets(
     args, tokenizer_path: str | None
-) -> tuple[data.PretrainingDataset | streaming.Stream, data.PretrainingDataset, object]:
+) -> tuple[data.PretrainingDataset, data.PretrainingDataset, object]:
     """Corpus -> tokenizer -> tokenized, cached datasets: (train, val, tokenizer).
 
-    tokenizer_path: the plan's tokenizer.json (--tokenizer, or --init-from's); None: one is
+    tokenizer_path: the settings' tokenizer.json (--tokenizer, or --init-from's); None: one is
     trained on the training split and cached.
 
     Under torchrun, `main_process_first` lets one process per node do the work while the others
@@ -51,19 +48,21 @@ def build_datasets(
     step_batches reads as it goes, each data-parallel rank its own shard (see streaming.py).
     """
     if args.streaming:
+        import streaming  # only for --streaming
+
         stream = streaming.open_stream(args, tokenizer_path)
         return stream, stream.val_set, stream.tokenizer
     with main_process_first():
-        docs = corpus.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
-        train_docs, val_docs = corpus.split_corpus(docs, args.val_fraction, seed=0)
+        docs = data.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
+        train_docs, val_docs = data.split_corpus(docs, args.val_fraction, seed=0)
         tokenizer = data.get_tokenizer(
             train_docs,
-            cli.vocab_size(args),
+            model_flags.vocab_size(args),
             args.cache_dir,
             tokenizer_path,
-            cli.special_tokens(args),
+            model_flags.special_tokens(args),
         )
-        tokenizer.corpus_sha256 = corpus.fingerprint(docs, args.cache_dir)  # for checkpoints
+        tokenizer.corpus_sha256 = data.fingerprint(docs, args.cache_dir)  # for checkpoints
         pad_id = tokenizer.pad_id
         # --num-proc tokenizes in parallel; packing stays in one process, so that the windows
         # never depend on it (see data.PretrainingDataset).
@@ -105,10 +104,17 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
     )
 
 
+def is_stream(dataset) -> bool:
+    """Whether `dataset` is a streaming.Stream (--streaming). One exists only once streaming.py
+    was imported (build_datasets imports it for --streaming alone), so no import here."""
+    streaming = sys.modules.get("streaming")
+    return streaming is not None and isinstance(dataset, streaming.Stream)
+
+
 def steps_per_epoch(train_ds, args) -> int | None:
     """Optimizer steps in one pass over the training split; ValueError if not even one. None
     for a stream (--streaming), whose length is not known before it is read."""
-    if isinstance(train_ds, streaming.Stream):
+    if is_stream(train_ds):
         return None
     steps = len(train_ds) // args.batch_size
     if steps == 0:
@@ -144,8 +150,10 @@ def step_batches(
     checkpoint's data_positions() (None: the stream's start). order_for_epoch, steps_per_epoch
     and start_step are not used: a stream's position is not a function of the step.
     """
-    if isinstance(dataset, streaming.Stream):
-        state = _own_position(data_position, *shard) if start_step > 0 else None
+    if is_stream(dataset):
+        import streaming
+
+        state = streaming.own_position(data_position, *shard) if start_step > 0 else None
         return streaming.StreamingBatches(
             dataset, micro_batch_size, accumulation, *shard, state=state, read_ahead=num_workers
         )
@@ -216,36 +224,12 @@ def _end_open_loaders() -> None:
 
 def data_positions(batches) -> list[dict] | None:
     """What a checkpoint saves of the position in the data, from step_batches' iterator: None
-    for a cached dataset (the step is its position), and for a stream (--streaming) every
-    data-parallel rank's StreamingBatches.state_dict(), in data-parallel rank order, on global
-    rank 0 (None elsewhere). A collective under torchrun: every rank calls it."""
-    if not isinstance(batches, streaming.StreamingBatches):
+    for a cached dataset (the step is its position); for a stream (--streaming) see
+    streaming.data_positions, a collective under torchrun: every rank calls this."""
+    streaming = sys.modules.get("streaming")  # imported for --streaming alone (is_stream)
+    if streaming is None or not isinstance(batches, streaming.StreamingBatches):
         return None
-    state = batches.state_dict()
-    if not dist.is_initialized():
-        return [state]
-    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(state, states, dst=0)  # to rank 0 alone: the rank that saves it
-    if states is None:
-        return None
-    # Ranks that share a data shard (the tp, cp or pp ranks of one data-parallel rank) read the
-    # same documents: one state per data-parallel rank.
-    by_rank = {state["rank"]: state for state in states}
-    return [by_rank[rank] for rank in sorted(by_rank)]
-
-
-def _own_position(positions: list[dict] | None, rank: int, ranks: int) -> dict:
-    """This data-parallel rank's entry of a checkpoint's data_positions(); ValueError if none."""
-    if positions is None:
-        raise ValueError(
-            "the checkpoint holds no position in the stream (it was not made with --streaming)"
-        )
-    if len(positions) != ranks:
-        raise ValueError(
-            f"the checkpoint's stream was read by {len(positions)} data-parallel ranks, this run "
-            f"has {ranks}: resume --streaming with as many data-parallel ranks"
-        )
-    return positions[rank]
+    return streaming.data_positions(batches)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -255,11 +239,13 @@ def _own_position(positions: list[dict] | None, rank: int, ranks: int) -> dict:
 def build_model(
     args, preset: str | None, vocab_size: int
 ) -> tuple[LlamaForPretraining, LlamaConfig]:
-    """The model to train: the plan's preset (its shape changed by the shape flags) with fresh
+    """The model to train: the settings' preset (its shape changed by the shape flags) with fresh
     weights from --seed, or --init-from's (in fp32, on the CPU)."""
     if args.init_from is not None:
-        # checkpoints.load_model, generate.py's loader: a model.pt that generates also trains
+        # generation.load_model, generate.py's loader: a model.pt that generates also trains
         # (and fails the same way, with the same messages, if its files do not belong together).
+        from generation import load_model
+
         model, _ = load_model(args.init_from, "cpu", torch.float32)
         return model.train(), model.config
     config = model_flags.preset_config(args, preset, vocab_size)
@@ -332,6 +318,50 @@ def build_scheduler(optimizer, args) -> torch.optim.lr_scheduler.LRScheduler:
     )
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return "bf16" if cuda_bf16 else "fp32"
+    return precision
+
+
+def resolve_attention(
+    args, device: torch.device, replicas: int = 1, context_parallel: bool = False
+) -> str:
+    """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
+
+    replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py). It splits
+    every tensor argument along the batch, but a BlockMask is no tensor: each GPU would get the
+    whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with SDPA
+    and build their own rows of the mask (context_parallel.py).
+    """
+    if args.attention == "auto":
+        flex = args.document_mask and device.type == "cuda" and replicas == 1
+        return "flex" if flex and not context_parallel else "sdpa"
+    if args.attention == "flex":
+        if not args.document_mask:
+            raise ValueError(
+                "--attention flex runs the --document-mask; without that mask attention is plain "
+                "causal and SDPA's flash kernel is already the fast path (drop --attention)"
+            )
+        if context_parallel:
+            raise ValueError(
+                "--attention flex is not supported under context parallelism: each rank runs "
+                "SDPA with its own rows of the document mask; use --attention sdpa (or auto)"
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"--attention flex needs a CUDA GPU: in torch {torch.__version__}, FlexAttention "
+                f"has no backward pass on CPU; use --attention sdpa (or auto)"
+            )
+        if replicas > 1:
+            raise ValueError(
+                f"--attention flex cannot run under DataParallel over {replicas} GPUs (it splits "
+                f"tensors over the GPUs, not a BlockMask); use train_ddp.py or --attention sdpa"
+            )
+    return args.attention
+
+
 def autocast(device: torch.device, precision: str):
     """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
     if precision == "fp32":
@@ -340,24 +370,26 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def attention_masks(args, plan, tokenizer) -> Callable[[torch.Tensor], torch.Tensor | None]:
+def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], torch.Tensor | None]:
     """The attention mask of a batch of tokens x (B, T), as a function: mask(x) is None (plain
     causal attention, the fast path) unless --document-mask asks for one; then a FlexAttention
-    BlockMask if plan.attention is "flex", else a dense (B, 1, T, T) additive mask.
+    BlockMask if settings.attention is "flex", else a dense (B, 1, T, T) additive mask.
 
     Pad mode needs no padding mask: padding is on the right, so under causal attention a real
     token never sees a pad, and what pad positions compute is ignored by the loss
     (tests/test_model.py proves real-token logits unchanged by right padding).
     """
+    if not args.document_mask:
+        return lambda x: None
+    import masks  # only for --document-mask
+
     bot_id = tokenizer.bot_id
 
     def mask(x: torch.Tensor) -> torch.Tensor | None:
-        if not args.document_mask:
-            return None
-        doc_ids = document_ids(x, bot_id)  # (B, T)
-        if plan.attention == "flex":  # block-sparse: the model runs flex_attention
-            return create_document_block_mask(doc_ids)
-        return create_causal_mask(x.size(1), x.device) + create_document_mask(doc_ids)
+        doc_ids = masks.document_ids(x, bot_id)  # (B, T)
+        if settings.attention == "flex":  # block-sparse: the model runs flex_attention
+            return masks.create_document_block_mask(doc_ids)
+        return masks.create_causal_mask(x.size(1), x.device) + masks.create_document_mask(doc_ids)
 
     return mask
 
@@ -431,6 +463,8 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     This is generate.py's own function with its default sampling settings, so on CPU
     `python generate.py --seed 0 --prompt ... --max-new-tokens ...` prints the same text.
     """
+    from generation import generate_text  # only for the sample
+
     return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)
 
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import build_parser, plan_run
+from cli import build_parser, run_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
 DP, DDP, ZERO1 = "train_dp.py", "train_ddp.py", "train_zero1.py"
 # Every lesson, in the order the README reads them.
-LESSONS = [DP, DDP, ZERO1, "train_fsdp.py", "train_tp.py", "train_pp.py", "train_cp.py"]
+LESSONS = [DP, DDP, ZERO1, "train_fsdp.py", "train_tp.py", "train_pp.py", "train_cp.py",
+           "train_ep.py"]  # fmt: skip
 
 # The weights of two runs that split the same global batch differently (see the module docstring).
 ATOL, RTOL = 2e-5, 1e-4
@@ -258,7 +259,7 @@ def build_args(data_dir: Path, cache_dir: Path, devices: int = 1, **overrides):
     """The scripts' own (args, plan) for these settings, checked as they check them (on CPU)."""
     parser = build_parser("test")
     args = parser.parse_args(cmd(data_dir, cache_dir, "unused", **overrides))
-    return args, plan_run(parser, args, devices, torch.device("cpu"))
+    return args, run_settings(parser, args, devices, torch.device("cpu"))
 
 
 def copy_checkpoint(src_dir: Path, step: int, dst_dir: Path) -> Path:

@@ -177,7 +177,7 @@ def test_init_from_the_out_dir_itself_is_refused_however_it_is_spelled(out_dir, 
     def plan(out: str):
         parser = cli.build_parser("test")
         argv = cmd(corpus, cache_dir, out, model=None, vocab_size=None, init_from=out_dir)
-        return cli.plan_run(parser, parser.parse_args(argv), 1, torch.device("cpu"))
+        return cli.run_settings(parser, parser.parse_args(argv), 1, torch.device("cpu"))
 
     for spelled in (out_dir, f"{out_dir}/", f"{out_dir}/../{out_dir.name}"):
         with pytest.raises(ValueError, match=f"--init-from {out_dir} is also the --out-dir"):
@@ -221,7 +221,7 @@ def test_non_positive_sizes_steps_and_rates_are_refused(
 def test_a_model_shape_that_cannot_be_built_is_refused_naming_the_flags(
     corpus, cache_dir, shape, message
 ):
-    # In-process: plan_run, before any data is read (what a launch shows is above).
+    # In-process: run_settings, before any data is read (what a launch shows is above).
     with pytest.raises(ValueError, match=re.escape(message)):
         build_args(corpus, cache_dir, **shape)
 
@@ -315,8 +315,9 @@ def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, c
 
 @pytest.mark.parametrize(
     "module",
-    ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "bench", "data",
-     "generate", "export_hf", "memory_plan", "plot_metrics", "profile_step", "gpu_proof"],
+    ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "bench",
+     "bench_loader", "generate", "export_hf", "memory_plan", "plot_metrics", "profile_step",
+     "gpu_proof"],
 )  # fmt: skip
 def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, module):
     class Parsed(Exception):
@@ -335,7 +336,7 @@ def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, mod
 @pytest.mark.parametrize(
     "module",
     ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "train_cp",
-     "generate", "memory_plan", "bench", "profile_step", "parity", "gpu_proof"],
+     "train_ep", "generate", "memory_plan", "bench", "profile_step", "parity", "gpu_proof"],
 )  # fmt: skip
 def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, module):
     # The lessons' own flags too (--tp, --pp, --cp, --replicate, ...): stop main() at its parser.
@@ -530,7 +531,7 @@ def test_a_checkpoint_of_the_old_vocab_size_default_resumes_with_the_new_one(
     ckpt = load_checkpoint(trained(DP), 8)
     ckpt["args"]["vocab_size"] = 4096
     args, _ = build_args(corpus, cache_dir, vocab_size=None)
-    assert cli.vocab_size(args) == ckpt["args"]["vocab_size"]
+    assert model_flags.vocab_size(args) == ckpt["args"]["vocab_size"]
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     checkpoints.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
 

@@ -37,6 +37,7 @@ from test_fsdp import (
 )
 
 import cli
+import training
 from context_parallel import (
     attend_to_sequence,
     chunk_masks,
@@ -251,7 +252,7 @@ def test_flex_attention_is_refused_and_auto_chooses_sdpa_under_context_paralleli
         cmd(corpus, cache_dir, "unused") + ["--document-mask", "--attention", "flex"]
     )
     with pytest.raises(ValueError, match="not supported under context parallelism"):
-        cli.resolve_attention(flex, torch.device("cuda"), context_parallel=True)
+        training.resolve_attention(flex, torch.device("cuda"), context_parallel=True)
     auto = parser.parse_args(cmd(corpus, cache_dir, "unused") + ["--document-mask"])
-    assert cli.resolve_attention(auto, torch.device("cuda")) == "flex"  # precondition
-    assert cli.resolve_attention(auto, torch.device("cuda"), context_parallel=True) == "sdpa"
+    assert training.resolve_attention(auto, torch.device("cuda")) == "flex"  # precondition
+    assert training.resolve_attention(auto, torch.device("cuda"), context_parallel=True) == "sdpa"

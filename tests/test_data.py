@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+import bench_loader
 import corpus
 import data
 import distributed
+import streaming
 from data import BOT, EOT, IGNORE_INDEX, PAD
 
 VOCAB = 300  # small: trains in well under a second
@@ -129,7 +131,7 @@ def test_get_tokenizer_rejects_tokenizer_without_special_tokens(tmp_path):
 def test_load_corpus_txt_gives_one_document_per_file_in_sorted_order(tmp_path):
     write(tmp_path / "b.txt", "second file\n\nwith a blank line\n")
     write(tmp_path / "a.txt", "first file\nline two\n")
-    ds = corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
     assert ds.column_names == ["text"]
     assert ds["text"] == ["first file\nline two\n", "second file\n\nwith a blank line\n"]
 
@@ -137,7 +139,7 @@ def test_load_corpus_txt_gives_one_document_per_file_in_sorted_order(tmp_path):
 def test_load_corpus_jsonl_uses_custom_text_column_and_drops_others(tmp_path):
     rows = [{"id": 1, "body": "alpha"}, {"id": 2, "body": "beta"}]
     path = write_jsonl(tmp_path / "docs.jsonl", rows)
-    ds = corpus.load_corpus(str(path), text_column="body", cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus(str(path), text_column="body", cache_dir=str(tmp_path / ".cache"))
     assert ds.column_names == ["text"]
     assert ds["text"] == ["alpha", "beta"]
 
@@ -145,7 +147,7 @@ def test_load_corpus_jsonl_uses_custom_text_column_and_drops_others(tmp_path):
 def test_load_corpus_parquet(tmp_path):
     path = tmp_path / "docs.parquet"
     datasets.Dataset.from_dict({"text": ["one", "two"], "n": [1, 2]}).to_parquet(str(path))
-    ds = corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
     assert ds.column_names == ["text"]
     assert ds["text"] == ["one", "two"]
 
@@ -157,7 +159,7 @@ def test_load_corpus_directory_recurses_sorts_and_skips_hidden_paths(tmp_path):
     write(folder / "m.txt", "m")
     write(folder / "notes.md", "not a supported file")
     write(folder / ".hidden" / "x.txt", "hidden")
-    ds = corpus.load_corpus(str(folder), cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus(str(folder), cache_dir=str(tmp_path / ".cache"))
     assert ds["text"] == ["m", "sub/a", "z"]
 
 
@@ -165,31 +167,31 @@ def test_load_corpus_glob_matches_only_its_files(tmp_path):
     write_jsonl(tmp_path / "train_1.jsonl", [{"text": "a"}])
     write_jsonl(tmp_path / "train_2.jsonl", [{"text": "b"}, {"text": "c"}])
     write_jsonl(tmp_path / "test_1.jsonl", [{"text": "held out"}])
-    ds = corpus.load_corpus(str(tmp_path / "train_*.jsonl"), cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus(str(tmp_path / "train_*.jsonl"), cache_dir=str(tmp_path / ".cache"))
     assert ds["text"] == ["a", "b", "c"]
 
 
 def test_load_corpus_missing_text_column_lists_existing_columns(tmp_path):
     path = write_jsonl(tmp_path / "docs.jsonl", [{"content": "x", "meta": "y"}])
     with pytest.raises(ValueError, match=r"no column 'text'.*\['content', 'meta'\]"):
-        corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_no_matching_files_is_an_error(tmp_path):
     write(tmp_path / "readme.md", "unsupported")
     with pytest.raises(ValueError, match="no .txt/.jsonl/.json/.parquet files found"):
-        corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
     with pytest.raises(ValueError, match="no .txt/.jsonl/.json/.parquet files found"):
-        corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_missing_path_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch):
     def no_hub(*args, **kwargs):
         raise AssertionError("must not reach datasets.load_dataset")
 
-    monkeypatch.setattr(corpus.datasets, "load_dataset", no_hub)
+    monkeypatch.setattr(data.datasets, "load_dataset", no_hub)
     with pytest.raises(ValueError, match="no .txt"):
-        corpus.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_hub_name_with_config_loads_that_config(tmp_path, monkeypatch):
@@ -199,11 +201,11 @@ def test_load_corpus_hub_name_with_config_loads_that_config(tmp_path, monkeypatc
         calls.append((path, name, kwargs["split"]))
         return datasets.Dataset.from_dict({"text": ["one", " ", "two"], "label": [0, 1, 2]})
 
-    monkeypatch.setattr(corpus.datasets, "load_dataset", hub)
-    ds = corpus.load_corpus("org/wikitext:wikitext-2-raw-v1", cache_dir=str(tmp_path / ".cache"))
+    monkeypatch.setattr(data.datasets, "load_dataset", hub)
+    ds = data.load_corpus("org/wikitext:wikitext-2-raw-v1", cache_dir=str(tmp_path / ".cache"))
     assert calls == [("org/wikitext", "wikitext-2-raw-v1", "train")]
     assert ds.column_names == ["text"] and ds["text"] == ["one", "two"]
-    corpus.load_corpus("org/name", cache_dir=str(tmp_path / ".cache"))
+    data.load_corpus("org/name", cache_dir=str(tmp_path / ".cache"))
     assert calls[-1] == ("org/name", None, "train")  # no config: datasets' default
 
 
@@ -214,9 +216,9 @@ def test_load_corpus_hub_dataset_without_its_config_says_how_to_name_one(tmp_pat
             "['wikitext-103-raw-v1', 'wikitext-2-raw-v1']\nExample of usage:\n\t`load_dataset(...)`"
         )
 
-    monkeypatch.setattr(corpus.datasets, "load_dataset", hub)
+    monkeypatch.setattr(data.datasets, "load_dataset", hub)
     with pytest.raises(ValueError) as error:
-        corpus.load_corpus("wikitext", cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus("wikitext", cache_dir=str(tmp_path / ".cache"))
     message = str(error.value)
     assert "\n" not in message
     assert "--data wikitext:CONFIG" in message and "'wikitext-2-raw-v1'" in message
@@ -226,13 +228,13 @@ def test_load_corpus_mixed_file_types_is_an_error(tmp_path):
     write(tmp_path / "a.txt", "a")
     write_jsonl(tmp_path / "b.jsonl", [{"text": "b"}])
     with pytest.raises(ValueError, match=r"mixes file types \['.jsonl', '.txt'\]"):
-        corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_drops_empty_documents(tmp_path):
     rows = [{"text": "keep"}, {"text": ""}, {"text": " \n\t"}, {"text": None}, {"text": "too"}]
     path = write_jsonl(tmp_path / "docs.jsonl", rows)
-    assert corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))["text"] == [
+    assert data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))["text"] == [
         "keep",
         "too",
     ]
@@ -242,11 +244,11 @@ def test_load_corpus_with_only_empty_documents_is_an_error(tmp_path):
     write(tmp_path / "a.txt", "")
     write(tmp_path / "b.txt", "  \n\n")
     with pytest.raises(ValueError, match="no non-empty documents"):
-        corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+        data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
 
 
 def test_load_corpus_stdlib_has_every_module_including_os(tmp_path):
-    ds = corpus.load_corpus("stdlib", cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus("stdlib", cache_dir=str(tmp_path / ".cache"))
     assert len(ds) > 1000
     assert Path(os.__file__).read_text() in set(ds["text"])
 
@@ -261,14 +263,14 @@ PARAGRAPHS = (
 
 def test_one_txt_file_is_split_by_paragraph_by_default(tmp_path):
     path = write(tmp_path / "input.txt", PARAGRAPHS + "\n\n")  # nanoGPT's single input.txt
-    ds = corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
+    ds = data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"))
     assert ds["text"] == [
         "First Citizen:\nBefore we proceed.",
         "All:\nSpeak, speak.",
         "First Citizen:\nYou are.",  # the trailing blank lines are an empty paragraph, dropped
     ]
     assert corpus.txt_split_mode(str(path)) == "paragraph"
-    explicit = corpus.load_corpus(
+    explicit = data.load_corpus(
         str(path), cache_dir=str(tmp_path / ".cache"), txt_split="paragraph"
     )
     assert explicit["text"] == ds["text"]
@@ -276,7 +278,7 @@ def test_one_txt_file_is_split_by_paragraph_by_default(tmp_path):
 
 def test_txt_split_line_gives_one_document_per_non_empty_line(tmp_path):
     path = write(tmp_path / "input.txt", PARAGRAPHS)
-    ds = corpus.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"), txt_split="line")
+    ds = data.load_corpus(str(path), cache_dir=str(tmp_path / ".cache"), txt_split="line")
     assert ds["text"] == [
         "First Citizen:",
         "Before we proceed.",
@@ -291,15 +293,15 @@ def test_txt_split_file_keeps_each_file_whole_and_one_file_is_refused_saying_why
     write(tmp_path / "a.txt", PARAGRAPHS)
     write(tmp_path / "b.txt", "second\n\nfile\n")
     cache = str(tmp_path / ".cache")
-    ds = corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=cache, txt_split="file")
+    ds = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=cache, txt_split="file")
     assert ds["text"] == [PARAGRAPHS, "second\n\nfile\n"]
     with pytest.raises(ValueError, match="is 1 document.*pass --txt-split paragraph or line"):
-        corpus.load_corpus(str(tmp_path / "a.txt"), cache_dir=cache, txt_split="file")
+        data.load_corpus(str(tmp_path / "a.txt"), cache_dir=cache, txt_split="file")
     write(tmp_path / "one.txt", "one paragraph\nof two lines\n\n")
     with pytest.raises(
         ValueError, match=r"\(one paragraph, with --txt-split auto\).*--txt-split line"
     ):
-        corpus.load_corpus(str(tmp_path / "one.txt"), cache_dir=cache)
+        data.load_corpus(str(tmp_path / "one.txt"), cache_dir=cache)
 
 
 def test_a_directory_or_glob_keeps_one_document_per_file_unless_told(tmp_path):
@@ -309,16 +311,16 @@ def test_a_directory_or_glob_keeps_one_document_per_file_unless_told(tmp_path):
     cache = str(tmp_path / ".cache")
     for spec in (str(folder), str(folder / "*.txt"), str(folder / "a*.txt")):
         assert corpus.txt_split_mode(spec) == "file"  # a glob of one file too: its form decides
-    assert corpus.load_corpus(str(folder), cache_dir=cache)["text"] == [
+    assert data.load_corpus(str(folder), cache_dir=cache)["text"] == [
         PARAGRAPHS,
         "second\n\nfile\n",
     ]
-    split = corpus.load_corpus(str(folder), cache_dir=cache, txt_split="paragraph")
+    split = data.load_corpus(str(folder), cache_dir=cache, txt_split="paragraph")
     assert len(split) == 3 + 2
     with pytest.raises(
         ValueError, match=r"is 1 document \(each .txt file is one, with --txt-split auto"
     ):
-        corpus.load_corpus(str(folder / "a*.txt"), cache_dir=cache)
+        data.load_corpus(str(folder / "a*.txt"), cache_dir=cache)
 
 
 def test_switching_txt_split_never_reuses_the_other_splits_tokens(tokenizer, tmp_path):
@@ -326,7 +328,7 @@ def test_switching_txt_split_never_reuses_the_other_splits_tokens(tokenizer, tmp
     cache = str(tmp_path / ".cache")
     tokens = {}
     for mode in ("paragraph", "line", "auto"):
-        docs = corpus.load_corpus(str(path), cache_dir=cache, txt_split=mode)
+        docs = data.load_corpus(str(path), cache_dir=cache, txt_split=mode)
         tokens[mode] = data.tokenize(docs, tokenizer)
         assert tokens[mode]["input_ids"] == [
             [1, *tokenizer.encode(text), 2] for text in docs["text"]
@@ -345,13 +347,13 @@ def test_txt_split_is_refused_for_data_that_is_not_txt(tmp_path, monkeypatch, sp
     def no_load(*args, **kwargs):
         raise AssertionError("must be refused before any data is read")
 
-    monkeypatch.setattr(corpus.datasets, "load_dataset", no_load)
+    monkeypatch.setattr(data.datasets, "load_dataset", no_load)
     if spec.endswith(".jsonl"):
         spec = str(write_jsonl(tmp_path / spec, [{"text": "a"}, {"text": "b"}]))
     with pytest.raises(ValueError, match=f"--txt-split line applies to .txt files only.*{what}"):
-        corpus.load_corpus(spec, cache_dir=str(tmp_path / ".cache"), txt_split="line")
+        data.load_corpus(spec, cache_dir=str(tmp_path / ".cache"), txt_split="line")
     with pytest.raises(ValueError, match="--txt-split must be one of auto, paragraph, line, file"):
-        corpus.load_corpus(spec, cache_dir=str(tmp_path / ".cache"), txt_split="lines")
+        data.load_corpus(spec, cache_dir=str(tmp_path / ".cache"), txt_split="lines")
 
 
 def test_train_dp_trains_on_one_input_txt_and_refuses_txt_split_for_jsonl(tmp_path):
@@ -380,7 +382,7 @@ def test_a_jsonl_file_that_is_not_utf8_is_refused_naming_the_file_and_line(tmp_p
     byte = len(lines[0]) + 1 + lines[1].index("\u00e9")
     expect = f"{path} line 2 (byte {byte}) is not UTF-8 text"
     with pytest.raises(ValueError, match=re.escape(expect) + ".*convert it to UTF-8"):
-        corpus.load_corpus(str(path), cache_dir=str(tmp_path / "cache"))
+        data.load_corpus(str(path), cache_dir=str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("in_the_way", ["cache", "cache/datasets"])
@@ -389,7 +391,7 @@ def test_a_cache_dir_that_cannot_be_written_is_refused_naming_it_not_data(tmp_pa
     write(tmp_path / in_the_way, "a file where a directory should be")
     cache = tmp_path / "cache"
     with pytest.raises(ValueError, match=f"^--cache-dir {cache} cannot be created or written"):
-        corpus.load_corpus(str(docs), cache_dir=str(cache))
+        data.load_corpus(str(docs), cache_dir=str(cache))
     write(tmp_path / "cache2" / "tokenizers", "in the way of the tokenizer cache")
     with pytest.raises(ValueError, match=f"^--cache-dir {tmp_path / 'cache2'} cannot be"):
         data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, str(tmp_path / "cache2"))
@@ -401,7 +403,7 @@ def test_a_read_only_cache_dir_is_refused_naming_it(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o555)
     with pytest.raises(ValueError, match=f"^--cache-dir {cache} cannot be created or written"):
-        corpus.load_corpus(str(docs), cache_dir=str(cache))
+        data.load_corpus(str(docs), cache_dir=str(cache))
 
 
 # -----------------------------------------------------------------------------
@@ -414,7 +416,7 @@ def test_the_corpus_fingerprint_is_of_its_documents_and_is_hashed_once(tmp_path,
     cache = str(tmp_path / "cache")
 
     def fingerprint(spec: str) -> str:
-        return corpus.fingerprint(corpus.load_corpus(spec, cache_dir=cache), cache)
+        return data.fingerprint(data.load_corpus(spec, cache_dir=cache), cache)
 
     digest = fingerprint(str(tmp_path / "a"))
     assert re.fullmatch("[0-9a-f]{64}", digest)
@@ -422,7 +424,7 @@ def test_the_corpus_fingerprint_is_of_its_documents_and_is_hashed_once(tmp_path,
     assert fingerprint(f"{tmp_path}/b//") == fingerprint(f"{tmp_path}/./a/") == digest
     # Once hashed, a start-up reads the digest from the cache instead of every document.
     assert os.listdir(os.path.join(cache, "fingerprints"))
-    monkeypatch.setattr(corpus, "hash_texts", lambda *args: pytest.fail("hashed again"))
+    monkeypatch.setattr(data, "hash_texts", lambda *args: pytest.fail("hashed again"))
     assert fingerprint(str(tmp_path / "a")) == digest
     monkeypatch.undo()
     # Two documents swapped, one edited, one removed: each another fingerprint.
@@ -437,13 +439,13 @@ def test_the_corpus_fingerprint_is_of_its_documents_and_is_hashed_once(tmp_path,
 
 def test_a_streams_fingerprint_is_its_first_documents_and_its_files_sizes(tmp_path):
     files = [write_jsonl(tmp_path / "s" / f"{i}.jsonl", [{"text": f"d{i}"}]) for i in range(2)]
-    source = corpus.resolve_source(str(tmp_path / "s"))
-    digest = corpus.stream_fingerprint(source, ["first", "second"])
-    assert digest == corpus.stream_fingerprint(corpus.resolve_source(f"{tmp_path}//s/"),
+    source = data.resolve_source(str(tmp_path / "s"))
+    digest = streaming.stream_fingerprint(source, ["first", "second"])
+    assert digest == streaming.stream_fingerprint(data.resolve_source(f"{tmp_path}//s/"),
                                                ["first", "second"])  # fmt: skip
-    assert corpus.stream_fingerprint(source, ["second", "first"]) != digest
+    assert streaming.stream_fingerprint(source, ["second", "first"]) != digest
     write_jsonl(files[1], [{"text": "d1"}, {"text": "one more document"}])  # the corpus grew
-    assert corpus.stream_fingerprint(source, ["first", "second"]) != digest
+    assert streaming.stream_fingerprint(source, ["first", "second"]) != digest
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -451,18 +453,19 @@ def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, stre
     from harness import STREAMING, build_args
 
     import training
+    from streaming import stream_fingerprint  # (the parameter `streaming` hides the module)
 
     # The session's corpus and cache (conftest.py); "corpus" is this module's name for corpus.py.
     docs, cache = request.getfixturevalue("corpus"), request.getfixturevalue("cache_dir")
     args, plan = build_args(docs, cache, **(STREAMING if streaming else {}))
     *_, tokenizer = training.build_datasets(args, plan.tokenizer)
     if streaming:  # the stream's own (its validation documents, its files' sizes)
-        loaded = corpus.resolve_source(str(docs))
+        loaded = data.resolve_source(str(docs))
         assert re.fullmatch("[0-9a-f]{64}", tokenizer.corpus_sha256)
-        assert tokenizer.corpus_sha256 != corpus.stream_fingerprint(loaded, [])
+        assert tokenizer.corpus_sha256 != stream_fingerprint(loaded, [])
     else:
-        loaded = corpus.load_corpus(str(docs), cache_dir=str(cache))
-        assert tokenizer.corpus_sha256 == corpus.fingerprint(loaded, str(cache))
+        loaded = data.load_corpus(str(docs), cache_dir=str(cache))
+        assert tokenizer.corpus_sha256 == data.fingerprint(loaded, str(cache))
 
 
 # -----------------------------------------------------------------------------
@@ -471,8 +474,8 @@ def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, stre
 
 def test_split_corpus_is_deterministic_disjoint_and_complete():
     ds = texts_dataset([f"doc {i}" for i in range(200)])
-    train, val = corpus.split_corpus(ds, val_fraction=0.05, seed=3)
-    train_again, val_again = corpus.split_corpus(ds, val_fraction=0.05, seed=3)
+    train, val = data.split_corpus(ds, val_fraction=0.05, seed=3)
+    train_again, val_again = data.split_corpus(ds, val_fraction=0.05, seed=3)
     assert val["text"] == val_again["text"] and train["text"] == train_again["text"]
     assert len(val) == 10
     assert not set(train["text"]) & set(val["text"])
@@ -480,10 +483,10 @@ def test_split_corpus_is_deterministic_disjoint_and_complete():
 
 
 def test_split_corpus_keeps_one_validation_document_and_needs_two():
-    train, val = corpus.split_corpus(texts_dataset(["a", "b"]), val_fraction=0.01)
+    train, val = data.split_corpus(texts_dataset(["a", "b"]), val_fraction=0.01)
     assert (len(train), len(val)) == (1, 1)
     with pytest.raises(ValueError, match="at least 2 documents"):
-        corpus.split_corpus(texts_dataset(["only one"]))
+        data.split_corpus(texts_dataset(["only one"]))
 
 
 # -----------------------------------------------------------------------------
@@ -516,7 +519,7 @@ def test_tokenize_with_worker_processes_gives_the_same_tokens_and_counts_them(to
 def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
     write(tmp_path / "a.txt", "import os\nprint(os.getcwd())\n")
     write(tmp_path / "b.txt", "x = [i * i for i in range(10)]\n")
-    docs = corpus.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
+    docs = data.load_corpus(str(tmp_path / "*.txt"), cache_dir=str(tmp_path / ".cache"))
     first = data.tokenize(docs, tokenizer)
     [cache_file] = {f["filename"] for f in first.cache_files}
     stat = os.stat(cache_file)
@@ -534,7 +537,7 @@ def test_tokenize_second_call_loads_the_cached_result(tokenizer, tmp_path):
 
 def test_tokenize_with_a_different_tokenizer_does_not_reuse_the_cache(tokenizer, tmp_path):
     write(tmp_path / "a.txt", "import os\n\nprint(os.getcwd())\n")  # two paragraphs
-    docs = corpus.load_corpus(str(tmp_path / "a.txt"), cache_dir=str(tmp_path / ".cache"))
+    docs = data.load_corpus(str(tmp_path / "a.txt"), cache_dir=str(tmp_path / ".cache"))
     other = data.get_tokenizer(texts_dataset(["print(os.getcwd())\n" * 20]), VOCAB, str(tmp_path))
     first, second = data.tokenize(docs, tokenizer), data.tokenize(docs, other)
     assert first.cache_files != second.cache_files
@@ -566,7 +569,7 @@ def test_pad_mode_clips_long_documents_and_has_one_example_per_document():
 def test_pack_mode_covers_every_token_exactly_once(tokenizer, tmp_path):
     for i in range(12):
         write(tmp_path / f"doc{i:02}.txt", SAMPLE_TEXTS[i] * (i % 3 + 1))
-    docs = corpus.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
+    docs = data.load_corpus(str(tmp_path), cache_dir=str(tmp_path / ".cache"))
     ids = data.tokenize(docs, tokenizer)
     stream = [t for row in ids["input_ids"] for t in row]  # 12 docs: all in one map batch
     seq_length = 16
@@ -621,8 +624,8 @@ def test_build_datasets_prints_the_corpus_in_tokens_and_the_share_of_an_epoch(
     args, plan = build_args(docs, tmp_path / "cache", num_proc=2, max_steps=30)
     train, val, tokenizer = training.build_datasets(args, plan.tokenizer)
     out = capsys.readouterr().out
-    train_docs, val_docs = corpus.split_corpus(
-        corpus.load_corpus(str(docs), cache_dir=args.cache_dir), 0.125
+    train_docs, val_docs = data.split_corpus(
+        data.load_corpus(str(docs), cache_dir=args.cache_dir), 0.125
     )
     tokens = sum(len(tokenizer.encode(t)) + 2 for t in train_docs["text"])
     steps = len(train) // 8
@@ -640,7 +643,7 @@ def test_build_datasets_prints_the_corpus_in_tokens_and_the_share_of_an_epoch(
 
 def test_benchmark_loader_reports_a_positive_speed():
     ds = data.PretrainingDataset(ids_dataset([list(range(100))]), seq_length=8)
-    assert data.benchmark_loader(ds, batch_size=4, num_batches=5) > 0
+    assert bench_loader.benchmark_loader(ds, batch_size=4, num_batches=5) > 0
 
 
 # -----------------------------------------------------------------------------

@@ -24,8 +24,7 @@ import checkpoints
 import data
 import export_hf
 import stopping
-from checkpoints import load_model
-from generate import generate_text
+from generation import generate_text, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "def add(x, y):\n    return x + y"

@@ -14,8 +14,7 @@ import torch
 import generate
 import stopping
 import training
-from checkpoints import load_model
-from generate import generate_ids, generate_text
+from generation import generate_ids, generate_text, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def add(x"

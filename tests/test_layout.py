@@ -8,6 +8,7 @@ modules, so that copying a lesson never means copying another lesson.
 import ast
 from pathlib import Path
 
+import pytest
 from harness import LESSONS, REPO
 
 
@@ -54,3 +55,63 @@ def test_the_root_modules_import_each_other_without_a_cycle():
 
     for module in sorted(imports):
         visit(module)
+
+
+# The scripts a user runs, which no lesson or library module may need at import time.
+TOOLS = {"generate", "export_hf", "plot_metrics", "memory_plan", "parity", "gpu_proof", "bench",
+         "bench_loader", "bench_nanogpt", "profile_step"}  # fmt: skip
+# Each lesson's neighbour: the lesson whose diff from it is its concept (README's table).
+NEIGHBOURS = {"train_ddp.py": "train_dp.py", "train_zero1.py": "train_ddp.py",
+              "train_fsdp.py": "train_zero1.py", "train_tp.py": "train_fsdp.py",
+              "train_pp.py": "train_tp.py", "train_cp.py": "train_fsdp.py",
+              "train_ep.py": "train_fsdp.py"}  # fmt: skip
+
+
+def module_level_imports() -> dict[str, set[str]]:
+    """{module: the repository-root modules it imports at module level}: what must be there for
+    it to import at all (an import inside a function waits until that function runs)."""
+    modules = {path.stem: path for path in Path(REPO).glob("*.py")}
+    imports = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module.split(".")[0])
+        imports[name] = found & modules.keys() - {name}
+    return imports
+
+
+def files_to_copy(lesson: str) -> set[str]:
+    """What a learner copies to run `lesson` with its default flags: the lesson and every root
+    module it imports at module level, transitively."""
+    imports, todo, seen = module_level_imports(), [Path(lesson).stem], {Path(lesson).stem}
+    while todo:
+        for dep in imports[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return {f"{name}.py" for name in seen}
+
+
+def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
+    offenders = {
+        m: sorted(deps & TOOLS) for m, deps in module_level_imports().items()
+        if m not in TOOLS and deps & TOOLS
+    }  # fmt: skip
+    assert not offenders, f"these import a tool at module level: {offenders}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_each_lesson_says_which_files_come_with_it_and_names_its_neighbour(lesson):
+    docstring = ast.get_docstring(ast.parse((Path(REPO) / lesson).read_text()))
+    missing = sorted(f for f in files_to_copy(lesson) - {lesson} if f not in docstring)
+    assert not missing, f"{lesson}'s docstring does not name the files it imports: {missing}"
+    if lesson in NEIGHBOURS:
+        assert f"diff {NEIGHBOURS[lesson]} {lesson}" in docstring
+
+
+def test_copying_a_lesson_takes_few_files():
+    # The layout's figure: a lesson copies the shared library and its own modules, no more.
+    assert len(files_to_copy("train_ddp.py")) <= 10
+    assert max(len(files_to_copy(lesson)) for lesson in LESSONS) <= 14

@@ -13,6 +13,7 @@ import pytest
 
 import memory_formulas
 import memory_plan
+import pipeline
 import stopping
 from model import LlamaConfig, count_parameters
 
@@ -159,10 +160,10 @@ def test_pipeline_first_stage_holds_the_micro_batches_in_flight(
 
 
 def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
-    assert memory_formulas.bubble_fraction("1f1b", 4, 12, 2) == 3 / 15
-    assert memory_formulas.bubble_fraction("gpipe", 1, 8, 2) == 0
+    assert pipeline.bubble_fraction("1f1b", 4, 12, 2) == 3 / 15
+    assert pipeline.bubble_fraction("gpipe", 1, 8, 2) == 0
     # Interleaving v = 2 chunks per rank halves each slot: v*m slots share the same p - 1.
-    assert memory_formulas.bubble_fraction("interleaved", 4, 12, 2) == 3 / 27
+    assert pipeline.bubble_fraction("interleaved", 4, 12, 2) == 3 / 27
 
 
 def test_communication_per_step_follows_the_ring_formulas():
@@ -370,3 +371,94 @@ def test_the_table_keeps_its_columns_apart_at_any_size(monkeypatch, capsys, argv
         fields = line.split()
         assert len(fields) == 10, line
         assert all(len(f) <= 8 for f in fields[1:]), line
+
+
+# -------------------------------------------------------------------------------------------------
+# A mixture of experts and expert parallelism
+
+# SHAPE with 4 experts per layer, 2 per token. By hand: the experts are 3 layers x 4 x 3 * 64 *
+# 128 = 294,912 weights; the router 3 x 64 * 4 = 768; the rest is SHAPE's 251,328 minus its
+# dense MLPs' 3 x 24,576 = 177,600. 473,280 in all; active per token: 2 experts a layer,
+# 177,600 + 768 + 147,456 = 325,824.
+MOE_SHAPE = LlamaConfig(**{**SHAPE.to_dict(), "num_local_experts": 4, "num_experts_per_tok": 2})
+EXPERTS, REST = 294_912, 178_368
+
+
+def test_a_mixture_of_experts_counts_its_experts_router_and_active_parameters():
+    assert memory_formulas.expert_parameters(MOE_SHAPE) == EXPERTS
+    assert count_parameters(MOE_SHAPE) == EXPERTS + REST == 473_280
+    assert memory_formulas.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
+    p = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
+    assert (p["num_params"], p["active_params"]) == (473_280, 325_824)
+    assert p["expert_params_per_gpu"] == EXPERTS / 4
+    assert memory_formulas.expert_parameters(SHAPE) == 0
+
+
+def test_expert_parallelism_splits_the_experts_then_the_zero_stage_shards_them():
+    # 8 GPUs, ep 4: each holds 1/4 of the experts, and the 2 GPUs holding the same quarter
+    # shard it as the stage says; the rest shards over all 8. fp32: 4 bytes per weight.
+    s = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
+    s = s["strategies"]
+    assert s["ddp"]["params_gb"] == pytest.approx(4 * (REST + EXPERTS / 4) / 1e9)
+    assert s["zero3"]["params_gb"] == pytest.approx(4 * (REST / 8 + EXPERTS / 4 / 2) / 1e9)
+    assert s["zero1"]["optimizer_gb"] == pytest.approx(8 * (REST / 8 + EXPERTS / 4 / 2) / 1e9)
+    # ep 1: every GPU holds every expert, and the stage shards them over all 8, as a dense
+    # model of the same size.
+    one = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S)
+    dense = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32")
+    for name in ("ddp", "zero3"):
+        got, want = one["strategies"][name], dense["strategies"][name]
+        assert got["model_states_gb"] == pytest.approx(want["model_states_gb"])
+
+
+def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_copies():
+    # Per layer, in Korthikanti's 16-bit units (bytes = s*b*h * count): the MLP's 19 once more
+    # for the second expert of each token, and 2k = 4 for each copy of the pairs: sorted and
+    # outputs (ep 1), and received too (ep > 1).
+    sbh = S * B * 64
+    dense = memory_formulas.layer_activation_bytes(SHAPE, B, S, "bf16", "flash")
+    moe = memory_formulas.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash")
+    ep = memory_formulas.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash", ep=2)
+    assert moe - dense == sbh * (19 + 2 * 4)
+    assert ep - moe == sbh * 4
+
+
+def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_rank():
+    # 2 x 128 tokens, 2 experts each: 512 pairs of 64 values; 3 of 4 leave the rank at ep 4;
+    # dispatch and combine, forward and backward, in bf16 (2 bytes), 3 layers, 2 micro-batches.
+    got = memory_formulas.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=4)
+    assert got == 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
+    assert memory_formulas.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=1) == 0
+    p = memory_plan.plan(
+        count_parameters(MOE_SHAPE), 8, "bf16", MOE_SHAPE, B, S, micro_batches=2, ep=4
+    )
+    assert p["ep_comm_gb"] == got / 1e9 and p["micro_batches"] == 2
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-experts", "8", "--ep", "3", "--world-size", "6"], "--ep 3 must divide"),
+        (["--num-experts", "8", "--ep", "4", "--world-size", "6"], "--ep 4 must divide"),
+        (["--ep", "2"], "--ep shares out the experts of a mixture of experts"),
+        (["--num-experts", "8", "--tp", "2"], "not with --tp, --pp or --cp"),
+    ],
+    ids=["ep-not-dividing-the-experts", "ep-not-dividing-the-gpus", "dense", "tensor-parallel"],
+)
+def test_expert_layouts_that_cannot_be_trained_are_refused(flags, message):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "memory_plan.py"), "--model", "1b", *flags],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_cli_plans_a_mixture_of_experts_over_expert_parallel_gpus(monkeypatch, capsys):
+    argv = ["--model", "1b", "--num-experts", "8", "--world-size", "16", "--ep", "8"]
+    monkeypatch.setattr(sys, "argv", ["memory_plan.py", *argv])
+    memory_plan.main()
+    out = capsys.readouterr().out
+    config = LlamaConfig.from_preset("1b", num_local_experts=8)
+    assert f"{count_parameters(config) / 1e9:.3g}B parameters" in out
+    assert "ep 8: each GPU of a group of 8 holds 1/8 of the experts" in out
+    assert "parameters active per token; each GPU holds" in out and "all-to-alls send" in out

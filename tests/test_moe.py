@@ -25,8 +25,7 @@ import export_hf
 import generate
 import stopping
 import training
-from checkpoints import load_model
-from generate import generate_text
+from generation import generate_text, load_model
 from model import (
     IGNORE_INDEX,
     LlamaConfig,
@@ -271,6 +270,25 @@ def test_run_experts_takes_tokens_grouped_by_expert(moe):
         token = x[row]
         expected = moe.w2[e] @ (F.silu(moe.w1[e] @ token) * (moe.w3[e] @ token))
         assert_close(out[row], expected)
+    # Given weights (expert parallelism: the experts a rank holds), counts are for those.
+    local = tuple(w[2:] for w in (moe.w1, moe.w2, moe.w3))  # experts 2 and 3 only
+    assert_close(moe.run_experts(x[2:], [4, 1], local), out[2:])
+
+
+def test_a_dispatch_set_on_the_layer_runs_the_experts_in_place_of_run_experts(moe):
+    """Expert parallelism's hook: the layer routes and weights as ever, and hands the tokens,
+    grouped by expert, with their counts, to `dispatch` instead of run_experts."""
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(3))
+    expected = moe(x)
+    calls = []
+
+    def dispatch(tokens, counts):
+        calls.append(counts)
+        return moe.run_experts(tokens, counts)
+
+    moe.dispatch = dispatch
+    assert_close(moe(x), expected)
+    assert len(calls) == 1 and sum(calls[0]) == 2 * 3 * K and len(calls[0]) == E
 
 
 def test_dropless_a_sequence_output_does_not_depend_on_its_batch():

@@ -40,10 +40,10 @@ from harness import (
 from test_bad_input import assert_refused
 
 import checkpoints
-import cli
 import data
 import memory_plan
 import metrics
+import model_flags
 import training
 from model import (
     LlamaConfig,
@@ -260,11 +260,12 @@ def test_expert_flags_that_do_not_fit_are_refused_naming_them(corpus, cache_dir,
 def test_the_expert_flags_set_the_config_and_zero_experts_is_the_dense_model(corpus, cache_dir):
     args, _ = build_args(corpus, cache_dir, num_experts=8, experts_per_token=1,
                          router_aux_loss_coef=0.0)  # fmt: skip
-    config = cli.model_shape(args)
+    config = model_flags.model_shape(args)
     assert (config.num_local_experts, config.num_experts_per_tok) == (8, 1)
     assert config.router_aux_loss_coef == 0.0
     args, _ = build_args(corpus, cache_dir, num_experts=0)
-    assert cli.model_shape(args) == cli.model_shape(build_args(corpus, cache_dir)[0])
+    shape = model_flags.model_shape
+    assert shape(args) == shape(build_args(corpus, cache_dir)[0])
 
 
 @pytest.mark.parametrize("flag", ["num_experts", "experts_per_token", "router_aux_loss_coef"])
@@ -274,9 +275,15 @@ def test_init_from_with_an_expert_flag_is_refused(corpus, cache_dir, tmp_path, f
         build_args(corpus, cache_dir, **settings)
 
 
-def test_the_memory_plan_refuses_experts_rather_than_plan_them_as_a_dense_model(corpus, cache_dir):
+def test_the_memory_plan_counts_the_experts_rather_than_plan_them_as_a_dense_model(
+    corpus, cache_dir
+):
+    # memory_plan.py plans a mixture of experts (tests/test_memory_plan.py), and so does the
+    # lessons' --plan: train_ep.py's layout, each GPU of an ep group with its share of the experts.
     config = LlamaConfig.from_preset("tiny", num_local_experts=E)
-    with pytest.raises(ValueError, match="a mixture of experts \\(--num-experts\\) is not planned"):
-        memory_plan.plan(count_parameters(config), 8, "bf16", config)
-    with pytest.raises(ValueError, match="--plan: memory_plan.py estimates a dense model"):
-        build_args(corpus, cache_dir, num_experts=E, plan=True)
+    p = memory_plan.plan(count_parameters(config), 8, "bf16", config)
+    assert p["active_params"] == count_active_parameters(config) < p["num_params"]
+    args, run = build_args(corpus, cache_dir, num_experts=E, plan=True)  # not refused
+    estimate = memory_plan.estimate_for_run(args, run, config, 2, ep=2)
+    assert "ep 2: each GPU of a group of 2 holds 1/2 of the experts" in estimate
+    assert "mixture of experts:" in estimate and "all-to-alls send" in estimate

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from harness import BASE, DP, REPO, launch_env
@@ -66,3 +67,52 @@ def test_an_unknown_strategy_is_refused_before_any_run(corpus, cache_dir, tmp_pa
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown strategy warp-drive" in proc.stderr, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_expert_parallel_rows_are_compared_with_the_mixture_of_experts_in_one_process():
+    # Another model than the dense reference: compared with a dense run, any ep row would fail.
+    for name, (script, _, flags, _) in parity.STRATEGIES.items():
+        experts = "--num-experts" in flags
+        assert experts == (script == "train_ep.py" or name == parity.MOE_REFERENCE), name
+        if name not in parity.REFERENCES:
+            assert parity.reference_of(name) == (parity.MOE_REFERENCE if experts else "single")
+    assert parity.STRATEGIES[parity.MOE_REFERENCE][:2] == ("train_dp.py", 1)
+
+
+def with_routing(run: Path, out: Path, moved: dict[int, int], loss_factor: dict[int, float]):
+    """A copy of `run` whose metrics log a mixture of experts' routing (2 layers of 4 experts,
+    100 assignments each): `moved[step]` assignments of the first layer moved from expert 0 to
+    1 at that step and after, and each logged loss multiplied by loss_factor.get(step, 1)."""
+    shutil.copytree(run, out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        if "loss" in r:
+            shift = max((n for step, n in moved.items() if r["step"] >= step), default=0)
+            r["tokens_per_expert"] = [[25 - shift, 25 + shift, 25, 25], [25, 25, 25, 25]]
+            r["loss"] *= loss_factor.get(r["step"], 1.0)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out
+
+
+def test_a_mixture_of_experts_is_held_to_the_bounds_until_its_routing_differs(trained, tmp_path):
+    reference = with_routing(trained(DP), tmp_path / "reference", {}, {})
+    weights = torch.load(reference / "model.pt", weights_only=True)
+    weights["norm.weight"][0] += 1e-3  # final weights outside the bound
+    # One token's choice flips at step 6 (a rounding difference on a near-tie): from there the
+    # runs differ, as any two layouts' would; the steps before it still agree.
+    flipped = with_routing(reference, tmp_path / "flipped", {6: 1}, {6: 1.01, 7: 1.1, 8: 1.2})
+    torch.save(weights, flipped / "model.pt")
+    result = parity.compare(flipped, reference)
+    assert result["routing_differs_from_step"] == 6 and result["within_tolerance"], result
+    assert result["max_loss_rel_diff"] > 0.1  # reported, not held against it
+    # A loss off before the routing differs is outside the bounds.
+    early = with_routing(reference, tmp_path / "early", {6: 1}, {5: 1 + 1e-4})
+    assert not parity.compare(early, reference)["within_tolerance"]
+    # So is routing that moves many tokens at once (a wrong gradient, not a rounding).
+    many = with_routing(reference, tmp_path / "many", {6: 10}, {})
+    assert not parity.compare(many, reference)["within_tolerance"]
+    # The same routing throughout: the final weights are held to their bound as ever.
+    same = with_routing(reference, tmp_path / "same", {}, {})
+    torch.save(weights, same / "model.pt")
+    result = parity.compare(same, reference)
+    assert result["routing_differs_from_step"] is None and not result["within_tolerance"]

@@ -44,12 +44,12 @@ def test_auto_attention_is_flex_only_for_a_document_mask_on_one_cuda_device(
     document_mask, device, replicas, expected
 ):
     args = attention_args("auto", document_mask)
-    assert cli.resolve_attention(args, device, replicas) == expected
+    assert training.resolve_attention(args, device, replicas) == expected
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_an_explicit_attention_choice_is_kept(attention):
-    assert cli.resolve_attention(attention_args(attention), CUDA) == attention
+    assert training.resolve_attention(attention_args(attention), CUDA) == attention
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_flex_attention_where_it_cannot_run_is_refused_with_the_reason(
     args, device, replicas, reason
 ):
     with pytest.raises(ValueError, match=reason):
-        cli.resolve_attention(args, device, replicas)
+        training.resolve_attention(args, device, replicas)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def simulated_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: model.peak)
         argv = f"--batch-size {batch_size} --seq-length 16 --micro-batch-size auto".split()
         args = cli.build_parser("test").parse_args(argv)
-        plan = cli.RunPlan(
+        plan = cli.RunSettings(
             model="tiny", tokenizer=None, devices=devices, micro_batch_size=None,
             accumulation=1, precision="fp32", attention="sdpa",
         )  # fmt: skip
@@ -206,11 +206,11 @@ def test_the_plan_leaves_auto_to_be_measured_but_checks_the_devices_divide_the_b
     parser = cli.build_parser("test")
     argv = ["--batch-size", "12", "--micro-batch-size", "auto"]
     args = parser.parse_args(argv)
-    plan = cli.plan_run(parser, args, 4, CPU)
+    plan = cli.run_settings(parser, args, 4, CPU)
     assert (plan.micro_batch_size, plan.accumulation) == (None, 1)  # until measured
     assert args.micro_batch_size == "auto"
     with pytest.raises(ValueError, match="--batch-size 12 must be a multiple"):
-        cli.plan_run(parser, parser.parse_args(argv), 5, CPU)
+        cli.run_settings(parser, parser.parse_args(argv), 5, CPU)
 
 
 def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():

@@ -34,8 +34,7 @@ from test_fsdp import (
 )
 
 import train_pp
-from checkpoints import load_model
-from generate import generate_text
+from generation import generate_text, load_model
 from model import LlamaConfig, LlamaForPretraining
 
 PP = "train_pp.py"

@@ -116,7 +116,7 @@ def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeyp
     try:
         request = stopping.StopRequest(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
-        assert request.agreed() == signal.SIGUSR1
+        assert request.all_reduce() == signal.SIGUSR1
         os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's echo, milliseconds later: ignored
         monkeypatch.setattr(stopping, "ECHO_SECONDS", 0.0)  # as if seconds had passed
         with pytest.raises(KeyboardInterrupt):
@@ -132,14 +132,13 @@ def test_a_process_that_joined_a_process_group_ends_with_os_exit_after_its_atexi
 ):
     # stopping.end_process: no interpreter teardown for C++ objects of torch.distributed to abort.
     calls = []
-    monkeypatch.setattr(stopping, "_end_with_os_exit", True)  # as setup_distributed sets it
     monkeypatch.setattr(stopping.atexit, "_run_exitfuncs", lambda: calls.append("atexit"))
     monkeypatch.setattr(stopping.os, "_exit", calls.append)
-    stopping.run(lambda: None)
+    stopping.run(lambda: None, os_exit=True)  # as every lesson that joins a process group
 
     def refused():
         raise ValueError("bad input")
 
     with pytest.raises(SystemExit):  # (os._exit is a stand-in here, so run() goes on)
-        stopping.run(refused)
+        stopping.run(refused, os_exit=True)
     assert calls == ["atexit", 0, "atexit", 2]

@@ -16,7 +16,6 @@ from test_fsdp import assert_resumes_bit_identically
 
 import checkpoints
 import cli
-import corpus
 import data
 import streaming
 import training
@@ -201,7 +200,7 @@ def test_a_hub_name_with_a_config_is_streamed(tmp_path, monkeypatch):
         rows = datasets.Dataset.from_dict({"content": texts, "n": list(range(40))})
         return rows.to_iterable_dataset(num_shards=4)
 
-    monkeypatch.setattr(corpus.datasets, "load_dataset", hub)
+    monkeypatch.setattr(data.datasets, "load_dataset", hub)
     argv = ["--data", "org/corpus:en", "--text-column", "content", "--cache-dir", str(tmp_path)]
     argv += ["--vocab-size", "300", "--seq-length", "8", "--batch-size", "2", "--eval-batches"]
     args = cli.build_parser("test").parse_args([*argv, "1", "--data-mode", "pad", "--streaming"])
@@ -237,7 +236,7 @@ def test_streaming_refuses_flags_of_a_corpus_cached_whole(flags, message):
     parser = cli.build_parser("test")
     args = parser.parse_args(["--streaming", *flags])
     with pytest.raises(ValueError, match=message):
-        cli.plan_run(parser, args, 1, torch.device("cpu"))
+        cli.run_settings(parser, args, 1, torch.device("cpu"))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_tensorboard_gets_every_logged_value(corpus, cache_dir, tmp_path):
 
 
 def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_dir, monkeypatch):
-    # cli.plan_run's errors are ValueErrors that stopping.run prints in one line with exit code 2
+    # cli.run_settings's errors are ValueErrors that stopping.run prints in one line (exit code 2)
     # (tests/test_bad_input.py holds that for every such error).
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -39,6 +39,6 @@ def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_di
     parser = cli.build_parser("test")
     args = parser.parse_args(cmd(corpus, cache_dir, "unused") + ["--tensorboard"])
     with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package: pip"):
-        cli.plan_run(parser, args, 1, torch.device("cpu"))
+        cli.run_settings(parser, args, 1, torch.device("cpu"))
     args = parser.parse_args(cmd(corpus, cache_dir, "unused"))
-    cli.plan_run(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error
+    cli.run_settings(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error

@@ -10,7 +10,7 @@ from harness import build_args, write_foreign_tokenizer
 
 import checkpoints
 import data
-from checkpoints import load_model
+from generation import load_model
 
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 TEXT = "def add(x, y):\n    return x + y"

@@ -46,8 +46,7 @@ from test_fsdp import (
     copy_sharded_checkpoint,
 )
 
-from checkpoints import load_model
-from generate import generate_text
+from generation import generate_text, load_model
 from model import LlamaConfig, LlamaForPretraining
 from tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
 
