@@ -162,9 +162,10 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     g.add_argument(
         "--num-workers",
         type=number_arg(int, 0),
-        default=1,
-        help="DataLoader worker processes; with --streaming, 0 reads in the training loop and N "
-        "reads up to N steps ahead in one background thread",
+        default=None,
+        help="DataLoader worker processes (default: 0 on a CPU, where a worker would take a core "
+        "from the compute threads; 1 on a GPU); with --streaming, 0 reads in the training loop "
+        "and N reads up to N steps ahead in one background thread",
     )
     g.add_argument(
         "--num-proc",

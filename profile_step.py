@@ -2,6 +2,7 @@
 
     python profile_step.py                        # tiny, train_dp.py's default batch, on the CPU
     python profile_step.py --threads 1            # one CPU thread (steadier timings)
+    python profile_step.py --threads 1 --clock cpu   # CPU time: steadier on a busy machine
     python profile_step.py --compile              # per-layer torch.compile, as train_dp --compile
     python profile_step.py --model small --seq-length 1024 --batch-size 8 --precision bf16  # GPU
 
@@ -178,22 +179,29 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step, micro_batches, device, steps: int) -> float:
-    """Seconds per step, over `steps` steps."""
+# --clock: wall time, or this process's CPU time. On a CPU machine that other jobs share, the
+# wall time of a step counts the moments it waited for a core; with --threads 1 the CPU time is
+# the work itself and steadies the comparison (with more threads it also counts their spinning).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_steps(step, micro_batches, device, steps: int, clock=time.perf_counter) -> float:
+    """Seconds per step, over `steps` steps, by `clock`."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         step(micro_batches)
     synchronize(device)
-    return (time.perf_counter() - start) / steps
+    return (clock() - start) / steps
 
 
-def compare(steps: dict, micro_batches, device, rounds: int, steps_per_round: int) -> dict:
+def compare(steps: dict, micro_batches, device, rounds: int, steps_per_round: int,
+            clock=time.perf_counter) -> dict:  # fmt: skip
     """{name: median ms per step}, the contenders timed in alternating rounds."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            times[name].append(time_steps(step, micro_batches, device, steps_per_round))
+            times[name].append(time_steps(step, micro_batches, device, steps_per_round, clock))
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
@@ -252,6 +260,13 @@ def main() -> None:
         type=cli.number_arg(int, 1),
         default=None,
         help="CPU threads (default: torch's)",
+    )
+    p.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="time steps by the wall clock or by this process's CPU time (steadier on a busy "
+        "machine with --threads 1)",
     )
     p.add_argument(
         "--warmup", type=cli.number_arg(int, 0), default=3, help="steps before timing (compiling)"
@@ -316,8 +331,9 @@ def main() -> None:
     print(f"\nour step, profiled over {args.profile_steps} steps:")
     print(profile_table(steps["ours"], micro_batches, device, args.profile_steps, args.rows))
 
-    ms = compare(steps, micro_batches, device, args.rounds, args.steps)
-    print(f"ms per step (median of {args.rounds} alternating rounds of {args.steps} steps):")
+    ms = compare(steps, micro_batches, device, args.rounds, args.steps, CLOCKS[args.clock])
+    print(f"{args.clock} ms per step (median of {args.rounds} alternating rounds of {args.steps} "
+          f"steps):")  # fmt: skip
     for name, value in ms.items():
         print(f"  {name:<12} {value:9.1f} ms   {value / ms['reference']:5.2f} x reference")
     if args.compile:

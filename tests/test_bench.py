@@ -188,3 +188,79 @@ def test_bf16_on_a_cpu_that_cannot_run_it_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="this CPU cannot run bf16 .*; use fp32"):
         bench.check_precision("bf16", torch.device("cpu"))
     assert bench.check_precision("auto", torch.device("cpu")) == "fp32"
+
+
+# -------------------------------------------------------------------------------------------------
+# bench_nanogpt.py: its preparation and parsing (the runs themselves need nanoGPT: not a test)
+
+
+def test_the_character_corpus_is_written_in_nanogpts_format_and_as_a_one_char_tokenizer(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    import bench_nanogpt
+    from data import load_tokenizer
+
+    train, val = "def f(x):\n    return x\n", "print('hi')\n"
+    chars = sorted(set(train + val))
+    bench_nanogpt.write_nanogpt_data(train, val, chars, tmp_path / "data")
+    meta = pickle.loads((tmp_path / "data" / "meta.pkl").read_bytes())
+    assert meta["vocab_size"] == len(chars) and meta["itos"] == dict(enumerate(chars))
+    for name, text in (("train", train), ("val", val)):
+        ids = np.fromfile(tmp_path / "data" / f"{name}.bin", dtype=np.uint16)
+        assert "".join(meta["itos"][i] for i in ids) == text
+    bench_nanogpt.char_tokenizer(chars).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    ids = tokenizer.encode(train)
+    assert len(ids) == len(train) and tokenizer.decode(ids) == train  # one token per character
+    assert tokenizer.get_vocab_size() == len(chars) + 3  # and [PAD] [BOT] [EOT]
+
+
+def test_the_stdlib_corpus_is_ascii_and_stops_at_its_size():
+    import bench_nanogpt
+
+    docs = bench_nanogpt.stdlib_documents(200_000)
+    assert docs and all(doc.isascii() for doc in docs)
+    assert sum(map(len, docs)) - len(docs[-1]) < 200_000  # the last document crossed the line
+
+
+def test_nanogpts_step_times_leave_out_its_evaluation_iterations():
+    import bench_nanogpt
+
+    output = "\n".join([
+        "step 0: train loss 4.3000, val loss 4.4000",
+        "iter 0: loss 4.3674, time 2832.57ms, mfu -100.00%",
+        "iter 1: loss 4.3299, time 30.00ms, mfu -100.00%",
+        "iter 2: loss 4.2661, time 40.00ms, mfu -100.00%",
+        "step 250: train loss 2.2996, val loss 2.4720",
+        "iter 250: loss 2.2519, time 900.00ms, mfu 0.03%",
+        "iter 251: loss 2.2519, time 50.00ms, mfu 0.03%",
+    ])  # fmt: skip
+    figures = bench_nanogpt.nanogpt_figures(output)
+    assert figures == {"step_ms": 40.0, "val_loss": 2.472}
+
+
+def test_the_suites_figures_come_from_metrics_jsonl(tmp_path):
+    import json
+
+    import bench_nanogpt
+
+    records = [{"step": 10, "loss": 3.0, "step_ms": 30.0}, {"step": 20, "step_ms": 50.0},
+               {"step": 20, "val_loss": 2.5}, {"step": 30, "step_ms": 40.0},
+               {"step": 30, "val_loss": 2.25}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert bench_nanogpt.suite_figures(tmp_path) == {"step_ms": 40.0, "val_loss": 2.25}
+
+
+def test_held_out_windows_cover_the_text_once_as_targets():
+    import bench_nanogpt
+
+    x, y = bench_nanogpt.held_out_windows(list(range(10)), 4)  # two whole windows of 5
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert y.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_bench_nanogpt_refuses_a_directory_without_nanogpt(tmp_path):
+    proc = run_script("bench_nanogpt.py", ["--nanogpt", str(tmp_path)], expect_rc=2)
+    assert "no train.py and model.py there" in proc.stderr
