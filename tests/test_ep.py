@@ -22,10 +22,9 @@ embedding weight lands at 2.1e-5, as train_fsdp.py's does on the same layout (1.
 rare token's row, not EP; the layouts here keep the margin the other lessons' tests keep.
 """
 
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+import test_moe_training
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -41,6 +40,7 @@ from harness import (
 )
 from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically, copy_sharded_checkpoint
+from test_moe_training import MOE
 
 import expert_parallel
 from model import LlamaConfig
@@ -48,7 +48,8 @@ from moe import MoEFeedForward
 
 EP, FSDP = "train_ep.py", "train_fsdp.py"
 E, K = 4, 2
-MOE = {"num_experts": E, "experts_per_token": K, "data_mode": "pad"}
+# The runs, made once per module and shared by its tests: test_moe_training.py's fixture.
+launched = test_moe_training.launched
 TOKENS_PER_STEP = 8 * 32  # harness.BASE: --batch-size 8 x --seq-length 32, padding included
 
 # -------------------------------------------------------------------------------------------------
@@ -130,29 +131,6 @@ def test_the_dispatch_over_2_ranks_equals_the_layer_on_the_whole_batch():
 
 # -------------------------------------------------------------------------------------------------
 # train_ep.py trains like one process
-
-
-@dataclass
-class Run:
-    out: Path
-    stdout: str
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory, corpus, cache_dir):
-    """launched(script, world, *flags) -> the Run of that script with MOE and flags, made once
-    per module. Callers must not write into its out-dir: copy what they need to change."""
-    runs: dict[tuple, Run] = {}
-
-    def get(script: str, world: int, *flags: str) -> Run:
-        key = (script, world, flags)
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"ep_{Path(script).stem}_w{world}")
-            proc = run_script(script, cmd(corpus, cache_dir, out, **MOE) + list(flags), world)
-            runs[key] = Run(out, proc.stdout)
-        return runs[key]
-
-    return get
 
 
 # 2 ranks, ep 2: each rank holds 2 of the 4 experts; 2 micro-batches per rank accumulate first

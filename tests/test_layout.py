@@ -12,13 +12,16 @@ import pytest
 from harness import LESSONS, REPO
 
 
-def root_imports() -> dict[str, set[str]]:
-    """{module: the repository-root modules it imports}, for every .py file in the root."""
+def root_imports(module_level: bool = False) -> dict[str, set[str]]:
+    """{module: the repository-root modules it imports}, for every .py file in the root;
+    module_level: only the imports at module level, what must be there for the module to import
+    at all (an import inside a function waits until that function runs)."""
     modules = {path.stem: path for path in Path(REPO).glob("*.py")}
     imports = {}
     for name, path in modules.items():
+        tree = ast.parse(path.read_text())
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in tree.body if module_level else ast.walk(tree):
             if isinstance(node, ast.Import):
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -67,26 +70,10 @@ NEIGHBOURS = {"train_ddp.py": "train_dp.py", "train_zero1.py": "train_ddp.py",
               "train_ep.py": "train_fsdp.py"}  # fmt: skip
 
 
-def module_level_imports() -> dict[str, set[str]]:
-    """{module: the repository-root modules it imports at module level}: what must be there for
-    it to import at all (an import inside a function waits until that function runs)."""
-    modules = {path.stem: path for path in Path(REPO).glob("*.py")}
-    imports = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
-        imports[name] = found & modules.keys() - {name}
-    return imports
-
-
 def files_to_copy(lesson: str) -> set[str]:
     """What a learner copies to run `lesson` with its default flags: the lesson and every root
     module it imports at module level, transitively."""
-    imports, todo, seen = module_level_imports(), [Path(lesson).stem], {Path(lesson).stem}
+    imports, todo, seen = root_imports(module_level=True), [Path(lesson).stem], {Path(lesson).stem}
     while todo:
         for dep in imports[todo.pop()] - seen:
             seen.add(dep)
@@ -96,7 +83,7 @@ def files_to_copy(lesson: str) -> set[str]:
 
 def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
     offenders = {
-        m: sorted(deps & TOOLS) for m, deps in module_level_imports().items()
+        m: sorted(deps & TOOLS) for m, deps in root_imports(module_level=True).items()
         if m not in TOOLS and deps & TOOLS
     }  # fmt: skip
     assert not offenders, f"these import a tool at module level: {offenders}"
