@@ -23,7 +23,7 @@ import torch
 import model_flags
 import training
 from data import SPECIAL_TOKENS, load_tokenizer
-from distributed import world_size_from_env
+from distributed import backend_for, world_size_from_env
 from metrics import NonFiniteGuard
 from model import LlamaConfig, count_active_parameters, count_parameters
 
@@ -434,8 +434,10 @@ def run_settings(
     # Each number's own range (positive, finite, ...) was checked as it was parsed (number_arg);
     # what is left is how the flags go together, with the processes and with the device.
     world_size_from_env()  # WORLD_SIZE itself: ValueError unless a positive integer
-    if getattr(args, "backend", None) == "nccl" and device.type != "cuda":  # the torchrun scripts'
-        parser.error("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    try:  # --backend: the torchrun scripts' flag
+        backend_for(getattr(args, "backend", None), device)
+    except ValueError as e:
+        parser.error(str(e))
     if args.streaming and args.num_proc is not None:
         parser.error(
             "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "

@@ -57,8 +57,12 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
 
 def backend_for(flag: str | None, device: torch.device) -> str:
     """--backend, or the one for the device: NCCL moves CUDA tensors between GPUs directly,
-    gloo works on CPU tensors (cli.run_settings refuses nccl without a GPU)."""
-    return flag or ("nccl" if device.type == "cuda" else "gloo")
+    gloo works on CPU tensors. ValueError for nccl without a GPU (cli.run_settings asks too, for
+    --check, which joins no group)."""
+    backend = flag or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    return backend
 
 
 def rendezvous_store() -> dist.Store:

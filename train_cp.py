@@ -135,6 +135,11 @@ def main():
     )
     args = parser.parse_args()
     rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
+    if not args.check:  # the process group, as in train_ddp.py
+        dist.init_process_group(
+            distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # Without --cp: the processes of one node (each layer's all-gather on the fastest links).
     cp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.cp is None else args.cp
@@ -152,10 +157,6 @@ def main():
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    dist.init_process_group(
-        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
-        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
     # The grid of ranks: rank = dp_rank * cp + cp_rank. cp_mesh["cp"] is this rank's CP group
     # (cp consecutive ranks), cp_mesh["dp"] the ranks that hold the same slice in other groups.
     cp_mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))

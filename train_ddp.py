@@ -46,18 +46,20 @@ def main():
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
     rank, local_rank, world_size, device = distributed.torchrun_rank()
+    # Join the process group: each rank waits here until all world_size have joined, and from here
+    # on the collectives (all_reduce, broadcast, ...) run among them. nccl between GPUs, gloo on
+    # CPU; the store is where the ranks meet (torchrun's, one per restart attempt: see there).
+    # (--check: run_ddp.sh's one process checks the flags for all of them, with no group.)
+    if not args.check:
+        dist.init_process_group(
+            distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    # Join the process group: each rank waits here until all world_size have joined, and from here
-    # on the collectives (all_reduce, broadcast, ...) run among them. nccl between GPUs, gloo on
-    # CPU; the store is where the ranks meet (torchrun's, one per restart attempt: see there).
-    dist.init_process_group(
-        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
-        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
     resume_path = distributed.from_rank0(lambda: checkpoints.prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------

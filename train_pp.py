@@ -115,16 +115,17 @@ def main():
     parser = build_parser()  # pipeline.py: every script's flags, and --pp, --tp, --schedule, ...
     args = parser.parse_args()
     rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
+    if not args.check:  # the process group, as in train_ddp.py
+        dist.init_process_group(
+            distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     run, pp, v, dp = check_pipeline_args(parser, args, world_size, device)
     microbatches = run.accumulation  # m: the micro-batches the schedule streams per step
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    dist.init_process_group(
-        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
-        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
     tp = args.tp  # tensor-parallel ranks inside each stage (default 1: none)
     num_stages = pp * v
     # The 3D mesh: rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The last dimension varies

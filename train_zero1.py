@@ -47,15 +47,16 @@ def main():
     parser = cli.build_parser("Pretrain a Llama with torchrun + DDP + ZeRO-1.", distributed=True)
     args = parser.parse_args()
     rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
+    if not args.check:  # the process group, as in train_ddp.py
+        dist.init_process_group(
+            distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
+            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
-    dist.init_process_group(
-        distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
-        rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
     resume_path = distributed.from_rank0(lambda: checkpoints.prepare_out_dir(args), is_main)
 
     # ---- data ----------------------------------------------------------------------------------
