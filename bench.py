@@ -57,7 +57,6 @@ import metrics
 import model_flags
 import stopping
 import training
-from distributed import setup_distributed  # the scripts' own setup: a group of one without torchrun
 from model import IGNORE_INDEX, count_parameters
 from replica import Replica
 
@@ -410,7 +409,12 @@ def main():
     # takes the training scripts' defaults: it builds exactly their model, optimizer and data.
     args = argparse.Namespace(**{**vars(cli.build_parser("").parse_args([])), **vars(args)})
     under_torchrun = "RANK" in os.environ
-    rank, _, world_size, device = setup_distributed(backend=None)
+    # The lessons' process-group setup: a group of one without torchrun.
+    rank, _, world_size, device = distributed.torchrun_rank()
+    dist.init_process_group(
+        distributed.backend_for(None, device), store=distributed.rendezvous_store(), rank=rank,
+        world_size=world_size, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
     is_main = rank == 0
     precision = check_precision(args.precision, device)
 

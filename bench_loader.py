@@ -52,7 +52,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--txt-split",
-        choices=data.TXT_SPLITS,
+        choices=["auto", "paragraph", "line", "file"],
         default="auto",
         help=".txt documents: see docs/data.md",
     )

@@ -2,12 +2,12 @@
 loses nothing; one live run per directory (a lock), a killed run's debris cleared, the checkpoint
 to resume from chosen, and the record of each start's settings (args.jsonl).
 
-A `.pt` checkpoint (train_dp.py, train_ddp.py, train_zero1.py) holds everything a resumed run
-needs to continue exactly: model, optimizer, schedule, grad scaler, RNG states, the step (which
-also fixes the position in the data), the model config, the tokenizer's digest and the flags.
-At the end a run writes OUT_DIR_FILES, which generation.load_model reads back (generate.py,
---init-from).
-The sharded checkpoints of train_fsdp.py/train_tp.py/train_pp.py are in sharded_checkpoints.py.
+A `.pt` checkpoint (train_dp.py, train_ddp.py, train_zero1.py) holds all a resumed run needs to
+go on exactly: model, optimizer, schedule, grad scaler, RNG states, the step (which fixes the
+position in the data), the model config, the tokenizer's and the data's digests and the flags.
+At the end a run writes model.pt, config.json and tokenizer.json (save_final; generation.py
+reads them). The sharded checkpoints
+of train_fsdp.py and its successors are sharded_checkpoints.py's.
 """
 
 import atexit
@@ -31,23 +31,6 @@ import torch
 from distributed import world_size_from_env
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 from stopping import TrainingError
-
-# -------------------------------------------------------------------------------------------------
-# A finished run's out-dir: what generate.py, export_hf.py and --init-from read (generation.py
-# loads the model)
-
-OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")
-
-
-def load_config(out_dir: str) -> LlamaConfig:
-    """out_dir/config.json as a LlamaConfig; ValueError if it is not one of this suite's."""
-    config_path = os.path.join(out_dir, "config.json")
-    try:
-        with open(config_path) as f:
-            return LlamaConfig(**json.load(f))
-    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-        raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
-
 
 # -------------------------------------------------------------------------------------------------
 # Every file is written atomically: to a temporary name in the same directory, flushed to disk,
@@ -93,11 +76,8 @@ def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[
     """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
     whole, its first group being the step (train_fsdp.py's checkpoints are directories)."""
     ckpt_dir = os.path.join(out_dir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        return []
-    found = [
-        (int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := pattern.fullmatch(name))
-    ]
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    found = [(int(m.group(1)), name) for name in names if (m := pattern.fullmatch(name))]
     return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
 
 
@@ -122,8 +102,7 @@ def save_checkpoint(
 
 
 def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -> TrainingError:
-    """The error for a checkpoint (or `what` else) that could not be written (its partial files
-    are removed)."""
+    """The error for a checkpoint (or `what` else) that could not be written."""
     reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
@@ -149,10 +128,8 @@ def load_checkpoint(path: str) -> dict:
 
 
 def rng_state() -> dict:
-    """Every random generator training uses: torch's CPU generator and each CUDA device's.
-
-    (The data order needs none: it is derived from --seed and the epoch. Python's and NumPy's
-    generators are never used.)"""
+    """Every random generator training uses: torch's CPU generator and each CUDA device's (the
+    data order is derived from --seed and the epoch; Python's and NumPy's are never used)."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -165,19 +142,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# The flags that fix the data order, what the model attends to and the shape of the
+# The flags that fix the data order, what the model attends to (--document-mask) and the
 # learning-rate schedule: a resumed run must use the same, or it would not be the run an
-# uninterrupted one gives. Everything else (micro-batch size, precision, intervals, workers,
-# the attention kernel, ...) may change between restarts, and so may --max-steps: a larger one
-# extends the run (even a finished one), its cosine then stretched to the new end
-# (resume_schedule); one below the checkpoint's step is refused. The flags that make the model
-# (--model, the shape flags, --vocab-size) are not listed: check_resumable compares the config
-# they make, so flags that make the same model resume (a recorded --vocab-size 4096 and a tiny
-# run's default, which is 4096). Nor is --data: check_resumable compares the documents it
-# reads (corpus_sha256), not how the path was spelled.
-# --document-mask is listed: turning it on or off changes which tokens every token attends to,
-# hence the model's function and its loss, so the run would no longer be one run (start another
-# from the finished model with --init-from instead).
+# uninterrupted one gives. Everything else (micro-batch size, precision, intervals, workers, the
+# attention kernel, ...) may change between restarts, and so may --max-steps: a larger one
+# extends the run (even a finished one: resume_schedule); one below the checkpoint's step is
+# refused. Not listed: the flags that make the model and --data, for check_resumable compares
+# what they make (the config; the documents, corpus_sha256), not how they were spelled.
 RESUME_MUST_MATCH = (
     "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
     "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
@@ -195,8 +166,8 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def corpus_digest(tokenizer) -> str | None:
-    """The fingerprint of the documents the run reads (data.DocumentTokenizer.corpus_sha256: set
-    by training.build_datasets, or streaming.open_stream); None for a tokenizer loaded alone."""
+    """The fingerprint of the documents the run reads (data.DocumentTokenizer.corpus_sha256);
+    None for a tokenizer loaded alone."""
     return getattr(tokenizer, "corpus_sha256", None)
 
 
@@ -221,10 +192,9 @@ def checkpoint_state(
 
 
 def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
-    """ValueError if the checkpoint belongs to another run: a different model, tokenizer, data,
-    data order or schedule (its "config", "tokenizer_sha256", "corpus_sha256" and "args" against
-    this run's), or if it is already past --max-steps. Called on every rank before anything is
-    loaded, so a refused resume changes nothing; rank 0 then notes an unused --init-from."""
+    """ValueError if the checkpoint belongs to another run (another model, tokenizer, data, data
+    order or schedule) or is past --max-steps. Called on every rank before anything is loaded,
+    so a refused resume changes nothing; rank 0 then notes an unused --init-from."""
     if ckpt["step"] > args.max_steps:
         raise ValueError(
             f"the checkpoint is at step {ckpt['step']}, past --max-steps {args.max_steps}: a run "
@@ -233,8 +203,7 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         )
     recorded = {**ADDED_SINCE, **ckpt["args"]}
     # A stream's validation is its first documents, as many as --eval-batches x --batch-size
-    # sequences need: another --eval-batches would hold out others (and its corpus_sha256,
-    # which covers them, would differ too: say which flag, not only that the data differs).
+    # sequences need: another --eval-batches holds out others (say which flag changed them).
     must_match = RESUME_MUST_MATCH + (("eval_batches",) if recorded["streaming"] else ())
     changed = [
         f"--{name.replace('_', '-')} {recorded.get(name)!r} (now {getattr(args, name)!r})"
@@ -246,8 +215,8 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
             f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
             f"start a new run in another --out-dir"
         )
-    # Fields newer than some checkpoints, and what those were made with; a dense model's
-    # to_dict() leaves out the MoE fields: missing, they are the dense defaults on either side.
+    # Fields newer than some checkpoints, or left out of a dense model's to_dict(): missing, they
+    # are what those were made with.
     absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
     saved, now = ckpt["config"], config.to_dict()
     changed = [
@@ -261,8 +230,7 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
             f"run's --model, shape flags (--num-layers, ...), expert flags (--num-experts, ...) "
             f"and --vocab-size or --tokenizer, or start a new run in another --out-dir"
         )
-    # The data before the tokenizer: a tokenizer the run trains changes with its corpus, and the
-    # corpus is then what to say.
+    # The data before the tokenizer, which changes with it when trained: the data is the news.
     check_same_data(ckpt, args, tokenizer)
     if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
         raise ValueError(
@@ -271,7 +239,7 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         )
     if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: a run started with --init-from and restarted with the same command must
-        # resume, not start over. (--init-from naming the --out-dir itself is refused: cli.py.)
+        # resume, not start over.
         print(
             f"note: --init-from {args.init_from} is not used: the run resumes from its own "
             f"checkpoint (at step {ckpt['step']}), which holds its weights"
@@ -279,23 +247,17 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
 
 
 def check_same_data(ckpt: dict, args, tokenizer) -> None:
-    """ValueError if this run reads other documents than the checkpoint's run did.
-
-    What the data is, not how --data spells it: a checkpoint holds corpus_sha256, the digest of
-    the documents (data.fingerprint; for --streaming, streaming.stream_fingerprint). An edited,
-    reordered, grown or shrunk corpus is refused: it would change the validation split and the
-    data order, and train on documents that were validation before. The same files named
-    another way (dir//file, ./dir/file, an absolute path, a moved copy) resume. A checkpoint
-    from before the digest has only --data to go by: that is compared, as a normalised path.
-    """
+    """ValueError if this run reads other documents than the checkpoint's run did: their digest
+    (data.fingerprint; streaming.stream_fingerprint), not how --data spells them. An edited,
+    reordered, grown or shrunk corpus would change the validation split and the data order; the
+    same files named another way (dir//file, a moved copy) resume. A checkpoint from before the
+    digest has only --data to go by: compared as a normalised path."""
     saved, now = ckpt.get("corpus_sha256"), corpus_digest(tokenizer)
     if saved is not None and now is not None:
         if saved != now:
-            what = (
-                "its first documents (held out for validation) or its files' sizes"
-                if args.streaming
-                else "its documents"
-            )
+            what = "its documents"
+            if args.streaming:
+                what = "its first documents (held out for validation) or its files' sizes"
             raise ValueError(
                 f"--data {args.data} is not the data the checkpoint was trained on: {what} "
                 f"differ (fingerprint {saved[:12]}, now {now[:12]}); resume with that data as "
@@ -312,19 +274,16 @@ def check_same_data(ckpt: dict, args, tokenizer) -> None:
 
 def _normalised_spec(spec: str) -> str:
     """--data as one absolute path, so that dir//file, ./dir/file and /abs/dir/file compare
-    equal (and globs alike); a hub name or stdlib, made absolute the same way on both sides,
-    still equals only itself."""
+    equal; a hub name or stdlib, made absolute the same way on both sides, equals itself."""
     return os.path.abspath(os.path.expanduser(spec))
 
 
 def restore_checkpoint(
     ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
 ) -> tuple[int, list[dict] | None]:
-    """Load a checkpoint's state into fresh objects; returns the step to continue from, and the
-    position in the data (for training.step_batches: None unless --streaming).
-
-    Refuses (ValueError, before changing anything) a checkpoint of another run.
-    """
+    """Load a checkpoint's state into fresh objects (ValueError, before changing anything, for
+    another run's); returns the step to go on from, and the position in the data (None unless
+    --streaming)."""
     check_resumable(ckpt, config, args, tokenizer)
     fresh_lrs = [group["lr"] for group in optimizer.param_groups]
     model.load_state_dict(ckpt["model"])
@@ -336,18 +295,13 @@ def restore_checkpoint(
 
 
 def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:
-    """Bring the fresh scheduler of this run's flags to `step`: the schedule a resumed run
-    follows is always the one its --max-steps defines, never the checkpoint's.
+    """Bring the fresh scheduler of this run's flags to `step`: a resumed run follows the
+    schedule its own --max-steps defines. The same --max-steps: exactly the checkpoint's. A
+    larger one (extending a run): the same warmup, the cosine stretched to the new end.
 
-    With the same --max-steps that is exactly the checkpoint's schedule. With a larger one
-    (extending a run) the warmup is the same and the cosine is stretched to the new end: from
-    the resumed step on, the learning rate is what a run started with the new --max-steps would
-    have at that step (higher than the old curve, which was already decaying toward its end).
-
-    fresh_lrs: the optimizer's learning rates as the fresh scheduler set them, taken before
-    optimizer.load_state_dict replaced them with the checkpoint's. The scheduler is stepped
-    `step` times from there, the same calls an uninterrupted run made: the same floats, bit for
-    bit (a closed form would differ in the last bits from the recursive cosine). A scheduler
+    fresh_lrs: the learning rates as the fresh scheduler set them, before
+    optimizer.load_state_dict replaced them. The scheduler is stepped `step` times from there,
+    the calls an uninterrupted run made: the same floats, bit for bit, unlike a closed form. A
     step takes microseconds: a million-step run replays in seconds.
     """
     for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
@@ -361,8 +315,8 @@ def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> 
 
 def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
     """model.pt (a plain state_dict), config.json and tokenizer.json: all generate.py needs; and
-    tokenizer_config.json, which names the tokenizer's special tokens as Hugging Face does, so
-    that whoever loads tokenizer.json again (data.load_tokenizer) finds the ones used here."""
+    tokenizer_config.json, naming the special tokens as Hugging Face does, for whoever loads
+    tokenizer.json again (hf_tokenizer.py)."""
     atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
@@ -372,10 +326,9 @@ def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, to
 
 # -------------------------------------------------------------------------------------------------
 # The out-dir itself: one live run per directory, a killed run's debris cleared, and the
-# checkpoint to resume from chosen (the .pt checkpoints of train_dp.py/ddp/zero1; the sharded
-# ones of train_fsdp.py/tp/pp/cp choose theirs in sharded_checkpoints.py, with the same pieces)
+# checkpoint to resume from chosen (sharded_checkpoints.py chooses among DCP directories likewise)
 
-# One run per --out-dir: two runs in one would mix their metrics.jsonl and overwrite each other's
+# One run per --out-dir: two would mix their metrics.jsonl and overwrite each other's
 # checkpoints. The process that writes files holds a lock on this file for its whole life, and
 # writes into it who it is, for the message of a run it keeps out.
 LOCK_FILE = ".lock"
@@ -385,10 +338,9 @@ _held_locks: dict[str, object] = {}  # out-dir -> its open lock file, in the pro
 def lock_out_dir(out_dir: str) -> None:
     """Take --out-dir for this process, or raise ValueError naming the live run that holds it.
 
-    A POSIX record lock (fcntl.lockf): the kernel releases it when its process ends, however it
-    ends (kill -9, a crash), so a dead run never blocks the rerun. Not flock(): a forked child
-    shares its parent's flock, and a DataLoader worker outliving a killed training process by
-    a few seconds would keep out torchrun's restart of it; a record lock is one process's own.
+    A POSIX record lock (fcntl.lockf): the kernel releases it when its process ends, however (kill
+    -9, a crash), so a dead run never blocks the rerun. Not flock(), which a forked child shares:
+    a DataLoader worker outliving a killed run by seconds would keep out torchrun's restart.
     """
     path = os.path.join(out_dir, LOCK_FILE)
     if path in _held_locks:
@@ -426,10 +378,8 @@ def lock_out_dir(out_dir: str) -> None:
 
 
 def release_out_dir() -> None:
-    """At the end of the process: empty the lock file (nobody holds it), then release it.
-
-    An empty file rather than none: deleting it could let two runs lock two different files of
-    the same name. And a refused or finished run leaves the out-dir byte-identical."""
+    """At the end of the process: empty the lock file (nobody holds it), then release it. Not
+    deleted: two runs could then lock two different files of that name."""
     for f in _held_locks.values():
         f.truncate(0)
         f.close()
@@ -438,12 +388,8 @@ def release_out_dir() -> None:
 
 def make_out_dir(args) -> None:
     """Create --out-dir (ValueError if it cannot be written), take its lock (ValueError if a
-    live run holds it) and clear a killed run's debris.
-
-    Called by the one process that writes files. The temporary files of a process killed while
-    writing never replaced a real file, so removing them loses nothing; and with the lock held,
-    they cannot be a live run's.
-    """
+    live run holds it) and clear a killed run's temporary files, which never replaced a real
+    file (and with the lock held, cannot be a live run's). Called by the process that writes."""
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         probe = os.path.join(args.out_dir, f".write-test-{os.getpid()}")
@@ -467,9 +413,9 @@ def resume_never_error(out_dir: str) -> ValueError:
 
 
 def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
-    """The newest of `paths` (oldest first, as list_checkpoints gives them) whose state file
-    loads. An unreadable newest one (a disk error, a crash mid-write on a filesystem without
-    atomic rename) must not cost the whole run: fall back to the one before, saying so."""
+    """The newest of `paths` (oldest first) whose state file loads: an unreadable newest one (a
+    disk error, a crash mid-write without atomic rename) must not cost the run: say so, and
+    fall back to the one before."""
     for path in reversed(paths):
         try:
             load_checkpoint(state_file(path))
@@ -481,19 +427,13 @@ def newest_readable(paths: list[str], state_file=lambda path: path) -> str | Non
 
 def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
     """ValueError if --out-dir holds the other kind of checkpoint than this script's: .pt files
-    (train_dp.py, train_ddp.py, train_zero1.py) or DCP directories (train_fsdp.py, train_tp.py,
-    train_pp.py).
-
-    Neither kind resumes in the other's scripts, and a run that started at step 0 beside them
-    would replace that run's model.pt and metrics, whatever --resume says.
-    """
+    or DCP directories. Neither resumes in the other's scripts, and a run started at step 0
+    beside them would replace that run's model.pt and metrics, whatever --resume says."""
     if sharded:
         pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
     else:
-        pattern, writers = (
-            CHECKPOINT_DIR_RE,
-            "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py (directories)",
-        )
+        pattern = CHECKPOINT_DIR_RE
+        writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py (directories)"
     if list_checkpoints(out_dir, pattern):
         raise ValueError(
             f"{out_dir} holds checkpoints of {writers}, which {os.path.basename(sys.argv[0])} can "
@@ -503,13 +443,10 @@ def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
 
 
 def start_fresh(out_dir: str) -> None:
-    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl moves aside, to
-    metrics.jsonl.1 (.2, ...), and one printed line says what there was.
-
-    That is a run killed before its first checkpoint (run again, or restarted by torchrun), or
-    an out-dir whose checkpoints are gone: the steps it logged are not this run's, and neither
-    appending to them nor dropping them silently would be what anyone wants.
-    """
+    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl (a run killed
+    before its first checkpoint, or whose checkpoints are gone) moves aside, to metrics.jsonl.1
+    (.2, ...), and one printed line says what there was: not this run's steps, and neither to
+    append to nor to drop silently."""
     found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
     if not found:
         return
@@ -555,13 +492,11 @@ RUN_RECORD = "args.jsonl"  # in --out-dir: one line per start of the run there
 def record_run(args, settings, start_step: int) -> None:
     """Add this start's settings to OUT_DIR/args.jsonl: every flag's final value (the command
     line over --config over the defaults), the settings derived from them (cli.RunSettings),
-    the script, its command line and the step it starts from (0, or the checkpoint's).
+    the script, its command line and the step it starts from.
 
-    One JSON line per start, the fresh start's first and one more for each resume, the earlier
-    lines kept as they were: the last line is what the run uses now (a resume may change
-    --max-steps, --micro-batch-size, the intervals, ...). The file is rewritten whole and
-    atomically, so a kill leaves the old lines or the new ones. Called by the process that
-    writes files, once every check has passed: a refused run leaves the out-dir unchanged.
+    One JSON line per start (a resume may change --max-steps, the intervals, ...), the earlier
+    lines kept, the file rewritten whole and atomically. Called by the process that writes
+    files once every check has passed: a refused run leaves the out-dir unchanged.
     """
     path = os.path.join(args.out_dir, RUN_RECORD)
     record = {

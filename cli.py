@@ -3,12 +3,10 @@
     parser = cli.build_parser("Pretrain a Llama ...")      # the shared flags; a script adds its own
     args = parser.parse_args()                             # never changed afterwards
     run = cli.run_settings(parser, args, devices, device)  # checked; micro-batch, accumulation...
-    ...
-    checkpoints.record_run(args, run, start_step)          # OUT_DIR/args.jsonl, once all passed
 
-Other tools and the tests drive the scripts by these flags' names: keep them stable. Every
-check runs before any data is read, so a mistake costs a second, not a tokenized corpus.
-Every flag can also come from a TOML file, `--config FILE` (toml_flags.py); the command line wins.
+Other tools and the tests drive the scripts by these flags' names: keep them stable. Every check
+runs before any data is read, so a mistake costs a second, not a tokenized corpus. Any flag can
+also come from a TOML file, `--config FILE` (toml_flags.py); the command line wins.
 """
 
 import argparse
@@ -22,13 +20,10 @@ import torch
 
 import model_flags
 import training
-from data import SPECIAL_TOKENS, load_tokenizer
+from data import SPECIAL_TOKENS
 from distributed import backend_for, world_size_from_env
 from metrics import NonFiniteGuard
 from model import LlamaConfig, count_active_parameters, count_parameters
-
-# -------------------------------------------------------------------------------------------------
-# Flags
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and [PAD], [BOT], [EOT]
 # torch seeds are 64-bit; epoch e of the data order is seeded with --seed + e, which must fit too.
@@ -40,18 +35,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     when left out."""
 
     def _get_help_string(self, action):
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag raises ValueError instead of printing and exiting at once.
-
-    `run` then prints it once (on global rank 0) and exits with 2, like argparse would: under
-    torchrun that is one message instead of one usage message per process. Flags are never
-    abbreviated: argparse would otherwise read a mistyped --mode as --model.
-    """
+    """argparse, but a bad flag raises ValueError instead of printing and exiting at once:
+    stopping.run prints it once (on global rank 0, not once per process under torchrun) and
+    exits with 2, as argparse would. Flags are never abbreviated (--mode is not --model)."""
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
@@ -60,274 +50,139 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, with --config FILE: the file's values (toml_flags.py) are this parse's
-        defaults, so a flag given on the command line wins over the file, and the file over the
-        flag's default. The parser itself is not changed (no set_defaults): parsing again
-        without --config gives the defaults."""
+        """argparse's, with --config FILE's values (toml_flags.py) as this parse's defaults: the
+        command line wins over the file, the file over the flags' defaults. The parser itself is
+        not changed: parsing again without --config gives the defaults."""
         argv = sys.argv[1:] if args is None else list(args)
-        path = config_path(argv)
-        if path is not None and namespace is None:
+        if namespace is None and any(a.split("=")[0] == "--config" for a in argv):
             import toml_flags  # only for --config
 
-            namespace = argparse.Namespace(**toml_flags.read_config(self, path))
+            namespace = toml_flags.config_namespace(self, argv)
         return super().parse_known_args(argv, namespace)
 
 
-def config_path(argv: list[str]) -> str | None:
-    """The value of the last --config in argv (--config FILE or --config=FILE), if any."""
-    path = None
-    for i, arg in enumerate(argv):
-        if arg == "--":
-            break
-        if arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif arg.startswith("--config="):
-            path = arg.removeprefix("--config=")
-    return path
-
-
+# fmt: off
 def build_parser(description: str, distributed: bool = False) -> argparse.ArgumentParser:
     """The flags every train script takes; distributed: also --backend (the torchrun scripts)."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
-    p.add_argument(
-        "--config",
-        metavar="FILE",
-        default=None,
-        help="a TOML file of flag values, keyed by the flags' names (seq-length = 512, or "
-        "seq_length); a flag given on the command line wins over the file",
-    )
+    p.add_argument("--config", metavar="FILE", default=None, help="a TOML file of flag values, "
+                   "keyed by the flags' names (seq-length = 512, or seq_length); a flag given on "
+                   "the command line wins over the file")
     if distributed:
-        p.add_argument(
-            "--backend",
-            choices=["nccl", "gloo"],
-            default=None,
-            help="process group backend (default: nccl on GPU, gloo on CPU)",
-        )
+        p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                       help="process group backend (default: nccl on GPU, gloo on CPU)")
     g = p.add_argument_group("data")
-    g.add_argument(
-        "--data",
-        default="stdlib",
-        help="corpus: 'stdlib' (the .py files of this Python's standard library), a "
-        "file, glob or directory of .txt/.jsonl/.json/.parquet, or a hub dataset",
-    )
+    g.add_argument("--data", default="stdlib", help="corpus: 'stdlib' (the .py files of this "
+                   "Python's standard library), a file, glob or directory of "
+                   ".txt/.jsonl/.json/.parquet, or a hub dataset")
     g.add_argument("--text-column", default="text", help="column holding the text (json/parquet)")
-    g.add_argument(
-        "--txt-split",
-        choices=["auto", "paragraph", "line", "file"],
-        default="auto",
-        help=".txt corpora only: one document per paragraph (blank-line separated), line or "
-        "file. auto: paragraph for one .txt file, file for a directory or glob",
-    )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="an existing tokenizer.json (this suite's or any Hugging Face one); default: train "
-        "a byte-level BPE and cache it",
-    )
+    g.add_argument("--txt-split", choices=["auto", "paragraph", "line", "file"], default="auto",
+                   help=".txt corpora only: one document per paragraph (blank-line separated), "
+                   "line or file. auto: paragraph for one .txt file, file for a directory or glob")
+    g.add_argument("--tokenizer", default=None, help="an existing tokenizer.json (this suite's "
+                   "or any Hugging Face one); default: train a byte-level BPE and cache it")
     add_special_token_flags(g)
-    g.add_argument(
-        "--vocab-size",
-        type=number_arg(int, MIN_VOCAB_SIZE),
-        default=None,
-        help="vocabulary of a trained tokenizer, at least 259 (its 256 bytes and 3 special "
-        "tokens) (default: the --model preset's vocab_size: 4096 for tiny, 32000 for the others)",
-    )
-    g.add_argument(
-        "--data-mode",
-        choices=["pack", "pad"],
-        default="pack",
-        help="pack: documents concatenated into full windows; pad: one document per "
-        "row, clipped or right-padded (the classic recipe)",
-    )
-    g.add_argument(
-        "--document-mask",
-        action="store_true",
-        help="pack mode: tokens attend only within their own document (slower on CPU)",
-    )
-    g.add_argument(
-        "--attention",
-        choices=["auto", "sdpa", "flex"],
-        default="auto",
-        help="kernel of --document-mask: sdpa (a dense (T, T) mask; any device) or flex "
-        "(FlexAttention's block-sparse mask, compiled; CUDA only). auto: flex with one CUDA GPU "
-        "per process, else sdpa",
-    )
-    g.add_argument(
-        "--val-fraction",
-        type=number_arg(float, 0, 1, low_open=True, high_open=True),
-        default=0.01,
-        help="fraction of documents held out for validation",
-    )
+    g.add_argument("--vocab-size", type=number_arg(int, MIN_VOCAB_SIZE), default=None,
+                   help="vocabulary of a trained tokenizer, at least 259 (its 256 bytes and 3 "
+                   "special tokens) (default: the --model preset's: 4096 for tiny, else 32000)")
+    g.add_argument("--data-mode", choices=["pack", "pad"], default="pack", help="pack: "
+                   "documents concatenated into full windows; pad: one document per row, "
+                   "clipped or right-padded (the classic recipe)")
+    g.add_argument("--document-mask", action="store_true", help="pack mode: tokens attend only "
+                   "within their own document (slower on CPU)")
+    g.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
+                   help="kernel of --document-mask: sdpa (a dense (T, T) mask; any device) or "
+                   "flex (FlexAttention's block-sparse mask, compiled; CUDA only). auto: flex "
+                   "with one CUDA GPU per process, else sdpa")
+    g.add_argument("--val-fraction", type=number_arg(float, 0, 1, low_open=True, high_open=True),
+                   default=0.01, help="fraction of documents held out for validation")
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
-    g.add_argument(
-        "--num-workers",
-        type=number_arg(int, 0),
-        default=None,
-        help="DataLoader worker processes (default: 0 on a CPU, where a worker would take a core "
-        "from the compute threads; 1 on a GPU); with --streaming, 0 reads in the training loop "
-        "and N reads up to N steps ahead in one background thread",
-    )
-    g.add_argument(
-        "--num-proc",
-        type=number_arg(int, 1),
-        default=None,
-        help="processes that tokenize the corpus (default: one, whose tokenizer already uses "
-        "every core); the tokens and the windows are the same for any value",
-    )
-    g.add_argument(
-        "--streaming",
-        action="store_true",
-        help="read the corpus as a stream, never cached whole, each data-parallel rank its own "
-        "shard; validation is the stream's first documents (docs/data.md)",
-    )
+    g.add_argument("--num-workers", type=number_arg(int, 0), default=None, help="DataLoader "
+                   "worker processes (default: 0 on a CPU, where a worker would take a core from "
+                   "the compute threads; 1 on a GPU); with --streaming, 0 reads in the training "
+                   "loop and N reads up to N steps ahead in one background thread")
+    g.add_argument("--num-proc", type=number_arg(int, 1), default=None, help="processes that "
+                   "tokenize the corpus (default: one, whose tokenizer already uses every core); "
+                   "the tokens and the windows are the same for any value")
+    g.add_argument("--streaming", action="store_true", help="read the corpus as a stream, never "
+                   "cached whole, each data-parallel rank its own shard; validation is the "
+                   "stream's first documents (docs/data.md)")
 
     g = p.add_argument_group("model and batch")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="preset: tiny, small, medium, 1b, 7b, 13b, 70b (default: tiny; with --init-from, "
-        "its architecture)",
-    )
+    g.add_argument("--model", default=None, help="preset: tiny, small, medium, 1b, 7b, 13b, 70b "
+                   "(default: tiny; with --init-from, its architecture)")
     model_flags.add_shape_flags(g, number_arg)
-    g.add_argument(
-        "--init-from",
-        default=None,
-        metavar="DIR",
-        help="start from the weights of a finished run: an --out-dir holding model.pt, "
-        "config.json and tokenizer.json (any train script's, or export_hf.py --from-hf's); the "
-        "architecture and the tokenizer come from there",
-    )
-    g.add_argument(
-        "--seq-length", type=number_arg(int, 1), default=256, help="tokens per training sequence"
-    )
-    g.add_argument(
-        "--batch-size",
-        type=number_arg(int, 1),
-        default=16,
-        help="global batch: sequences per optimizer step, over all devices",
-    )
-    g.add_argument(
-        "--micro-batch-size",
-        type=micro_batch_size_arg,
-        default=None,
-        help="sequences per device per forward pass; gradient accumulation makes up the rest of "
-        "--batch-size (default: no accumulation). auto (CUDA): the largest that fits, measured",
-    )
+    g.add_argument("--init-from", default=None, metavar="DIR", help="start from the weights of a "
+                   "finished run: an --out-dir holding model.pt, config.json and tokenizer.json "
+                   "(any train script's, or export_hf.py --from-hf's); the architecture and the "
+                   "tokenizer come from there")
+    g.add_argument("--seq-length", type=number_arg(int, 1), default=256,
+                   help="tokens per training sequence")
+    g.add_argument("--batch-size", type=number_arg(int, 1), default=16,
+                   help="global batch: sequences per optimizer step, over all devices")
+    g.add_argument("--micro-batch-size", type=micro_batch_size_arg, default=None,
+                   help="sequences per device per forward pass; gradient accumulation makes up "
+                   "the rest of --batch-size (default: no accumulation). auto (CUDA): the "
+                   "largest that fits, measured")
 
     g = p.add_argument_group("optimization")
-    g.add_argument(
-        "--max-steps", type=number_arg(int, 1), default=200, help="optimizer steps to train for"
-    )
-    g.add_argument(
-        "--lr", type=number_arg(float, 0, low_open=True), default=3e-3, help="peak learning rate"
-    )
-    g.add_argument(
-        "--min-lr-ratio",
-        type=number_arg(float, 0, 1),
-        default=0.1,
-        help="the cosine schedule decays to lr * this (0 to 1: the lr never rises after warmup)",
-    )
-    g.add_argument(
-        "--warmup-steps",
-        type=number_arg(int, 0),
-        default=20,
-        help="linear warmup from lr/warmup to --lr. More than --max-steps is only warned about "
-        "(a short test run with the default warmup is fine), but the lr then never reaches --lr",
-    )
-    g.add_argument(
-        "--grad-clip", type=number_arg(float, 0), default=1.0, help="max gradient norm (0: off)"
-    )
-    g.add_argument(
-        "--skip-nonfinite",
-        action="store_true",
-        help="skip the update of a step whose loss or gradient is NaN/inf, instead of stopping; "
-        f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} such steps in a row still stop the run",
-    )
-    g.add_argument(
-        "--weight-decay", type=number_arg(float, 0), default=0.1, help="AdamW decay of matrices"
-    )
-    g.add_argument(
-        "--seed",
-        type=number_arg(int, 0, MAX_SEED),
-        default=1337,
-        help="seed of weights and data order (the data order of epoch e uses seed + e)",
-    )
-    g.add_argument(
-        "--precision",
-        choices=["auto", "fp32", "bf16", "fp16"],
-        default="auto",
-        help="auto: bf16 autocast on GPUs that support it, else fp32",
-    )
-    g.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="torch.compile each decoder layer",
-    )
+    g.add_argument("--max-steps", type=number_arg(int, 1), default=200,
+                   help="optimizer steps to train for")
+    g.add_argument("--lr", type=number_arg(float, 0, low_open=True), default=3e-3,
+                   help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=number_arg(float, 0, 1), default=0.1, help="the cosine "
+                   "schedule decays to lr * this (0 to 1: the lr never rises after warmup)")
+    g.add_argument("--warmup-steps", type=number_arg(int, 0), default=20, help="linear warmup "
+                   "from lr/warmup to --lr. More than --max-steps is only warned about (a short "
+                   "test run with the default warmup is fine), but the lr then never reaches --lr")
+    g.add_argument("--grad-clip", type=number_arg(float, 0), default=1.0,
+                   help="max gradient norm (0: off)")
+    g.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose "
+                   "loss or gradient is NaN/inf, instead of stopping; "
+                   f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} such steps in a row still stop the run")
+    g.add_argument("--weight-decay", type=number_arg(float, 0), default=0.1,
+                   help="AdamW decay of matrices")
+    g.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=1337, help="seed of "
+                   "weights and data order (the data order of epoch e uses seed + e)")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="auto: bf16 autocast on GPUs that support it, else fp32")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile each decoder layer")
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument(
-        "--log-interval", type=number_arg(int, 1), default=10, help="steps between logged losses"
-    )
-    g.add_argument(
-        "--eval-interval", type=number_arg(int, 1), default=50, help="steps between evaluations"
-    )
-    g.add_argument(
-        "--eval-batches",
-        type=number_arg(int, 1),
-        default=10,
-        help="evaluate on the first N global batches of the validation split",
-    )
-    g.add_argument(
-        "--save-interval", type=number_arg(int, 1), default=100, help="steps between checkpoints"
-    )
-    g.add_argument(
-        "--keep-checkpoints",
-        type=number_arg(int, 2),
-        default=3,
-        help="how many checkpoints to keep, at least 2: if the newest is damaged, resuming falls "
-        "back to the one before",
-    )
+    g.add_argument("--log-interval", type=number_arg(int, 1), default=10,
+                   help="steps between logged losses")
+    g.add_argument("--eval-interval", type=number_arg(int, 1), default=50,
+                   help="steps between evaluations")
+    g.add_argument("--eval-batches", type=number_arg(int, 1), default=10,
+                   help="evaluate on the first N global batches of the validation split")
+    g.add_argument("--save-interval", type=number_arg(int, 1), default=100,
+                   help="steps between checkpoints")
+    g.add_argument("--keep-checkpoints", type=number_arg(int, 2), default=3, help="how many "
+                   "checkpoints to keep, at least 2: if the newest is damaged, resuming falls "
+                   "back to the one before")
     g.add_argument("--out-dir", default="out", help="metrics, checkpoints and the final model")
-    g.add_argument(
-        "--resume",
-        default="auto",
-        help="auto: continue from the latest checkpoint in --out-dir if there is "
-        "one; never: start fresh; or the path of a checkpoint file",
-    )
-    g.add_argument(
-        "--sample-tokens",
-        type=number_arg(int, 0),
-        default=64,
-        help="tokens to generate from the trained model at the end (0: none)",
-    )
+    g.add_argument("--resume", default="auto", help="auto: continue from the latest checkpoint "
+                   "in --out-dir if there is one; never: start fresh; or the path of a "
+                   "checkpoint file")
+    g.add_argument("--sample-tokens", type=number_arg(int, 0), default=64,
+                   help="tokens to generate from the trained model at the end (0: none)")
     g.add_argument("--sample-prompt", default="def ", help="prompt of the final sample")
-    g.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also log every metrics.jsonl value to TensorBoard, in OUT_DIR/tensorboard "
-        "(needs pip install -r requirements-tensorboard.txt)",
-    )
+    g.add_argument("--tensorboard", action="store_true", help="also log every metrics.jsonl "
+                   "value to TensorBoard, in OUT_DIR/tensorboard (needs pip install -r "
+                   "requirements-tensorboard.txt)")
 
     g = p.add_argument_group("memory")
-    g.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="keep only each decoder layer's input and recompute the rest in backward: less "
-        "activation memory for ~1/3 more compute; the same results",
-    )
-    g.add_argument(
-        "--plan",
-        action="store_true",
-        help="print memory_plan.py's per-GPU memory estimate for this run at start-up",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check the flags and exit without running (as WORLD_SIZE processes would): "
-        "run_ddp.sh does this first, because torchrun would restart a run that fails on them",
-    )
+    g.add_argument("--activation-checkpointing", action="store_true", help="keep only each "
+                   "decoder layer's input and recompute the rest in backward: less activation "
+                   "memory for ~1/3 more compute; the same results")
+    g.add_argument("--plan", action="store_true",
+                   help="print memory_plan.py's per-GPU memory estimate for this run at start-up")
+    p.add_argument("--check", action="store_true", help="check the flags and exit without "
+                   "running (as WORLD_SIZE processes would): run_ddp.sh does this first, because "
+                   "torchrun would restart a run that fails on them")
     return p
+# fmt: on
 
 
 def add_special_token_flags(group) -> None:
@@ -338,12 +193,10 @@ def add_special_token_flags(group) -> None:
         ("pad", "pads rows in --data-mode pad", "<pad>; else the end token"),
     ):
         group.add_argument(
-            f"--{role}-token",
-            default=None,
-            metavar="TOKEN",
+            f"--{role}-token", default=None, metavar="TOKEN",
             help=f"for a tokenizer made elsewhere: the token that {what} (default: the one its "
             f"tokenizer_config.json names, else the usual one: {examples})",
-        )
+        )  # fmt: skip
 
 
 def micro_batch_size_arg(value: str) -> int | str:
@@ -363,8 +216,8 @@ def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_ope
     """A numeric flag's `type=`: a finite `kind` (int or float) in [low, high] (low excluded
     with low_open, high with high_open; None: no bound), else argparse.ArgumentTypeError, which
     argparse (and a --config file) reports naming the flag: `argument --top-p: expected a number
-    in (0, 1], got 'nan'`. nan and inf are never numbers here, whatever the bounds. Every
-    number-typed flag of the suite takes one, so that a bad value stops the parse itself.
+    in (0, 1], got 'nan'`. nan and inf are never numbers here. Every number-typed flag of the
+    suite takes one, so that a bad value stops the parse itself.
 
         p.add_argument("--top-p", type=cli.number_arg(float, 0, 1, low_open=True))
     """
@@ -399,6 +252,10 @@ def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_ope
     return parse
 
 
+# -------------------------------------------------------------------------------------------------
+# The run's settings, checked
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What the flags imply for this run, derived once by run_settings and passed on explicitly;
@@ -414,25 +271,20 @@ class RunSettings:
 
 
 def run_settings(
-    parser: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    devices: int,
-    device: torch.device,
-    replicas: int = 1,
-    default_micro_batch_size: int | None = None,
-    context_parallel: bool = False,
-) -> RunSettings:
-    """Check the flags against each other and against the device; return the run's settings.
+    parser, args, devices: int, device: torch.device, replicas: int = 1,
+    default_micro_batch_size: int | None = None, context_parallel: bool = False,
+) -> RunSettings:  # fmt: skip
+    """Check the flags against each other, the processes and the device; return the settings.
 
     devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
     data-parallel groups under TP and PP). replicas, context_parallel: see resolve_attention.
     default_micro_batch_size: the micro-batch without --micro-batch-size (None: no accumulation,
-    --batch-size / devices). Raises ValueError (through parser.error) on any inconsistency,
-    before any data is read. With --micro-batch-size auto the settings' micro_batch_size is None
-    (and its accumulation 1) until auto_batch.auto_micro_batch_size has measured it on the GPU.
+    --batch-size / devices). ValueError (parser.error) on any inconsistency, before any data is
+    read. With --micro-batch-size auto, micro_batch_size is None (and accumulation 1) until
+    auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
-    # Each number's own range (positive, finite, ...) was checked as it was parsed (number_arg);
-    # what is left is how the flags go together, with the processes and with the device.
+    # Each number's own range was checked as it was parsed (number_arg); what is left is how the
+    # flags go together, with the processes and with the device.
     world_size_from_env()  # WORLD_SIZE itself: ValueError unless a positive integer
     try:  # --backend: the torchrun scripts' flag
         backend_for(getattr(args, "backend", None), device)
@@ -450,12 +302,9 @@ def run_settings(
         )
     if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
-        print(
-            f"warning: --warmup-steps {args.warmup_steps} is more than --max-steps "
-            f"{args.max_steps}: the learning rate rises for the whole run and never reaches "
-            f"--lr {args.lr}",
-            file=sys.stderr,
-        )
+        print(f"warning: --warmup-steps {args.warmup_steps} is more than --max-steps "
+              f"{args.max_steps}: the learning rate rises for the whole run and never reaches "
+              f"--lr {args.lr}", file=sys.stderr)  # fmt: skip
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         parser.error(
             "--tensorboard needs the tensorboard package: pip install -r "
@@ -469,9 +318,7 @@ def run_settings(
             "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
             "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
         )
-    micro = args.micro_batch_size
-    if micro is None:
-        micro = default_micro_batch_size
+    micro = default_micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     if auto or micro is None:
         micro = args.batch_size // devices  # each device's share (auto: the largest candidate)
     per_step = micro * devices
@@ -481,61 +328,23 @@ def run_settings(
             f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step sees "
             f"exactly the global batch"
         )
-    # The model and the sequence length are known now: refuse them before minutes of data
-    # preparation, not after.
-    model, tokenizer = args.model or "tiny", args.tokenizer
-    if args.init_from is not None:
-        shaping = ["model", "tokenizer", "vocab_size", *model_flags.MODEL_FLAGS]
-        given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
-        if given:
-            parser.error(
-                f"--init-from {args.init_from} brings its own architecture (config.json) and "
-                f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
-            )
-        if os.path.realpath(args.init_from) == os.path.realpath(args.out_dir):
-            # Refused rather than resolved either way: resuming would ignore --init-from, and a
-            # fresh start would write its checkpoints and, at the end, its model.pt over the
-            # very files it starts from (the rule: a run never destroys what is already there).
-            parser.error(
-                f"--init-from {args.init_from} is also the --out-dir: a run writes its model.pt "
-                f"there, over the weights it starts from. To train on from that run's own "
-                f"checkpoints, leave out --init-from (it resumes; raise --max-steps); to start "
-                f"a new run from its model, give another --out-dir"
-            )
-        # The weights only mean something with the tokenizer they were trained with.
-        model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
+    # The model, its tokenizer and the sequence length are known now: refuse them before minutes
+    # of data preparation, not after (model_flags.model_source).
     try:
-        config = model_flags.model_shape(args)
+        model, tokenizer, config = model_flags.model_source(args)
     except ValueError as e:
         parser.error(str(e))
-    if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
-        try:
-            load_tokenizer(tokenizer, model_flags.special_tokens(args))
-        except ValueError as e:
-            parser.error(str(e))
-    elif any(model_flags.special_tokens(args).values()):
-        parser.error(
-            "--bot-token, --eot-token and --pad-token name tokens of --tokenizer's (or "
-            "--init-from's) tokenizer; the one a run trains has its own: [BOT], [EOT], [PAD]"
-        )
     if args.seq_length > config.max_position_embeddings:
         parser.error(
             f"--seq-length {args.seq_length} exceeds the {model or args.init_from} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
     return RunSettings(
-        model=model,
-        tokenizer=tokenizer,
-        devices=devices,
-        micro_batch_size=None if auto else micro,
-        accumulation=args.batch_size // per_step,
+        model=model, tokenizer=tokenizer, devices=devices,
+        micro_batch_size=None if auto else micro, accumulation=args.batch_size // per_step,
         precision=training.resolve_precision(args.precision, device),
         attention=training.resolve_attention(args, device, replicas, context_parallel),
-    )
-
-
-# -------------------------------------------------------------------------------------------------
-# Derived settings
+    )  # fmt: skip
 
 
 def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.device) -> str:
@@ -548,16 +357,15 @@ def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.devi
     model += f", vocab {config.vocab_size}"
     if config.num_local_experts:
         model += f", experts {config.num_local_experts}, {config.num_experts_per_tok} per token"
-    return "\n".join(
-        [
-            model,
-            f"device: {device} x {run.devices}, precision {run.precision}, compile {args.compile}"
-            + (f", document mask by {run.attention}" if args.document_mask else ""),
-            f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
-            f"tokens per step = micro-batch {run.micro_batch_size} x {run.devices} devices x "
-            f"{run.accumulation} accumulation steps",
-            f"schedule: {args.max_steps} steps = {args.max_steps * tokens_per_step / 1e6:.1f}M "
-            f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
-            f"{args.lr * args.min_lr_ratio:g})",
-        ]
-    )
+    kernel = f", document mask by {run.attention}" if args.document_mask else ""
+    return "\n".join([
+        model,
+        f"device: {device} x {run.devices}, precision {run.precision}, compile {args.compile}"
+        + kernel,
+        f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
+        f"tokens per step = micro-batch {run.micro_batch_size} x {run.devices} devices x "
+        f"{run.accumulation} accumulation steps",
+        f"schedule: {args.max_steps} steps = {args.max_steps * tokens_per_step / 1e6:.1f}M "
+        f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
+        f"{args.lr * args.min_lr_ratio:g})",
+    ])  # fmt: skip

@@ -1,14 +1,15 @@
 """The corpora other than the default (the stdlib's .py files, read by data.py): a file, a glob
 or a directory of .txt/.jsonl/.json/.parquet files (.txt split into documents by paragraph, line
 or file: --txt-split), or a Hugging Face hub dataset, NAME or NAME:CONFIG. data.py imports this
-only for such a --data: what it resolves, and the one-line error when one cannot be read.
+only for such a --data (and streaming.py, which reads any --data as a stream).
 
-    data.Source(**resolve(spec, txt_split))        # which builder, which files, which options
-    read_error(files, builder, spec, error)        # ValueError naming the file and line
+    source = resolve_source(spec, txt_split)      # which builder, files, options: nothing read
+    ds = open_source(source, spec, text_column, cache_dir, streaming=False)  # one "text" column
 """
 
 import json
 import os
+from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
 
@@ -24,9 +25,57 @@ BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parq
 SAMPLE_BY = {"paragraph": "paragraph", "line": "line", "file": "document"}
 
 
+TXT_SPLITS = ("auto", "paragraph", "line", "file")  # --txt-split's choices
+
+
+@dataclass(frozen=True)
+class Source:
+    """What --data names, resolved into datasets.load_dataset's arguments (resolve_source),
+    before anything is read (open_source)."""
+
+    path: str  # a datasets builder ("text", "json", "parquet"), or a hub dataset's name
+    config: str | None = None  # the hub dataset's config: --data NAME:CONFIG
+    data_files: list[str] | None = None  # local files, sorted; None for a hub dataset
+    options: dict = field(default_factory=dict)  # builder options: the text builder's sample_by
+    txt_mode: str | None = None  # how .txt files became documents (see txt_split_mode)
+
+
+def resolve_source(spec: str, txt_split: str = "auto") -> Source:
+    """What `spec` (not the stdlib: data.py's own) names, checked without reading any document;
+    ValueError saying why not."""
+    if txt_split not in TXT_SPLITS:
+        raise ValueError(f"--txt-split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
+    return Source(**resolve(spec, txt_split))
+
+
+def open_source(source: Source, spec: str, text_column: str, cache_dir: str, streaming=False):
+    """datasets.load_dataset on a resolved --data: its "train" split with the text in one column,
+    "text" (an IterableDataset, read as iterated, if streaming); ValueError in one line. Cached
+    under cache_dir/datasets (data.writable_cache_dir checks it first); a stream caches nothing."""
+    kwargs = {"split": "train", "cache_dir": os.path.join(cache_dir, "datasets")}
+    kwargs["streaming"] = streaming
+    if source.data_files is None:
+        ds = load_hub(source.path, source.config, spec, **kwargs)
+        return select_text_column(ds, text_column, spec)
+    # A user's file that is not UTF-8 (a binary file, another encoding) is refused below, naming
+    # it, not trained on as garbage. (A stream's errors come as it is read: streaming.py.)
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
+    try:
+        ds = datasets.load_dataset(source.path, data_files=source.data_files, **source.options,
+                                   **kwargs)  # fmt: skip
+    except Exception as e:  # datasets wraps a bad file in many exception types
+        cache_error = in_cache_dir(e, cache_dir)  # --cache-dir's datasets/ not writable
+        raise cache_error or read_error(source.data_files, source.path, spec, e) from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    # The text builder's one column is already "text".
+    return ds if source.path == "text" else select_text_column(ds, text_column, spec)
+
+
 def resolve(spec: str, txt_split: str = "auto") -> dict:
-    """data.Source's fields for a --data other than stdlib, checked without reading any
-    document; ValueError saying why not (the stdlib: only an explicit --txt-split)."""
+    """Source's fields for a --data other than the stdlib, checked without reading any document;
+    ValueError saying why not (the stdlib: only an explicit --txt-split)."""
     if spec == "stdlib":
         _check_txt_split_unused(txt_split, spec, "the standard library's .py files")
     if os.path.exists(spec) or _is_glob(spec) or _looks_like_path(spec):
@@ -138,7 +187,7 @@ def read_error(files: list[str] | None, builder: str, spec: str, error: Exceptio
 
 
 def load_hub(name: str, config: str | None, spec: str, **kwargs):
-    """datasets.load_dataset of a hub dataset (data.open_source's); ValueError in one line."""
+    """datasets.load_dataset of a hub dataset (open_source's); ValueError in one line."""
     try:  # needs the network the first time (and every time, streaming)
         return datasets.load_dataset(name, config, **kwargs)
     except (OSError, ValueError) as e:  # offline and not cached, no such dataset, no config, ...

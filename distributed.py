@@ -7,7 +7,7 @@ every rank keeps in it.
 
 torchrun starts one copy of a script per GPU and tells each its RANK, LOCAL_RANK and
 WORLD_SIZE; `torchrun_rank` reads them and picks the device of the local rank, and each lesson
-joins the group itself (setup_distributed does all of it in one call, for the tools).
+joins the group itself.
 `from_rank0` runs what only rank 0 may do (write files) and shares its result or its error with
 every rank; `main_process_first` lets one process per node fill a cache while the others wait.
 """
@@ -84,18 +84,6 @@ def rendezvous_store() -> dist.Store:
     store, _, _ = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"attempt_{attempt}", store)
-
-
-def setup_distributed(backend: str | None) -> tuple[int, int, int, torch.device]:
-    """The lessons' process-group setup in one call, for the tools (bench.py, ...): join the
-    group torchrun set up (a group of one without it); returns (rank, local_rank, world_size,
-    device). The lessons make these calls themselves, where they can be read."""
-    rank, local_rank, world_size, device = torchrun_rank()
-    dist.init_process_group(
-        backend_for(backend, device), store=rendezvous_store(), rank=rank, world_size=world_size,
-        device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
-    return rank, local_rank, world_size, device
 
 
 def world_size_from_env() -> int:

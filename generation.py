@@ -1,21 +1,31 @@
-"""A finished run's model, loaded and sampled: what generate.py does on the command line and
-every train script does at the end of its run (the sample), in one place.
+"""A finished run's model, loaded: what generate.py, export_hf.py and --init-from read from an
+out-dir (model.pt, config.json, tokenizer.json, which every train script writes at its end).
 
-    model, tokenizer = load_model("out", "cpu")      # model.pt, config.json, tokenizer.json
-    text = generate_text(model, tokenizer, "def ", 64, temperature=0)
+    model, tokenizer = load_model("out", "cpu")
+    text = generate_text(model, tokenizer, "def ", 64)     # model.py's sampling
 
-The train scripts import this only for their sample (and --init-from): a lesson runs without it
-when --sample-tokens is 0.
+The train scripts import this only for --init-from.
 """
 
+import json
 import os
 
 import torch
-from tokenizers import Tokenizer
 
-from checkpoints import OUT_DIR_FILES, load_config
 from data import DocumentTokenizer, load_tokenizer
-from model import LlamaForPretraining
+from model import LlamaConfig, LlamaForPretraining
+
+OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # checkpoints.save_final's
+
+
+def load_config(out_dir: str) -> LlamaConfig:
+    """out_dir/config.json as a LlamaConfig; ValueError if it is not one of this suite's."""
+    config_path = os.path.join(out_dir, "config.json")
+    try:
+        with open(config_path) as f:
+            return LlamaConfig(**json.load(f))
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -27,7 +37,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_model(
     out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> tuple[LlamaForPretraining, Tokenizer]:
+) -> tuple[LlamaForPretraining, DocumentTokenizer]:
     """(model in eval mode on `device`, tokenizer) from a training run's --out-dir.
 
     Raises ValueError, with what to do about it, when the directory or one of its files is
@@ -66,58 +76,3 @@ def load_model(
         raise ValueError(f"{model_path} does not fit {config_path} ({e})") from e
     model.to(device=device, dtype=dtype or default_dtype(device))
     return model.eval(), tokenizer
-
-
-def generate_text(
-    model: LlamaForPretraining, tokenizer: DocumentTokenizer, prompt: str, max_new_tokens: int,
-    *sampling, **named_sampling,
-) -> str:
-    """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
-    document (the tokenizer's eot_id); the sampling arguments are generate_ids' (temperature,
-    top_k, top_p, seed, use_cache).
-
-    temperature 0 is greedy (deterministic). `seed` makes sampling reproducible (None: a fresh
-    random draw). The continuation is cut where the model's context (max_position_embeddings)
-    ends (generate_ids says whether it was).
-    """
-    ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
-    return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
-
-
-def generate_ids(
-    model: LlamaForPretraining,
-    tokenizer: DocumentTokenizer,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    top_p: float | None = None,
-    seed: int | None = None,
-    use_cache: bool = True,
-) -> tuple[list[int], bool]:
-    """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
-    model's context cut the continuation short of max_new_tokens (not an end of document)."""
-    model.eval()
-    device = model.tok_embeddings.weight.device
-    ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]
-    context = model.config.max_position_embeddings
-    room = context - len(ids)
-    if room <= 0:
-        raise ValueError(
-            f"the prompt is {len(ids)} tokens, no shorter than the model's context of {context}"
-        )
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(
-        torch.tensor([ids], device=device),  # (1, T)
-        min(max_new_tokens, room),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=tokenizer.eot_id,
-        generator=generator,
-        use_cache=use_cache,
-    )[0].tolist()  # T + generated
-    cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
-    return out, cut

@@ -97,3 +97,55 @@ def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(
         blocked, float("-inf")
     )
+
+
+# -------------------------------------------------------------------------------------------------
+# --document-mask in a run: which kernel, and the mask of each batch (training.py's, for it)
+
+
+def resolve_attention(args, device: torch.device, replicas: int = 1, context_parallel=False) -> str:
+    """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
+
+    replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py): it splits
+    every tensor argument along the batch, but a BlockMask is no tensor, and each GPU would get
+    the whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with
+    SDPA and build their own rows of the mask (context_parallel.py).
+    """
+    if args.attention == "auto":
+        flex = args.document_mask and device.type == "cuda" and replicas == 1
+        return "flex" if flex and not context_parallel else "sdpa"
+    if args.attention == "flex":
+        if not args.document_mask:
+            raise ValueError(
+                "--attention flex runs the --document-mask; without that mask attention is plain "
+                "causal and SDPA's flash kernel is already the fast path (drop --attention)"
+            )
+        if context_parallel:
+            raise ValueError(
+                "--attention flex is not supported under context parallelism: each rank runs "
+                "SDPA with its own rows of the document mask; use --attention sdpa (or auto)"
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"--attention flex needs a CUDA GPU: in torch {torch.__version__}, FlexAttention "
+                f"has no backward pass on CPU; use --attention sdpa (or auto)"
+            )
+        if replicas > 1:
+            raise ValueError(
+                f"--attention flex cannot run under DataParallel over {replicas} GPUs (it splits "
+                f"tensors over the GPUs, not a BlockMask); use train_ddp.py or --attention sdpa"
+            )
+    return args.attention
+
+
+def document_masks(bot_id: int, attention: str):
+    """mask(x): the document mask of a batch of packed tokens x (B, T), documents starting at
+    bot_id: a BlockMask for attention "flex", else a dense (B, 1, T, T) additive mask."""
+
+    def mask(x: torch.Tensor) -> torch.Tensor | BlockMask:
+        doc_ids = document_ids(x, bot_id)  # (B, T)
+        if attention == "flex":  # block-sparse: the model runs flex_attention
+            return create_document_block_mask(doc_ids)
+        return create_causal_mask(x.size(1), x.device) + create_document_mask(doc_ids)
+
+    return mask

@@ -8,7 +8,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoints import atomic_write_text
@@ -161,35 +160,11 @@ class Throughput:
 
 
 def router_figures(model: torch.nn.Module, group=None) -> dict:
-    """A mixture of experts' routing since the last call, over the global batch, for
-    metrics.log: {"aux_loss": the load-balancing loss as moe.router_stats gives it (sum over
-    the MoE layers of the target-weighted mean over sequences), "tokens_per_expert": [[the
-    (token, slot) assignments of each expert] for each MoE layer]}; {} for a dense model.
-
-    Each rank counts its own micro-batches (moe.router_stats' buffers, on the device); they
-    are summed over the data-parallel ranks of `group` (default: every rank) with one
-    all-reduce before router_stats reads and resets them, so aux_loss is the global batch's
-    (each rank's sums and target counts added, not its means averaged) and each layer's
-    tokens_per_expert adds up to the tokens of the steps since the last call (padding included)
-    x experts_per_token. A collective: every rank calls it, at the same steps. `model` may be
-    wrapped (DDP, FSDP: their buffers are not sharded); under nn.DataParallel over several
-    GPUs, what the first GPU's share of each batch routed.
-    """
-    from moe import MoEFeedForward, router_stats  # here: only a mixture of experts needs them
-
-    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-    if not moes:
-        return {}
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        buffers = ("tokens_per_expert", "aux_loss_sum", "aux_loss_tokens")
-        counts = [getattr(m, name) for m in moes for name in buffers]
-        # One message: float64 adds the integer counts exactly (below 2^53).
-        summed = torch.cat([t.double().flatten() for t in counts])
-        dist.all_reduce(summed, group=group)
-        for t, total in zip(counts, summed.split([t.numel() for t in counts]), strict=True):
-            t.copy_(total.view_as(t))
-    stats = router_stats(model)
-    return {"aux_loss": stats["aux_loss"], "tokens_per_expert": stats["tokens_per_expert"]}
+    """A mixture of experts' routing since the last call, over the global batch: {} for a dense
+    model, else moe.router_figures (a collective over `group`, default every rank). moe.py is
+    loaded by a model that has experts: where it is not, there are none, and nothing is imported."""
+    moe = sys.modules.get("moe")
+    return {} if moe is None else moe.router_figures(model, group)
 
 
 def bar_postfix(loss: float, lr: float, figures: dict) -> dict:

@@ -1,21 +1,16 @@
-"""A Llama decoder written by hand, small enough to read in one sitting.
+"""A Llama decoder written by hand, small enough to read in one sitting, and text generation.
 
-The architecture is Llama 2/3's: token embeddings -> N x [RMSNorm -> grouped-query attention with
-rotary position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head.
-With `num_local_experts > 0` the MLP is Mixtral's mixture of experts instead (moe.py): a router
-sends each token to `num_experts_per_tok` of the SwiGLU experts. Parameter names follow
-Meta's reference code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`); `LlamaConfig`'s
-fields follow Hugging Face's `config.json`, and RoPE uses the `rotate_half` convention of Hugging
-Face checkpoints, so weights map 1:1 without any permutation.
+Llama 2/3's architecture: token embeddings -> N x [RMSNorm -> grouped-query attention with rotary
+position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. With
+`num_local_experts > 0` the MLP is Mixtral's mixture of experts (moe.py). Parameter names follow
+Meta's code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`), `LlamaConfig`'s fields
+Hugging Face's `config.json`, and RoPE Hugging Face's `rotate_half` layout: weights map 1:1.
+No training or distributed code: every strategy wraps or shards this module from the outside.
 
-There is no training or distributed code here: every parallel strategy in this suite wraps or
-shards this one module from the outside.
-
-    config = LlamaConfig.from_preset("tiny", vocab_size=4096)
-    model = LlamaForPretraining(config)
+    model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
-    moe.router_stats(model)  # a mixture of experts: its balance since the last call (logging)
+    text = generate_text(model, tokenizer, "def ", 64)     # KV-cache sampling, decoded
 """
 
 import functools
@@ -48,46 +43,34 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False  # share the embedding matrix with lm_head
-    # Llama 3.1+'s long-context RoPE, as Hugging Face's config.json writes it: {"rope_type":
-    # "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}. None: plain RoPE.
+    # Llama 3.1+'s long-context RoPE as config.json writes it ({"rope_type": "llama3", "factor",
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}); None: plain.
     rope_scaling: dict | None = None
-    # A mixture of experts, with Hugging Face Mixtral's names. 0 experts: the dense SwiGLU MLP.
-    # Otherwise each layer's MLP is num_local_experts SwiGLU experts of intermediate_size, and a
-    # router sends every token to num_experts_per_tok of them (moe.MoEFeedForward). While training,
-    # router_aux_loss_coef x the load-balancing loss joins the loss (LlamaForPretraining.forward).
+    # A mixture of experts, with Mixtral's names (moe.MoEFeedForward); 0 experts: the dense MLP.
+    # A router sends every token to num_experts_per_tok of num_local_experts SwiGLU experts, and
+    # router_aux_loss_coef x the load-balancing loss joins the training loss.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.001  # transformers' MixtralConfig default
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
+        d, nh, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        E, k, coef = self.num_local_experts, self.num_experts_per_tok, self.router_aux_loss_coef
+        if d % nh:
+            raise ValueError(f"hidden_size {d} is not divisible by num_attention_heads {nh}")
+        if nh % kv:
+            raise ValueError(f"num_attention_heads {nh} is not divisible by "
+                             f"num_key_value_heads {kv}")  # fmt: skip
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if not is_integer(self.num_local_experts) or self.num_local_experts < 0:
-            raise ValueError(
-                f"num_local_experts {self.num_local_experts!r} must be an integer >= 0 "
-                f"(0: the dense MLP)"
-            )
-        k = self.num_experts_per_tok
-        if self.num_local_experts > 0 and not (is_integer(k) and 1 <= k <= self.num_local_experts):
-            raise ValueError(
-                f"num_experts_per_tok {k!r} must be an integer from 1 to num_local_experts "
-                f"({self.num_local_experts}): each token goes to that many different experts"
-            )
-        coef = self.router_aux_loss_coef
-        if not (is_integer(coef) or isinstance(coef, float)) or not (
-            math.isfinite(coef) and coef >= 0
-        ):
+        if not is_integer(E) or E < 0:
+            raise ValueError(f"num_local_experts {E!r} must be an integer >= 0 (0: the dense MLP)")
+        if E > 0 and not (is_integer(k) and 1 <= k <= E):
+            raise ValueError(f"num_experts_per_tok {k!r} must be an integer from 1 to "
+                             f"num_local_experts ({E}): each token goes to that many different "
+                             f"experts")  # fmt: skip
+        number = is_integer(coef) or isinstance(coef, float)
+        if not (number and math.isfinite(coef) and coef >= 0):
             raise ValueError(f"router_aux_loss_coef {coef!r} must be a finite number >= 0")
 
     @property
@@ -102,9 +85,8 @@ class LlamaConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
-        """The dataclass fields, so `LlamaConfig(**config.to_dict())` round-trips: all of them,
-        except that a dense model (no experts, the other MoE fields at their defaults) leaves the
-        MoE fields out, so its config.json and checkpoints are what they were before MoE."""
+        """The fields, so that `LlamaConfig(**config.to_dict())` round-trips; a dense model (the
+        MoE fields at their defaults) leaves those out: its files are as before MoE existed."""
         config = {f.name: getattr(self, f.name) for f in fields(self)}
         defaults = {f.name: f.default for f in fields(self) if f.name in MOE_FIELDS}
         if all(config[name] == default for name, default in defaults.items()):
@@ -159,11 +141,8 @@ PRESETS: dict[str, dict] = {
 
 
 def count_parameters(config: LlamaConfig, experts: int | None = None) -> int:
-    """Parameter count from the shapes alone, without building the model (70b would not fit).
-
-    experts: how many experts of each MoE layer to count (default: all of them); see
-    count_active_parameters. A dense model has none, and the argument changes nothing.
-    """
+    """Parameter count from the shapes alone, without building the model (70b would not fit);
+    experts: how many experts of each MoE layer to count (default all; a dense model has none)."""
     d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
     attention = d * d + 2 * d * kv_dim + d * d  # wq, wk + wv (grouped), wo
     mlp = 3 * d * config.intermediate_size  # w1, w2, w3 (of one expert, if there are experts)
@@ -177,9 +156,8 @@ def count_parameters(config: LlamaConfig, experts: int | None = None) -> int:
 
 
 def count_active_parameters(config: LlamaConfig) -> int:
-    """The parameters one token's forward pass uses (for FLOPs per token, MFU): count_parameters
-    with each MoE layer's router and only num_experts_per_tok of its experts. The same as
-    count_parameters for a dense model (embeddings and lm_head included in both)."""
+    """The parameters one token's forward uses (FLOPs per token, MFU): each MoE layer's router
+    and num_experts_per_tok of its experts; count_parameters for a dense model."""
     return count_parameters(config, experts=config.num_experts_per_tok)
 
 
@@ -188,11 +166,9 @@ def count_active_parameters(config: LlamaConfig) -> int:
 
 
 def rope_cos_sin(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (max_position_embeddings, head_dim), in float32.
-
-    Channel i and channel i + head_dim/2 form one rotating pair (Hugging Face's `rotate_half`
-    layout; Meta's original code pairs neighbouring channels instead, which needs a permutation).
-    """
+    """cos and sin tables of shape (max_position_embeddings, head_dim), in float32. Channel i and
+    channel i + head_dim/2 rotate as one pair (Hugging Face's `rotate_half` layout; Meta's
+    original code pairs neighbouring channels, which needs a permutation)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
     if config.rope_scaling is not None:
@@ -222,12 +198,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) by position; cos/sin are (T, head_dim) for x's positions
-    (or anything that broadcasts to x, such as (B, 1, T, head_dim): positions per sequence).
-
-    A query at position m and a key at position n rotated this way have a dot product that depends
-    only on m - n: attention sees relative positions.
-    """
+    """Rotate x (B, heads, T, head_dim) by position; cos/sin are (T, head_dim), or anything that
+    broadcasts to x, such as (B, 1, T, head_dim) for positions per sequence. A query at position
+    m and a key at n rotated so have a dot product that depends only on m - n."""
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
@@ -236,11 +209,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, for one layer during generation.
-
-    Preallocated to the longest sequence, so a decoding step writes one slot instead of
-    concatenating (and copying) the whole history.
-    """
+    """One layer's keys and values of the tokens so far, during generation: preallocated to the
+    longest sequence, so a decoding step writes one slot instead of copying the whole history."""
 
     def __init__(self, batch_size, num_kv_heads, max_length, head_dim, device, dtype):
         shape = (batch_size, num_kv_heads, max_length, head_dim)
@@ -257,13 +227,10 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-# FlexAttention (a BlockMask instead of a dense mask) is only fast compiled: run eagerly,
-# flex_attention computes the whole (T, T) score matrix, exactly what it exists to avoid. So it is
-# compiled once, on first use (torch.compile's import alone costs seconds, which generate.py and
-# the tests should not pay), and called compiled whether or not the layers are: relying on
-# --compile alone would leave the default, uncompiled run on the slow path. Inside a layer that
-# --compile compiles, the plain function is called: Dynamo captures it into the layer's graph,
-# whose compilation generates the fused kernel, with nothing compiled twice.
+# FlexAttention (--document-mask's BlockMask) is only fast compiled: eagerly it computes the whole
+# (T, T) score matrix it exists to avoid. So it is compiled on first use (the import of
+# torch.compile costs seconds that generate.py and the tests should not pay), whether or not the
+# layers are; inside a layer that --compile compiles, the plain function joins the layer's graph.
 @functools.cache
 def compiled_flex_attention():
     """torch.compile(flex_attention), made on the first call and reused by every later one."""
@@ -271,15 +238,10 @@ def compiled_flex_attention():
 
 
 def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd).
-
-    CUDA only. On a CPU, torch 2.13's compiled flex_attention gives wrong logits wherever
-    Inductor generates AVX2 code (CPUs without AVX-512): NaN, or errors of ~0.2 that change from
-    run to run, in a row that starts mid-document. A wrong result must never come out, so the
-    kernel is refused rather than trusted on some CPUs; CUDA is where tests/gpu/ proves it equals
-    SDPA. No silent fallback to SDPA either: the dense mask costs the (T, T) memory this path
-    exists to avoid, and the caller should choose that (cli.resolve_attention does on CPU).
-    """
+    """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd). CUDA only:
+    on a CPU without AVX-512, torch 2.13's compiled kernel gives wrong logits (NaN, or errors of
+    ~0.2 that change from run to run), so it is refused there rather than trusted on some CPUs,
+    with no silent fallback to the dense mask, whose (T, T) memory is the caller's choice."""
     if q.device.type != "cuda":
         raise ValueError(
             f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch 2.13 "
@@ -332,13 +294,9 @@ class Attention(nn.Module):
             # attention on GPU) and never materialise a (T, T) mask. A single decoding step
             # (T == 1) attends to the whole cache, so it needs no mask at all.
             y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                is_causal=attn_mask is None and T > 1,
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1,
                 enable_gqa=nkv != nh,
-            )  # (B, nh, T, hd)
+            )  # (B, nh, T, hd)  # fmt: skip
         y = y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
         return self.wo(y)
 
@@ -425,31 +383,23 @@ class LlamaForPretraining(nn.Module):
     ):
         """Run the decoder on input_ids (B, T).
 
-        attn_mask: None for plain causal attention (the fast path), or a mask from masks.py that
-            broadcasts to (B, heads, T, T): additive floats (0 = attend, -inf = blocked) or bools
-            (True = attend), run by SDPA; or a FlexAttention BlockMask, run by flex_attention
-            on CUDA only (training and evaluation; generation uses no mask; on other devices,
-            ValueError). It must include causality itself. Or a function that computes the
-            attention itself, attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim), given each
-            layer's queries (B, heads, T, head_dim) and keys and values (B, kv_heads, T,
-            head_dim), rotated: context_parallel.py's, whose keys come from several ranks.
+        attn_mask: None for plain causal attention (the fast path); a mask from masks.py that
+            includes causality and broadcasts to (B, heads, T, T), additive floats (0 attend,
+            -inf blocked) or bools (True attend), for SDPA; a FlexAttention BlockMask (CUDA
+            only); or a function attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim) that
+            computes the attention itself from each layer's rotated queries (B, heads, T,
+            head_dim) and keys and values (B, kv_heads, T, head_dim) (context_parallel.py).
         targets: (B, T) next-token ids; positions equal to IGNORE_INDEX (padding) do not count.
-        position_ids: the position of each token in its sequence, for RoPE: (T,), or (B, T) per
-            sequence. None: 0..T-1 (after a KV cache's tokens). Context parallelism passes the
-            positions of the slice of each sequence that a rank holds.
+        position_ids: each token's position, for RoPE: (T,) or (B, T); None: 0..T-1 (after a KV
+            cache's tokens). Context parallelism passes those of the slice a rank holds.
 
-        Returns the logits (B, T, vocab_size) when targets is None. With targets, returns
-        (loss_sum, num_tokens): the cross-entropy summed over the counted targets, and how many
-        there were. The caller divides by the number of targets in the *whole* global batch, which
-        makes the gradient independent of how the batch is split over micro-batches and ranks. The
-        logits are not returned then, so nn.DataParallel gathers two scalars per replica instead
-        of a (B, T, vocab) tensor.
-
-        A mixture of experts in training mode adds its load-balancing loss to loss_sum:
-        router_aux_loss_coef x the sum over MoE layers and sequences of each sequence's balance
-        loss (sequence_balance_loss) x its number of targets. Divided by the global number of
-        targets, as the loops do, that is the mean cross-entropy + coef x the target-weighted
-        mean balance loss, whatever the split of the batch. Evaluation (eval mode) adds nothing.
+        Without targets, the logits (B, T, vocab_size). With them, (loss_sum, num_tokens): the
+        cross-entropy summed over the counted targets, and their number. The caller divides by
+        the targets of the *whole* global batch, so the gradient is the same however the batch
+        is split over micro-batches and ranks (and nn.DataParallel gathers two scalars per
+        replica, not logits). A mixture of experts in training mode adds router_aux_loss_coef x
+        the sum over MoE layers and sequences of each sequence's balance loss x its targets:
+        divided as above, coef x the target-weighted mean balance loss joins the mean loss.
         """
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
@@ -463,9 +413,7 @@ class LlamaForPretraining(nn.Module):
         if position_ids is None:
             cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, hd)
         else:  # (1 or B, 1, T, hd): broadcast over the heads
-            cos, sin = (
-                table[position_ids].unsqueeze(-3) for table in (self.rope_cos, self.rope_sin)
-            )
+            cos, sin = (t[position_ids].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin))
 
         # A mixture of experts keeps its routing for the balance loss in a training forward only;
         # not in evaluation or generation, nor when backward recomputes a layer's forward
@@ -490,9 +438,9 @@ class LlamaForPretraining(nn.Module):
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_sum, num_tokens) of the last hidden states x (B, T, d): final norm, lm_head and
-        cross-entropy. A method of its own so that --compile can fuse it into a few kernels
-        (training.compile_layers): eagerly, the (B, T, vocab) logits are written once in bf16,
-        again upcast to fp32 and again as log-probabilities, forward and backward."""
+        cross-entropy. A method of its own so that --compile can fuse it (training.compile_layers):
+        eagerly, the (B, T, vocab) logits are written in bf16, again in fp32 and again as
+        log-probabilities, forward and backward."""
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -502,21 +450,15 @@ class LlamaForPretraining(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+        generator: torch.Generator | None = None, use_cache: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
         """Continue input_ids (B, T) by up to max_new_tokens; returns (B, T + generated).
 
         With the KV cache, the prompt is run once (prefill) and each later step feeds only the
-        newest token. temperature 0 is greedy (deterministic). Stops early once every sequence has
-        produced eos_id; a sequence that has finished keeps receiving eos_id.
+        newest token. temperature 0 is greedy. Stops once every sequence has produced eos_id;
+        a sequence that has finished keeps receiving eos_id.
         """
         B, T = input_ids.shape
         total = T + max_new_tokens
@@ -525,20 +467,11 @@ class LlamaForPretraining(nn.Module):
                 f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        caches = None
-        if use_cache:
-            dtype = self.tok_embeddings.weight.dtype
-            caches = [
-                KVCache(
-                    B,
-                    self.config.num_key_value_heads,
-                    total,
-                    self.config.head_dim,
-                    input_ids.device,
-                    dtype,
-                )
-                for _ in self.layers
-            ]
+        config, dtype = self.config, self.tok_embeddings.weight.dtype
+        caches = [
+            KVCache(B, config.num_key_value_heads, total, config.head_dim, input_ids.device, dtype)
+            for _ in self.layers
+        ] if use_cache else None  # fmt: skip
         tokens = input_ids
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         next_input = input_ids
@@ -572,3 +505,43 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> t
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+# -------------------------------------------------------------------------------------------------
+# Text in, text out: what generate.py prints and every train script's sample at the end
+
+
+def generate_text(model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
+                  *sampling, **named_sampling) -> str:  # fmt: skip
+    """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
+    document (the tokenizer's eot_id; data.DocumentTokenizer); the sampling arguments are
+    generate_ids'. The continuation stops where the model's context ends."""
+    ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
+    return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
+
+
+def generate_ids(
+    model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
+    temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None,
+    seed: int | None = None, use_cache: bool = True,
+) -> tuple[list[int], bool]:  # fmt: skip
+    """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
+    model's context cut the continuation short of max_new_tokens (not an end of document).
+    temperature 0 is greedy; `seed` makes sampling reproducible (None: a fresh random draw)."""
+    model.eval()
+    device = model.tok_embeddings.weight.device
+    ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]
+    context = model.config.max_position_embeddings
+    room = context - len(ids)
+    if room <= 0:
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens, no shorter than the model's context of {context}"
+        )
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(
+        torch.tensor([ids], device=device), min(max_new_tokens, room), temperature=temperature,
+        top_k=top_k, top_p=top_p, eos_id=tokenizer.eot_id, generator=generator,
+        use_cache=use_cache,
+    )[0].tolist()  # T + generated  # fmt: skip
+    cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
+    return out, cut

@@ -1,15 +1,17 @@
-"""The model a run trains, as flags say it: the --model preset with the shape flags over it, or
---init-from's config.json (model_shape); and the special tokens the flags name.
+"""The model a run trains, as the flags say it: the --model preset with the shape flags over it,
+or --init-from's config.json and tokenizer; and the special tokens the flags name.
 
-    model_flags.add_shape_flags(group, cli.number_arg)  # --num-layers, --hidden-size, ...
-    config = model_flags.preset_config(args, "tiny")  # LlamaConfig, checked: errors name flags
+    model_flags.add_shape_flags(group, cli.number_arg)     # --num-layers, --hidden-size, ...
+    preset, tokenizer, config = model_flags.model_source(args)  # checked: errors name the flags
 
-One place turns flags into a shape, for the train scripts (cli.run_settings's checks before any data
-is read, training.build_model), bench.py, memory_plan.py and profile_step.py alike.
+The one place where flags become a shape: for the flag checks before any data is read
+(cli.run_settings), the model built (training.build_model), bench.py, memory_plan.py and
+profile_step.py alike.
 """
 
 import os
 
+from data import load_tokenizer
 from model import LlamaConfig
 
 # The shape flags: each replaces one LlamaConfig field of the --model preset (preset_config).
@@ -20,8 +22,8 @@ SHAPE_FLAGS = {
     "num_kv_heads": ("num_key_value_heads", "key/value heads (fewer: grouped-query attention)"),
     "ffn_size": ("intermediate_size", "width of the SwiGLU MLP"),
 }
-# The mixture-of-experts flags (moe.MoEFeedForward): each replaces one LlamaConfig field too,
-# with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
+# The mixture-of-experts flags (moe.py, check_expert_flags): each replaces one LlamaConfig field
+# too, with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
 EXPERT_FLAGS = {
     "num_experts": ("num_local_experts", "experts per MoE layer (0: the dense SwiGLU MLP)",
                     int, 0, "N"),
@@ -36,10 +38,7 @@ MODEL_FLAGS = [*SHAPE_FLAGS, *EXPERT_FLAGS]
 
 def add_shape_flags(group, number_arg) -> None:
     """--num-layers ... --ffn-size, --num-experts ...: the train scripts', bench.py's and
-    memory_plan.py's. Each shape flag is a positive integer, each expert flag a number in its
-    own range, refused otherwise as it is parsed: number_arg is cli.number_arg (passed in, since
-    cli imports this module)."""
-
+    memory_plan.py's, each refused as it is parsed outside its range (number_arg: cli's)."""
     for name, (field, what) in SHAPE_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", type=number_arg(int, 1), default=None,
                            metavar="N", help=f"{what}: LlamaConfig.{field} (default: the "
@@ -52,8 +51,7 @@ def add_shape_flags(group, number_arg) -> None:
 
 def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConfig:
     """The preset with the shape and expert flags applied, and vocab_size (else --vocab-size,
-    else the preset's): the one place flags become a shape, for the flag checks, the model
-    built and memory_plan.py alike. ValueError naming the flags that do not fit."""
+    else the preset's). ValueError naming the flags that do not fit."""
     try:
         base = LlamaConfig.from_preset(preset)
     except ValueError as e:
@@ -68,7 +66,11 @@ def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConf
     experts = {name: value for name, value in experts.items() if value is not None}
     config = {**base.to_dict(), **{SHAPE_FLAGS.get(n, (n,))[0]: v for n, v in given.items()}}
     config |= {EXPERT_FLAGS[name][0]: value for name, value in experts.items()}
-    check_experts(experts, config)
+    if experts:  # flags that shape a mixture of experts: do they fit together?
+        from moe import check_expert_flags
+
+        defaults = {field: getattr(LlamaConfig, field) for field, *_ in EXPERT_FLAGS.values()}
+        check_expert_flags(experts, defaults | config)
     d, h, kv = (config[SHAPE_FLAGS[n][0]] for n in ("hidden_size", "num_heads", "num_kv_heads"))
     # LlamaConfig refuses these too, but by its field names: the messages here name the flags.
     said = lambda n: (
@@ -79,34 +81,9 @@ def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConf
         a, b = ("hidden_size", "num_heads") if d % h else ("num_heads", "num_kv_heads")
         raise ValueError(f"{said(a)} is not divisible by {said(b)}")
     if d // h % 2:
-        raise ValueError(
-            f"{said('hidden_size')} / {said('num_heads')} = head_dim {d // h}: rotary embeddings "
-            f"need an even head_dim"
-        )
+        raise ValueError(f"{said('hidden_size')} / {said('num_heads')} = head_dim {d // h}: "
+                         f"rotary embeddings need an even head_dim")  # fmt: skip
     return LlamaConfig(**config)
-
-
-def check_experts(given: dict, config: dict) -> None:
-    """ValueError naming the expert flags (`given`: those on the command line) that do not fit
-    `config` (the preset's fields with every flag applied). Zero is a number of experts (the
-    dense MLP), unlike the shape flags' zero; without experts, the other two flags mean nothing
-    and are refused rather than ignored."""
-    experts = config.get("num_local_experts", LlamaConfig.num_local_experts)
-    k = config.get("num_experts_per_tok", LlamaConfig.num_experts_per_tok)
-    if not experts:
-        pointless = [f"--{n.replace('_', '-')}" for n in given if n != "num_experts"]
-        if pointless:
-            said = "--num-experts 0" if "num_experts" in given else "no --num-experts (dense)"
-            raise ValueError(
-                f"{' and '.join(pointless)} shape a mixture of experts, and with {said} there is "
-                f"none: give --num-experts N (N >= 1) too, or leave them out"
-            )
-    elif k > experts:
-        default = "" if "experts_per_token" in given else " (the default)"
-        raise ValueError(
-            f"--experts-per-token {k}{default} is more than --num-experts {experts}: each token "
-            f"goes to that many different experts; give --experts-per-token {experts} or fewer"
-        )
 
 
 def model_name(args, preset: str | None) -> str:
@@ -119,13 +96,12 @@ def model_name(args, preset: str | None) -> str:
 
 
 def model_shape(args) -> LlamaConfig:
-    """The architecture this run will train, known before any data is read: --init-from's
-    config.json, or the --model preset with the shape flags applied. Its vocab_size is the one a
-    tokenizer trained by the run gets (vocab_size below); the model's is that tokenizer's, or
-    --tokenizer's, which changes no check made with this. ValueError saying why if none."""
+    """The architecture this run trains, known before any data is read: --init-from's
+    config.json, or the --model preset with the shape flags applied (its vocab_size: that of a
+    tokenizer the run trains; a given one's changes no check). ValueError saying why if none."""
     if args.init_from is None:
         return preset_config(args, args.model or "tiny")
-    from checkpoints import OUT_DIR_FILES, load_config  # only for --init-from
+    from generation import OUT_DIR_FILES, load_config  # only for --init-from
 
     missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
     if missing:
@@ -136,30 +112,49 @@ def model_shape(args) -> LlamaConfig:
     return load_config(args.init_from)
 
 
-# The lessons that cannot train a mixture of experts (--num-experts, or an --init-from of one),
-# and why: refuse_experts says so at flag-check time.
-NO_EXPERTS = {
-    "train_tp.py": "its plan splits the dense MLP's Linear layers (w1, w2, w3), which a mixture "
-    "of experts replaces by a router and stacked experts",
-    "train_pp.py": "its stages do not compute the experts' load-balancing loss",
-    "train_cp.py": "it splits every sequence over ranks, and a sequence's load-balancing loss "
-    "needs the whole sequence",
-}
+def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
+    """(the preset to build or None, the tokenizer.json to use or None: train one, the config):
+    the --model preset and --tokenizer, or --init-from's architecture and tokenizer, checked
+    before any data is read. ValueError naming the flags that do not fit."""
+    model, tokenizer = args.model or "tiny", args.tokenizer
+    if args.init_from is not None:
+        shaping = ["model", "tokenizer", "vocab_size", *MODEL_FLAGS]
+        given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
+        if given:
+            raise ValueError(
+                f"--init-from {args.init_from} brings its own architecture (config.json) and "
+                f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
+            )
+        if os.path.realpath(args.init_from) == os.path.realpath(args.out_dir):
+            # Refused rather than resolved either way: resuming would ignore --init-from, and a
+            # fresh start would write its checkpoints and model.pt over the very files it starts
+            # from (a run never destroys what is already there).
+            raise ValueError(
+                f"--init-from {args.init_from} is also the --out-dir: a run writes its model.pt "
+                f"there, over the weights it starts from. To train on from that run's own "
+                f"checkpoints, leave out --init-from (it resumes; raise --max-steps); to start "
+                f"a new run from its model, give another --out-dir"
+            )
+        # The weights only mean something with the tokenizer they were trained with.
+        model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
+    config = model_shape(args)
+    if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
+        load_tokenizer(tokenizer, special_tokens(args))
+    elif any(special_tokens(args).values()):
+        raise ValueError(
+            "--bot-token, --eot-token and --pad-token name tokens of --tokenizer's (or "
+            "--init-from's) tokenizer; the one a run trains has its own: [BOT], [EOT], [PAD]"
+        )
+    return model, tokenizer, config
 
 
 def refuse_experts(parser, args, script: str) -> None:
-    """parser.error (ValueError, exit code 2) if this run's model is a mixture of experts and
-    `script`, one of NO_EXPERTS, cannot train one; called after
-    cli.run_settings, before any work."""
-    experts = model_shape(args).num_local_experts
-    if experts:
-        given = (f"--num-experts {experts}" if args.init_from is None
-                 else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
-        parser.error(
-            f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
-            f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py, or with "
-            f"expert parallelism: train_ep.py --ep N"
-        )
+    """parser.error (exit code 2) if this run's model is a mixture of experts, which `script`
+    cannot train (moe.NO_EXPERTS says why); called after cli.run_settings, before any work."""
+    if experts := model_shape(args).num_local_experts:
+        from moe import cannot_train  # a mixture of experts: moe.py
+
+        parser.error(cannot_train(script, args, experts))
 
 
 def vocab_size(args) -> int:
@@ -168,5 +163,5 @@ def vocab_size(args) -> int:
 
 
 def special_tokens(args) -> dict[str, str | None]:
-    """The special tokens the flags name (None: found in the tokenizer, see data.load_tokenizer)."""
+    """The special tokens the flags name (None: found in the tokenizer: hf_tokenizer.py)."""
     return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}

@@ -2,11 +2,12 @@
 
     mlp = MoEFeedForward(config)            # config.num_local_experts > 0 (a model.LlamaConfig)
     y = mlp(x)                              # x (B, T, d): each token through k of E experts
-    figures = router_stats(model)           # the balance loss and tokens per expert, and reset
+    figures = router_figures(model)         # the balance loss and tokens per expert, and reset
 
 model.py builds it in place of the dense FeedForward (and imports this file only then: copying a
 lesson for a dense model needs no moe.py) and adds the load-balancing loss (balance_loss_sum) to
-the loss it returns.
+the loss it returns; metrics.py logs router_figures where this file is loaded. The expert flags'
+checks are here too (check_expert_flags, and which lessons cannot train experts: NO_EXPERTS).
 No training or distributed code: expert parallelism (expert_parallel.py) sets each layer's
 `dispatch` to its all-to-all, which calls run_experts on the tokens a rank receives.
 """
@@ -14,6 +15,7 @@ No training or distributed code: expert parallelism (expert_parallel.py) sets ea
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -181,3 +183,80 @@ def router_stats(model: nn.Module) -> dict:
     per_layer = [s / n if n else None for s, n in zip(sums, tokens, strict=True)]
     aux = None if None in per_layer else sum(per_layer)
     return {"aux_loss": aux, "aux_loss_per_layer": per_layer, "tokens_per_expert": counts}
+
+
+def router_figures(model: nn.Module, group=None) -> dict:
+    """A mixture of experts' routing since the last call, over the global batch, for
+    metrics.log: {"aux_loss": the load-balancing loss as moe.router_stats gives it (sum over
+    the MoE layers of the target-weighted mean over sequences), "tokens_per_expert": [[the
+    (token, slot) assignments of each expert] for each MoE layer]}; {} for a dense model.
+
+    Each rank counts its own micro-batches (moe.router_stats' buffers, on the device); they
+    are summed over the data-parallel ranks of `group` (default: every rank) with one
+    all-reduce before router_stats reads and resets them, so aux_loss is the global batch's
+    (each rank's sums and target counts added, not its means averaged) and each layer's
+    tokens_per_expert adds up to the tokens of the steps since the last call (padding included)
+    x experts_per_token. A collective: every rank calls it, at the same steps. `model` may be
+    wrapped (DDP, FSDP: their buffers are not sharded); under nn.DataParallel over several
+    GPUs, what the first GPU's share of each batch routed.
+    """
+    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not moes:
+        return {}
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        buffers = ("tokens_per_expert", "aux_loss_sum", "aux_loss_tokens")
+        counts = [getattr(m, name) for m in moes for name in buffers]
+        # One message: float64 adds the integer counts exactly (below 2^53).
+        summed = torch.cat([t.double().flatten() for t in counts])
+        dist.all_reduce(summed, group=group)
+        for t, total in zip(counts, summed.split([t.numel() for t in counts]), strict=True):
+            t.copy_(total.view_as(t))
+    stats = router_stats(model)
+    return {"aux_loss": stats["aux_loss"], "tokens_per_expert": stats["tokens_per_expert"]}
+
+
+# -------------------------------------------------------------------------------------------------
+# The expert flags (model_flags.EXPERT_FLAGS), checked
+
+
+def check_expert_flags(given: dict, config: dict) -> None:
+    """ValueError naming the expert flags (`given`: those on the command line) that do not fit
+    `config` (the preset's fields, every flag applied). Without experts (0 is a number of them:
+    the dense MLP), the other two flags mean nothing and are refused rather than ignored."""
+    experts, k = config["num_local_experts"], config["num_experts_per_tok"]
+    if not experts:
+        pointless = [f"--{n.replace('_', '-')}" for n in given if n != "num_experts"]
+        if pointless:
+            said = "--num-experts 0" if "num_experts" in given else "no --num-experts (dense)"
+            raise ValueError(
+                f"{' and '.join(pointless)} shape a mixture of experts, and with {said} there is "
+                f"none: give --num-experts N (N >= 1) too, or leave them out"
+            )
+    elif k > experts:
+        default = "" if "experts_per_token" in given else " (the default)"
+        raise ValueError(
+            f"--experts-per-token {k}{default} is more than --num-experts {experts}: each token "
+            f"goes to that many different experts; give --experts-per-token {experts} or fewer"
+        )
+
+
+# The lessons that cannot train a mixture of experts (--num-experts, or an --init-from of one),
+# and why: model_flags.refuse_experts says so at flag-check time.
+NO_EXPERTS = {
+    "train_tp.py": "its plan splits the dense MLP's Linear layers (w1, w2, w3), which a mixture "
+    "of experts replaces by a router and stacked experts",
+    "train_pp.py": "its stages do not compute the experts' load-balancing loss",
+    "train_cp.py": "it splits every sequence over ranks, and a sequence's load-balancing loss "
+    "needs the whole sequence",
+}
+
+
+def cannot_train(script: str, args, experts: int) -> str:
+    """Why `script`, one of NO_EXPERTS, refuses this run's mixture of `experts` experts."""
+    given = (f"--num-experts {experts}" if args.init_from is None
+             else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
+    return (
+        f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
+        f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py, or with "
+        f"expert parallelism: train_ep.py --ep N"
+    )

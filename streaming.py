@@ -10,7 +10,7 @@ The train scripts reach it through training.py: build_datasets returns the Strea
 the training set, step_batches the StreamingBatches of the script's data-parallel rank, and
 data_positions gathers every rank's state_dict() for the checkpoint.
 
---data is resolved as for the cached path (data.resolve_source, open_source) and read by
+--data is resolved as for the cached path (corpus.resolve_source, open_source) and read by
 datasets' streaming mode, in the corpus order:
   - validation: the first documents, on every rank, enough for --eval-batches x --batch-size
     sequences (pad mode: that many documents; pack mode: counted in characters, as the tokenizer
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from datasets.distributed import split_dataset_by_node
 from huggingface_hub import HfFileSystem
 
+import corpus
 import data
 import model_flags
 from distributed import main_process_first
@@ -55,7 +56,7 @@ VAL_CHARS_PER_TOKEN = 8
 class Stream:
     """What open_stream read once, the same on every rank, for StreamingBatches to go on from."""
 
-    source: data.Source
+    source: corpus.Source
     spec: str  # --data, for error messages
     documents: datasets.IterableDataset  # the whole corpus, one "text" column, not yet read
     held_out: frozenset[bytes]  # digests of the validation documents' texts
@@ -69,9 +70,12 @@ class Stream:
 def open_stream(args, tokenizer_path: str | None) -> Stream:
     """The validation documents (held out), the tokenizer, and the stream of the rest: the
     streaming counterpart of training.build_datasets. ValueError in one line if unusable."""
-    source = data.resolve_source(args.data, args.txt_split)
+    if args.data == "stdlib" and args.txt_split == "auto":  # data.load_corpus's default corpus
+        source = corpus.Source("text", data_files=data.stdlib_files(), options=data.STDLIB_OPTIONS)
+    else:
+        source = corpus.resolve_source(args.data, args.txt_split)
     with main_process_first():  # one process per node trains the tokenizer, the others load it
-        documents = data.open_source(
+        documents = corpus.open_source(
             source, args.data, args.text_column, args.cache_dir, streaming=True
         )
         texts = (text for batch in _read(documents, source, args.data) for text in batch)
@@ -129,7 +133,7 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
     )  # fmt: skip
 
 
-def stream_fingerprint(source: data.Source, first_texts: list[str]) -> str:
+def stream_fingerprint(source: corpus.Source, first_texts: list[str]) -> str:
     """A stream's fingerprint (--streaming), from what it knows without reading the whole
     corpus: its first documents (the ones held out for validation, read first anyway) and, for
     local files, how many there are and each one's size, in order. It catches a reordered,
@@ -143,7 +147,7 @@ def stream_fingerprint(source: data.Source, first_texts: list[str]) -> str:
     return hasher.hexdigest()
 
 
-def _read(documents: datasets.IterableDataset, source: data.Source, spec: str):
+def _read(documents: datasets.IterableDataset, source: corpus.Source, spec: str):
     """The non-empty texts of `documents`, READ_DOCS documents at a time (fewer once empty ones
     are dropped). Between two reads, documents.state_dict() is exactly after the last one."""
     batches = documents.iter(batch_size=READ_DOCS)
@@ -155,7 +159,7 @@ def _read(documents: datasets.IterableDataset, source: data.Source, spec: str):
         except StopIteration:
             return
         except Exception as e:  # a file that cannot be read: say which, and where, in one line
-            raise data.read_error(source, spec, e) from e
+            raise corpus.read_error(source.data_files, source.path, spec, e) from e
         finally:
             datasets.logging.set_verbosity(verbosity)
         yield [text for text in texts if text is not None and text.strip()]

@@ -1,12 +1,27 @@
 """--config FILE.toml: flag values from a TOML file, checked as the command line checks them.
 
 cli.ArgumentParser reads the file before it parses the command line, and makes its values that
-parse's defaults: a flag given on the command line wins over the file, the file over the flag's
-default. Every lesson's parser is one, so every lesson (its own flags included) takes --config.
+parse's defaults (config_namespace): a flag given on the command line wins over the file, the
+file over the flag's default. Every lesson's parser is one, so every lesson (its own flags
+included) takes --config.
 """
 
 import argparse
 import re
+
+
+def config_namespace(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | None:
+    """The defaults of a parse of argv: the values of the file its last --config names (--config
+    FILE or --config=FILE, before any "--"), or None if it names none."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.removeprefix("--config=")
+    return None if path is None else argparse.Namespace(**read_config(parser, path))
 
 
 def read_config(parser: argparse.ArgumentParser, path: str) -> dict:

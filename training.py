@@ -1,12 +1,11 @@
 """The parts of a training run that are the same under every parallel strategy.
 
 Each train_*.py keeps its own visible loop (setup -> data -> model -> wrap -> loop -> outputs)
-and calls these for what does not change between strategies: the datasets and the batches of
-each step, the model, AdamW and its schedule, mixed precision, attention masks, evaluation, and
-the outputs at the end. That is what keeps the diff between neighbouring lessons to the
-concept each one adds. What only an optional feature needs is imported where it is used:
-streaming.py (--streaming), masks.py (--document-mask), generation.py (the sample at the end,
---init-from's model).
+and calls these for what no strategy changes: the datasets and each step's batches, the model,
+AdamW and its schedule, mixed precision, attention masks, evaluation and the end of a run. That
+keeps the diff between neighbouring lessons to the concept each one adds. An optional feature's
+module is imported where it is used: streaming.py (--streaming), masks.py (--document-mask),
+generation.py (--init-from).
 """
 
 import atexit
@@ -26,26 +25,21 @@ import data
 import model_flags
 from checkpoints import TEMP_RE, save_failed, save_final
 from distributed import main_process_first
-from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, generate_text
 from stopping import ignore_stop_signals
 
 # -------------------------------------------------------------------------------------------------
 # Data
 
 
-def build_datasets(
-    args, tokenizer_path: str | None
-) -> tuple[data.PretrainingDataset, data.PretrainingDataset, object]:
+def build_datasets(args, tokenizer_path: str | None):
     """Corpus -> tokenizer -> tokenized, cached datasets: (train, val, tokenizer).
 
-    tokenizer_path: the settings' tokenizer.json (--tokenizer, or --init-from's); None: one is
-    trained on the training split and cached.
-
-    Under torchrun, `main_process_first` lets one process per node do the work while the others
-    wait, then read what it cached: nobody tokenizes twice.
-
-    With --streaming, train is a streaming.Stream instead: the corpus not yet read, which
-    step_batches reads as it goes, each data-parallel rank its own shard (see streaming.py).
+    tokenizer_path: the settings' tokenizer.json (--tokenizer, --init-from's); None: one is
+    trained on the training split and cached. Under torchrun, main_process_first lets one
+    process per node do the work while the others wait, then read what it cached. With
+    --streaming, train is a streaming.Stream: the corpus not yet read, which step_batches reads
+    as it goes, each data-parallel rank its own shard.
     """
     if args.streaming:
         import streaming  # only for --streaming
@@ -56,21 +50,17 @@ def build_datasets(
         docs = data.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
         train_docs, val_docs = data.split_corpus(docs, args.val_fraction, seed=0)
         tokenizer = data.get_tokenizer(
-            train_docs,
-            model_flags.vocab_size(args),
-            args.cache_dir,
-            tokenizer_path,
+            train_docs, model_flags.vocab_size(args), args.cache_dir, tokenizer_path,
             model_flags.special_tokens(args),
-        )
+        )  # fmt: skip
         tokenizer.corpus_sha256 = data.fingerprint(docs, args.cache_dir)  # for checkpoints
-        pad_id = tokenizer.pad_id
         # --num-proc tokenizes in parallel; packing stays in one process, so that the windows
         # never depend on it (see data.PretrainingDataset).
         train_ids, val_ids = (
             data.tokenize(d, tokenizer, args.num_proc) for d in (train_docs, val_docs)
         )
         train, val = (
-            data.PretrainingDataset(ids, args.seq_length, args.data_mode, pad_id)
+            data.PretrainingDataset(ids, args.seq_length, args.data_mode, tokenizer.pad_id)
             for ids in (train_ids, val_ids)
         )
     if int(os.environ.get("RANK", "0")) == 0:
@@ -88,7 +78,6 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
         return f"{n:,}" if n < 1e6 else f"{n / 1e6:,.1f}M" if n < 1e9 else f"{n / 1e9:,.2f}B"
 
     docs, tokens, sequences = train
-    sequences_per_run = args.max_steps * args.batch_size
     epoch_steps = sequences // args.batch_size
     epochs = (
         f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps"
@@ -100,13 +89,13 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
         f"{args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
         f"{size(val[1])} tokens -> {val[2]:,} sequences\n"
         f"this run: {args.max_steps:,} steps x {args.batch_size} sequences = "
-        f"{sequences_per_run:,} sequences = {epochs}"
+        f"{args.max_steps * args.batch_size:,} sequences = {epochs}"
     )
 
 
 def is_stream(dataset) -> bool:
     """Whether `dataset` is a streaming.Stream (--streaming). One exists only once streaming.py
-    was imported (build_datasets imports it for --streaming alone), so no import here."""
+    was imported (for --streaming alone), so no import here."""
     streaming = sys.modules.get("streaming")
     return streaming is not None and isinstance(dataset, streaming.Stream)
 
@@ -126,17 +115,10 @@ def steps_per_epoch(train_ds, args) -> int | None:
 
 
 def step_batches(
-    dataset,
-    order_for_epoch: Callable[[int], list[int]],
-    micro_batch_size: int,
-    accumulation: int,
-    steps_per_epoch: int,
-    start_step: int,
-    num_workers: int,
-    pin_memory: bool,
-    shard: tuple[int, int] = (0, 1),
-    data_position: list[dict] | None = None,
-) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    dataset, order_for_epoch: Callable[[int], list[int]], micro_batch_size: int, accumulation: int,
+    steps_per_epoch: int, start_step: int, num_workers: int, pin_memory: bool,
+    shard: tuple[int, int] = (0, 1), data_position: list[dict] | None = None,
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
     """An iterator over the optimizer steps from `start_step` on: each step's `accumulation`
     micro-batches.
 
@@ -145,10 +127,9 @@ def step_batches(
     function of the step (epoch = step // steps_per_epoch), so resuming at step s reads exactly
     what an uninterrupted run would have read, without storing anything but s.
 
-    A stream (--streaming) is read instead by a streaming.StreamingBatches: `shard` is this
-    process's (data-parallel rank, number of data-parallel ranks), and `data_position` the
-    checkpoint's data_positions() (None: the stream's start). order_for_epoch, steps_per_epoch
-    and start_step are not used: a stream's position is not a function of the step.
+    A stream (--streaming) is read by a streaming.StreamingBatches instead: `shard` is this
+    process's (data-parallel rank, number of them), `data_position` the checkpoint's
+    data_positions() (None: the stream's start); the other arguments but the sizes are unused.
     """
     if num_workers is None:  # --num-workers' default (cli.py): none on a CPU, one on a GPU
         num_workers = 1 if pin_memory else 0  # pin_memory: training on a GPU
@@ -172,14 +153,9 @@ def _cached_step_batches(dataset, order_for_epoch, micro_batch_size, accumulatio
     while True:
         order = order_for_epoch(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
         loader = DataLoader(
-            dataset,
-            batch_size=micro_batch_size,
-            sampler=order,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            drop_last=True,
-            worker_init_fn=ignore_stop_signals,
-        )
+            dataset, batch_size=micro_batch_size, sampler=order, num_workers=num_workers,
+            pin_memory=pin_memory, drop_last=True, worker_init_fn=ignore_stop_signals,
+        )  # fmt: skip
         batches = _start_loader(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             yield [next(batches) for _ in range(accumulation)]
@@ -195,14 +171,12 @@ def _start_loader(loader: DataLoader) -> Iterator:
     """iter(loader); its worker processes, if any, end when this process does, however it ends.
 
     Its workers ignore SIGINT, SIGTERM and SIGUSR1 (stopping.ignore_stop_signals). A run that
-    finishes or stops drops its loader, and the DataLoader tells its workers to leave. A run
-    that ends in an error (a failed save, a TrainingError, any exception) still holds it at exit
-    (the error's traceback holds main()'s frames): then the DataLoader's own shutdown is off
-    (torch's exit hook), and multiprocessing's exit hook sends the workers SIGTERM, which they
-    ignore, and waits for them: the run never ended (under torchrun, on every rank). So the
-    first loader with workers registers _end_open_loaders to run at exit before those hooks
-    (atexit runs the last registered first; both are registered by now, workers having
-    started): it has the DataLoader end every loader still open, as it would have.
+    finishes or stops drops its loader, and the DataLoader tells its workers to leave. But a run
+    that ends in an error still holds it at exit (the traceback holds main()'s frames), the
+    DataLoader's own shutdown is then off (torch's exit hook), and multiprocessing's exit hook
+    sends the workers SIGTERM, which they ignore, and waits for them forever (under torchrun, on
+    every rank). So the first loader with workers registers _end_open_loaders to run at exit
+    before those hooks (atexit runs the last registered first), to end every loader still open.
     """
     global _exit_hook_registered
     batches = iter(loader)
@@ -225,9 +199,8 @@ def _end_open_loaders() -> None:
 
 
 def data_positions(batches) -> list[dict] | None:
-    """What a checkpoint saves of the position in the data, from step_batches' iterator: None
-    for a cached dataset (the step is its position); for a stream (--streaming) see
-    streaming.data_positions, a collective under torchrun: every rank calls this."""
+    """What a checkpoint saves of the position in the data: None for a cached dataset (the step
+    is its position); for a stream, streaming.data_positions: a collective under torchrun."""
     streaming = sys.modules.get("streaming")  # imported for --streaming alone (is_stream)
     if streaming is None or not isinstance(batches, streaming.StreamingBatches):
         return None
@@ -238,14 +211,12 @@ def data_positions(batches) -> list[dict] | None:
 # Model, optimizer, schedule, precision, attention masks
 
 
-def build_model(
-    args, preset: str | None, vocab_size: int
-) -> tuple[LlamaForPretraining, LlamaConfig]:
-    """The model to train: the settings' preset (its shape changed by the shape flags) with fresh
-    weights from --seed, or --init-from's (in fp32, on the CPU)."""
+def build_model(args, preset: str | None, vocab_size: int):
+    """(model, config) to train: the settings' preset (shaped by the flags) with fresh weights
+    from --seed, or --init-from's (in fp32, on the CPU)."""
     if args.init_from is not None:
-        # generation.load_model, generate.py's loader: a model.pt that generates also trains
-        # (and fails the same way, with the same messages, if its files do not belong together).
+        # generate.py's loader: a model.pt that generates also trains (and fails the same way,
+        # with the same messages, if its files do not belong together).
         from generation import load_model
 
         model, _ = load_model(args.init_from, "cpu", torch.float32)
@@ -265,12 +236,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
     """Compile each decoder layer in place: a short compile (one layer's graph, reused), and the
     parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected.
-
     loss: also compile model.loss (final norm, lm_head, cross-entropy), which fuses the upcast
-    and log-softmax of the (B, T, vocab) logits instead of writing them out three times. Off
-    under tensor parallelism, whose loss runs on vocabulary shards inside loss_parallel(), and
-    in pipeline stages, whose last stage computes pipeline.PipelineLoss instead.
-    """
+    and log-softmax of the (B, T, vocab) logits; off under tensor parallelism (its loss runs on
+    vocabulary shards in loss_parallel()) and in pipeline stages (pipeline.PipelineLoss)."""
     for layer in decoder_layers(model):
         layer.compile()
     if loss:
@@ -278,14 +246,10 @@ def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
 
 
 def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
-    """Recompute each decoder layer's activations in backward instead of storing them.
-
-    Each layer's forward runs under torch.utils.checkpoint, which keeps only the layer's inputs
-    and runs the forward again when backward reaches the layer. Non-reentrant (use_reentrant=
-    False) is the recommended variant: it works with DDP, FSDP and torch.compile, and it replays
-    the RNG state. The forward is replaced on each instance from here, outside model.py, and
-    the parameter names stay unchanged, so checkpoints and model.pt are unaffected.
-    """
+    """Recompute each decoder layer's activations in backward instead of storing them: its
+    forward runs under torch.utils.checkpoint, which keeps only the layer's inputs. Non-reentrant
+    (use_reentrant=False): it works with DDP, FSDP and torch.compile and replays the RNG state.
+    Set on each instance from here; the parameter names, hence the checkpoints, are unchanged."""
     for layer in decoder_layers(model):
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
@@ -298,9 +262,9 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # One fused kernel per parameter for the whole update, on a GPU and on a CPU alike. Not
-    # fused, a CPU gets no multi-tensor path either: AdamW loops over the parameters in Python,
-    # about ten operations each (~3 ms of a ~35 ms step at bench_nanogpt.py's shape).
+    # One fused kernel per parameter for the whole update, on a GPU and a CPU alike. Not fused, a
+    # CPU gets no multi-tensor path either: AdamW loops over the parameters in Python, about ten
+    # operations each (~3 ms of a ~35 ms step at bench_nanogpt.py's shape).
     fused = device_type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
@@ -308,10 +272,9 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
 def build_scheduler(optimizer, args) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warmup to --lr, then cosine decay to lr * --min-lr-ratio at --max-steps."""
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer,
-        T_max=max(1, args.max_steps - args.warmup_steps),
+        optimizer, T_max=max(1, args.max_steps - args.warmup_steps),
         eta_min=args.lr * args.min_lr_ratio,
-    )
+    )  # fmt: skip
     if args.warmup_steps == 0:
         return cosine
     warmup = torch.optim.lr_scheduler.LinearLR(
@@ -329,41 +292,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def resolve_attention(
-    args, device: torch.device, replicas: int = 1, context_parallel: bool = False
-) -> str:
-    """The kernel that runs --document-mask: "flex" or "sdpa" (--attention auto chooses).
+def resolve_attention(args, device, replicas: int = 1, context_parallel: bool = False) -> str:
+    """The kernel that runs --document-mask, "flex" or "sdpa" (masks.resolve_attention, which
+    refuses flex where it cannot run); "sdpa" when neither it nor --attention is given."""
+    if not args.document_mask and args.attention == "auto":
+        return "sdpa"
+    import masks  # only for --document-mask or --attention
 
-    replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py). It splits
-    every tensor argument along the batch, but a BlockMask is no tensor: each GPU would get the
-    whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with SDPA
-    and build their own rows of the mask (context_parallel.py).
-    """
-    if args.attention == "auto":
-        flex = args.document_mask and device.type == "cuda" and replicas == 1
-        return "flex" if flex and not context_parallel else "sdpa"
-    if args.attention == "flex":
-        if not args.document_mask:
-            raise ValueError(
-                "--attention flex runs the --document-mask; without that mask attention is plain "
-                "causal and SDPA's flash kernel is already the fast path (drop --attention)"
-            )
-        if context_parallel:
-            raise ValueError(
-                "--attention flex is not supported under context parallelism: each rank runs "
-                "SDPA with its own rows of the document mask; use --attention sdpa (or auto)"
-            )
-        if device.type != "cuda":
-            raise ValueError(
-                f"--attention flex needs a CUDA GPU: in torch {torch.__version__}, FlexAttention "
-                f"has no backward pass on CPU; use --attention sdpa (or auto)"
-            )
-        if replicas > 1:
-            raise ValueError(
-                f"--attention flex cannot run under DataParallel over {replicas} GPUs (it splits "
-                f"tensors over the GPUs, not a BlockMask); use train_ddp.py or --attention sdpa"
-            )
-    return args.attention
+    return masks.resolve_attention(args, device, replicas, context_parallel)
 
 
 def autocast(device: torch.device, precision: str):
@@ -374,28 +310,19 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], torch.Tensor | None]:
+def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], object]:
     """The attention mask of a batch of tokens x (B, T), as a function: mask(x) is None (plain
-    causal attention, the fast path) unless --document-mask asks for one; then a FlexAttention
-    BlockMask if settings.attention is "flex", else a dense (B, 1, T, T) additive mask.
+    causal attention, the fast path) unless --document-mask asks for masks.document_masks'.
 
     Pad mode needs no padding mask: padding is on the right, so under causal attention a real
-    token never sees a pad, and what pad positions compute is ignored by the loss
-    (tests/test_model.py proves real-token logits unchanged by right padding).
+    token never sees a pad, and the loss ignores what pad positions compute (tests/test_model.py
+    proves real-token logits unchanged by right padding).
     """
     if not args.document_mask:
         return lambda x: None
     import masks  # only for --document-mask
 
-    bot_id = tokenizer.bot_id
-
-    def mask(x: torch.Tensor) -> torch.Tensor | None:
-        doc_ids = masks.document_ids(x, bot_id)  # (B, T)
-        if settings.attention == "flex":  # block-sparse: the model runs flex_attention
-            return masks.create_document_block_mask(doc_ids)
-        return masks.create_causal_mask(x.size(1), x.device) + masks.create_document_mask(doc_ids)
-
-    return mask
+    return masks.document_masks(tokenizer.bot_id, settings.attention)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -406,13 +333,13 @@ class ValidationShard:
     """This rank's share of the validation set, in batches of `rows`, the same number of batches
     on every rank: iterate it (once per evaluation) like a DataLoader.
 
-    Every `ranks`-th sample from `rank` on, so that over the ranks each sample counts once. The
-    ranks' shards differ by one sample where the ranks do not divide the set, hence by one batch;
-    but every forward of a sharded model (FSDP's all-gathers, TP's all-reduces, CP's gathers, a
-    pipeline's sends) needs every rank, and a rank that stopped early would leave the others
+    Every `ranks`-th sample from `rank` on, so that over the ranks each sample counts once.
+    Where the ranks do not divide the set, shards differ by a sample, hence by a batch; but
+    every forward of a sharded model (FSDP's all-gathers, TP's all-reduces, CP's gathers, a
+    pipeline's sends) needs every rank, and one that stopped early would leave the others
     waiting forever. So the last batch is topped up to `rows` rows and a shorter shard gets
-    batches of padding: token 0 as input (any id will do) and all targets IGNORE_INDEX, which add
-    nothing to the loss sum or the token count. Full rows also keep one shape for a pipeline.
+    batches of padding: token 0 as input and all targets IGNORE_INDEX, which add nothing to the
+    loss sum or the token count. Full rows also keep one shape for a pipeline.
     """
 
     def __init__(self, val_set, rank: int, ranks: int, rows: int):
@@ -461,21 +388,10 @@ def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor,
     return loss_sum, num_tokens
 
 
-def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """`prompt` and a short continuation of it, decoded; the same every time (seed 0).
-
-    This is generate.py's own function with its default sampling settings, so on CPU
-    `python generate.py --seed 0 --prompt ... --max-new-tokens ...` prints the same text.
-    """
-    from generation import generate_text  # only for the sample
-
-    return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)
-
-
 def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
     """The end of a run, on the process that writes files: model.pt, config.json and
     tokenizer.json; with --plan on a GPU, the measured peak to hold against the plan printed at
-    start-up; and the sample of the trained model (--sample-tokens)."""
+    start-up; and a sample of the trained model (--sample-tokens)."""
     try:
         save_final(args.out_dir, model, config, tokenizer)
     except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
@@ -489,3 +405,9 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
     if args.sample_tokens:
         text = sample_text(model.to(device), tokenizer, args.sample_prompt, args.sample_tokens)
         print(f"sample:\n{text}")
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """`prompt` and a continuation, the same every time: generate.py's generate_text with seed 0,
+    so `python generate.py --seed 0 --prompt ... --max-new-tokens ...` prints it on CPU too."""
+    return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

@@ -551,7 +551,7 @@ def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="local rank 1 has no GPU: this node has 1"):
-        distributed.setup_distributed(backend=None)
+        distributed.torchrun_rank()
 
 
 @pytest.mark.parametrize("mistake", ["flag", "data"])

@@ -439,9 +439,9 @@ def test_the_corpus_fingerprint_is_of_its_documents_and_is_hashed_once(tmp_path,
 
 def test_a_streams_fingerprint_is_its_first_documents_and_its_files_sizes(tmp_path):
     files = [write_jsonl(tmp_path / "s" / f"{i}.jsonl", [{"text": f"d{i}"}]) for i in range(2)]
-    source = data.resolve_source(str(tmp_path / "s"))
+    source = corpus.resolve_source(str(tmp_path / "s"))
     digest = streaming.stream_fingerprint(source, ["first", "second"])
-    assert digest == streaming.stream_fingerprint(data.resolve_source(f"{tmp_path}//s/"),
+    assert digest == streaming.stream_fingerprint(corpus.resolve_source(f"{tmp_path}//s/"),
                                                ["first", "second"])  # fmt: skip
     assert streaming.stream_fingerprint(source, ["second", "first"]) != digest
     write_jsonl(files[1], [{"text": "d1"}, {"text": "one more document"}])  # the corpus grew
@@ -460,7 +460,7 @@ def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, stre
     args, plan = build_args(docs, cache, **(STREAMING if streaming else {}))
     *_, tokenizer = training.build_datasets(args, plan.tokenizer)
     if streaming:  # the stream's own (its validation documents, its files' sizes)
-        loaded = data.resolve_source(str(docs))
+        loaded = corpus.resolve_source(str(docs))
         assert re.fullmatch("[0-9a-f]{64}", tokenizer.corpus_sha256)
         assert tokenizer.corpus_sha256 != stream_fingerprint(loaded, [])
     else:

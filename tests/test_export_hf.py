@@ -24,7 +24,8 @@ import checkpoints
 import data
 import export_hf
 import stopping
-from generation import generate_text, load_model
+from generation import load_model
+from model import generate_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "def add(x, y):\n    return x + y"

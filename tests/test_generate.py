@@ -14,7 +14,8 @@ import torch
 import generate
 import stopping
 import training
-from generation import generate_ids, generate_text, load_model
+from generation import load_model
+from model import generate_ids, generate_text
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def add(x"

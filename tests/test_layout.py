@@ -6,10 +6,13 @@ modules, so that copying a lesson never means copying another lesson.
 """
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from harness import LESSONS, REPO
+from harness import LAUNCH_TIMEOUT, LESSONS, REPO, describe, launch_env
 
 
 def root_imports(module_level: bool = False) -> dict[str, set[str]]:
@@ -102,3 +105,40 @@ def test_copying_a_lesson_takes_few_files():
     # The layout's figure: a lesson copies the shared library and its own modules, no more.
     assert len(files_to_copy("train_ddp.py")) <= 10
     assert max(len(files_to_copy(lesson)) for lesson in LESSONS) <= 14
+
+
+# -------------------------------------------------------------------------------------------------
+# A learner's copy: the lesson and the files it names, alone in a folder, run with its defaults
+
+
+@pytest.fixture(scope="module")
+def stdlib_cache(tmp_path_factory) -> Path:
+    """One --cache-dir for every copied lesson: the default corpus (the standard library) is
+    tokenized by the first run and read from the cache by the others."""
+    return tmp_path_factory.mktemp("stdlib_cache")
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
+    lesson, tmp_path, stdlib_cache
+):
+    # Only the run's size is changed from the defaults: the default corpus (so no corpus.py),
+    # the default tokenizer training, evaluation, checkpoints, a resume, the sample at the end
+    # and every figure logged each step (metrics, a mixture of experts' routing if any).
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for name in files_to_copy(lesson):
+        shutil.copy(Path(REPO) / name, folder / name)
+    env = launch_env()
+    env.pop("PYTHONPATH", None)  # the copy alone: nothing may come from the repository
+    argv = ["--cache-dir", str(stdlib_cache), "--out-dir", str(tmp_path / "out"),
+            "--vocab-size", "512", "--seq-length", "32", "--batch-size", "4", "--eval-batches",
+            "1", "--log-interval", "1", "--eval-interval", "1", "--save-interval", "1",
+            "--sample-tokens", "4"]  # fmt: skip
+    for steps, said in ((1, "sample:"), (2, "resumed from")):
+        proc = subprocess.run(
+            [sys.executable, lesson, *argv, "--max-steps", str(steps)], cwd=folder, env=env,
+            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+        )  # fmt: skip
+        assert proc.returncode == 0, describe(proc, f"{lesson} copied alone: expected exit 0")
+        assert said in proc.stdout, describe(proc, f"expected {said!r} in the output")

@@ -25,13 +25,14 @@ import export_hf
 import generate
 import stopping
 import training
-from generation import generate_text, load_model
+from generation import load_model
 from model import (
     IGNORE_INDEX,
     LlamaConfig,
     LlamaForPretraining,
     count_active_parameters,
     count_parameters,
+    generate_text,
 )
 from moe import MoEFeedForward, router_stats, sequence_balance_loss
 

@@ -41,6 +41,7 @@ from test_bad_input import assert_refused
 
 import checkpoints
 import data
+import generation
 import memory_plan
 import metrics
 import model_flags
@@ -121,7 +122,7 @@ def test_the_logged_routing_is_the_global_batchs(launched, script, world, flags)
 
 
 def test_train_dp_says_how_many_experts_and_active_parameters(launched):
-    config = checkpoints.load_config(launched(DP, 1).out)
+    config = generation.load_config(launched(DP, 1).out)
     assert (config.num_local_experts, config.num_experts_per_tok) == (E, K)
     line = next(s for s in launched(DP, 1).stdout.splitlines() if s.startswith("model: "))
     total, active = count_parameters(config) / 1e6, count_active_parameters(config) / 1e6

@@ -34,8 +34,8 @@ from test_fsdp import (
 )
 
 import train_pp
-from generation import generate_text, load_model
-from model import LlamaConfig, LlamaForPretraining
+from generation import load_model
+from model import LlamaConfig, LlamaForPretraining, generate_text
 
 PP = "train_pp.py"
 FSDP = "train_fsdp.py"

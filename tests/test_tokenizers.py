@@ -1,4 +1,4 @@
-"""Specification of tokenizers made elsewhere (data.load_tokenizer): any Hugging Face
+"""Specification of tokenizers made elsewhere (hf_tokenizer.py): any Hugging Face
 tokenizer.json works, its beginning/end-of-document and padding tokens found by the flags
 (--bot-token, ...), a tokenizer_config.json beside it, or the usual names, in that order; and
 whatever is wrong with them is said before any data is read."""

@@ -46,8 +46,8 @@ from test_fsdp import (
     copy_sharded_checkpoint,
 )
 
-from generation import generate_text, load_model
-from model import LlamaConfig, LlamaForPretraining
+from generation import load_model
+from model import LlamaConfig, LlamaForPretraining, generate_text
 from tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
 
 TP = "train_tp.py"
