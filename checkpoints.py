@@ -1,13 +1,8 @@
-"""A run's --out-dir: its checkpoints and final files, written so that a kill at any moment
-loses nothing; one live run per directory (a lock), a killed run's debris cleared, the checkpoint
-to resume from chosen, and the record of each start's settings (args.jsonl).
-
-A `.pt` checkpoint (train_dp.py, train_ddp.py, train_zero1.py) holds all a resumed run needs to
-go on exactly: model, optimizer, schedule, grad scaler, RNG states, the step (which fixes the
-position in the data), the model config, the tokenizer's and the data's digests and the flags.
-At the end a run writes model.pt, config.json and tokenizer.json (save_final; generation.py
-reads them). The sharded checkpoints
-of train_fsdp.py and its successors are sharded_checkpoints.py's.
+"""A run's --out-dir: checkpoints and final files, written so that a kill at any moment loses
+nothing; one live run per directory (a lock); the checkpoint to resume from, checked to be this
+run's; the record of each start's settings (args.jsonl). A `.pt` checkpoint (train_dp.py,
+train_ddp.py, train_zero1.py) holds all a resumed run needs to go on exactly; the DCP
+checkpoints of train_fsdp.py and its successors are sharded_checkpoints.py's.
 """
 
 import atexit
@@ -33,9 +28,8 @@ from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 from stopping import TrainingError
 
 # -------------------------------------------------------------------------------------------------
-# Every file is written atomically: to a temporary name in the same directory, flushed to disk,
-# then renamed over the target (os.replace is atomic on POSIX), so a kill at any moment leaves
-# either the old file or the new one, never half of one.
+# Every file is written atomically: to a temporary name beside it, flushed to disk, then renamed
+# over it (os.replace is atomic on POSIX): a kill leaves the old file or the new, never half.
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
 # train_fsdp.py's (and train_tp.py's, train_pp.py's): a DCP directory per step, step_0000100/
@@ -52,13 +46,12 @@ def atomic_save(obj, path: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except Exception as e:
-        # A full disk, say: remove the partial file (whose space is needed back); `path` is
-        # untouched, so a previous file of that name stays as it was.
+        # A full disk, say: remove the partial file (its space is needed); `path` is untouched.
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
-            # torch.save's zip writer reports a write that failed midway as a RuntimeError
-            # ("unexpected pos") raised while closing the file: the OSError is the news.
+            # torch.save's zip writer reports a failed write as a RuntimeError ("unexpected
+            # pos") raised while closing the file: the OSError is the news.
             raise e.__context__ from e
         raise
 
@@ -74,7 +67,7 @@ def atomic_write_text(path: str, text: str) -> None:
 
 def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
     """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
-    whole, its first group being the step (train_fsdp.py's checkpoints are directories)."""
+    whole, its first group the step."""
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
     found = [(int(m.group(1)), name) for name in names if (m := pattern.fullmatch(name))]
@@ -166,35 +159,26 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def corpus_digest(tokenizer) -> str | None:
-    """The fingerprint of the documents the run reads (data.DocumentTokenizer.corpus_sha256);
-    None for a tokenizer loaded alone."""
+    """The fingerprint of the documents the run reads; None for a tokenizer loaded alone."""
     return getattr(tokenizer, "corpus_sha256", None)
 
 
 def checkpoint_state(
     model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position=None
 ) -> dict:
-    """Everything a resumed run needs to continue exactly as if it had never stopped.
-    data_position: training.data_positions(), where the stream is (--streaming), or None."""
+    """Everything a resumed run needs to continue exactly as if it had never stopped. step: the
+    optimizer steps done, also the position in a cached dataset; data_position: a stream's."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "rng": rng_state(),
-        "step": step,  # optimizer steps completed; also the position in a cached dataset
-        "config": config.to_dict(),
-        "tokenizer_sha256": tokenizer_digest(tokenizer),
-        "corpus_sha256": corpus_digest(tokenizer),  # what the data is; absent in older ones
-        "args": vars(args),
-        "data": data_position,
-    }
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
+        "step": step, "config": config.to_dict(), "tokenizer_sha256": tokenizer_digest(tokenizer),
+        "corpus_sha256": corpus_digest(tokenizer), "args": vars(args), "data": data_position,
+    }  # fmt: skip
 
 
 def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
-    """ValueError if the checkpoint belongs to another run (another model, tokenizer, data, data
-    order or schedule) or is past --max-steps. Called on every rank before anything is loaded,
-    so a refused resume changes nothing; rank 0 then notes an unused --init-from."""
+    """ValueError if the checkpoint belongs to another run (model, tokenizer, data, data order,
+    schedule) or is past --max-steps; on every rank, before anything is loaded."""
     if ckpt["step"] > args.max_steps:
         raise ValueError(
             f"the checkpoint is at step {ckpt['step']}, past --max-steps {args.max_steps}: a run "
@@ -215,8 +199,7 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
             f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
             f"start a new run in another --out-dir"
         )
-    # Fields newer than some checkpoints, or left out of a dense model's to_dict(): missing, they
-    # are what those were made with.
+    # Fields newer than some checkpoints, or that a dense model leaves out: missing, the default.
     absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
     saved, now = ckpt["config"], config.to_dict()
     changed = [
@@ -247,11 +230,9 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
 
 
 def check_same_data(ckpt: dict, args, tokenizer) -> None:
-    """ValueError if this run reads other documents than the checkpoint's run did: their digest
-    (data.fingerprint; streaming.stream_fingerprint), not how --data spells them. An edited,
-    reordered, grown or shrunk corpus would change the validation split and the data order; the
-    same files named another way (dir//file, a moved copy) resume. A checkpoint from before the
-    digest has only --data to go by: compared as a normalised path."""
+    """ValueError if this run reads other documents than the checkpoint's run did (their digest,
+    not how --data spells them: an edit would change the split and the order). A checkpoint
+    from before the digest has only --data to go by: compared as a normalised path."""
     saved, now = ckpt.get("corpus_sha256"), corpus_digest(tokenizer)
     if saved is not None and now is not None:
         if saved != now:
@@ -273,17 +254,15 @@ def check_same_data(ckpt: dict, args, tokenizer) -> None:
 
 
 def _normalised_spec(spec: str) -> str:
-    """--data as one absolute path, so that dir//file, ./dir/file and /abs/dir/file compare
-    equal; a hub name or stdlib, made absolute the same way on both sides, equals itself."""
+    """--data as one absolute path: dir//file, ./dir/file and /abs/dir/file compare equal."""
     return os.path.abspath(os.path.expanduser(spec))
 
 
 def restore_checkpoint(
     ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
 ) -> tuple[int, list[dict] | None]:
-    """Load a checkpoint's state into fresh objects (ValueError, before changing anything, for
-    another run's); returns the step to go on from, and the position in the data (None unless
-    --streaming)."""
+    """Load a checkpoint's state into fresh objects (ValueError, changing nothing, for another
+    run's); returns the step to go on from, and a stream's position in the data."""
     check_resumable(ckpt, config, args, tokenizer)
     fresh_lrs = [group["lr"] for group in optimizer.param_groups]
     model.load_state_dict(ckpt["model"])
@@ -295,15 +274,9 @@ def restore_checkpoint(
 
 
 def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:
-    """Bring the fresh scheduler of this run's flags to `step`: a resumed run follows the
-    schedule its own --max-steps defines. The same --max-steps: exactly the checkpoint's. A
-    larger one (extending a run): the same warmup, the cosine stretched to the new end.
-
-    fresh_lrs: the learning rates as the fresh scheduler set them, before
-    optimizer.load_state_dict replaced them. The scheduler is stepped `step` times from there,
-    the calls an uninterrupted run made: the same floats, bit for bit, unlike a closed form. A
-    step takes microseconds: a million-step run replays in seconds.
-    """
+    """Bring the fresh scheduler of this run's flags (a larger --max-steps extends the run) to
+    `step`: from fresh_lrs, the learning rates it set before optimizer.load_state_dict, stepped
+    `step` times as an uninterrupted run did: the same floats, bit for bit (unlike a formula)."""
     for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
         group["lr"] = lr
     with warnings.catch_warnings():
@@ -315,8 +288,7 @@ def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> 
 
 def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
     """model.pt (a plain state_dict), config.json and tokenizer.json: all generate.py needs; and
-    tokenizer_config.json, naming the special tokens as Hugging Face does, for whoever loads
-    tokenizer.json again (hf_tokenizer.py)."""
+    tokenizer_config.json, naming the special tokens as Hugging Face does (hf_tokenizer.py)."""
     atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
@@ -328,20 +300,15 @@ def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, to
 # The out-dir itself: one live run per directory, a killed run's debris cleared, and the
 # checkpoint to resume from chosen (sharded_checkpoints.py chooses among DCP directories likewise)
 
-# One run per --out-dir: two would mix their metrics.jsonl and overwrite each other's
-# checkpoints. The process that writes files holds a lock on this file for its whole life, and
-# writes into it who it is, for the message of a run it keeps out.
+# One run per --out-dir (two would mix their files): the process that writes files holds a lock
+# on this file for its whole life, and writes who it is into it, for a run it keeps out.
 LOCK_FILE = ".lock"
 _held_locks: dict[str, object] = {}  # out-dir -> its open lock file, in the process holding it
 
 
 def lock_out_dir(out_dir: str) -> None:
-    """Take --out-dir for this process, or raise ValueError naming the live run that holds it.
-
-    A POSIX record lock (fcntl.lockf): the kernel releases it when its process ends, however (kill
-    -9, a crash), so a dead run never blocks the rerun. Not flock(), which a forked child shares:
-    a DataLoader worker outliving a killed run by seconds would keep out torchrun's restart.
-    """
+    """Take --out-dir for this process (ValueError naming a live run that holds it): a record
+    lock, which the kernel releases however the process ends (not flock(), which children share)."""
     path = os.path.join(out_dir, LOCK_FILE)
     if path in _held_locks:
         return
@@ -378,8 +345,8 @@ def lock_out_dir(out_dir: str) -> None:
 
 
 def release_out_dir() -> None:
-    """At the end of the process: empty the lock file (nobody holds it), then release it. Not
-    deleted: two runs could then lock two different files of that name."""
+    """At exit: empty the lock file, then release it (not deleted: two runs could then lock two
+    files of that name)."""
     for f in _held_locks.values():
         f.truncate(0)
         f.close()
@@ -387,9 +354,8 @@ def release_out_dir() -> None:
 
 
 def make_out_dir(args) -> None:
-    """Create --out-dir (ValueError if it cannot be written), take its lock (ValueError if a
-    live run holds it) and clear a killed run's temporary files, which never replaced a real
-    file (and with the lock held, cannot be a live run's). Called by the process that writes."""
+    """Create --out-dir, take its lock (ValueError if either fails) and clear a killed run's
+    temporary files, which never replaced a real file. Called by the process that writes."""
     try:
         os.makedirs(args.out_dir, exist_ok=True)
         probe = os.path.join(args.out_dir, f".write-test-{os.getpid()}")
@@ -414,8 +380,7 @@ def resume_never_error(out_dir: str) -> ValueError:
 
 def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
     """The newest of `paths` (oldest first) whose state file loads: an unreadable newest one (a
-    disk error, a crash mid-write without atomic rename) must not cost the run: say so, and
-    fall back to the one before."""
+    disk error, say) must not cost the run: say so, and fall back to the one before."""
     for path in reversed(paths):
         try:
             load_checkpoint(state_file(path))
@@ -426,9 +391,8 @@ def newest_readable(paths: list[str], state_file=lambda path: path) -> str | Non
 
 
 def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
-    """ValueError if --out-dir holds the other kind of checkpoint than this script's: .pt files
-    or DCP directories. Neither resumes in the other's scripts, and a run started at step 0
-    beside them would replace that run's model.pt and metrics, whatever --resume says."""
+    """ValueError if --out-dir holds the other kind of checkpoint than this script's (.pt files
+    or DCP directories), which it could neither resume nor start beside without replacing."""
     if sharded:
         pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
     else:
@@ -443,10 +407,8 @@ def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
 
 
 def start_fresh(out_dir: str) -> None:
-    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl (a run killed
-    before its first checkpoint, or whose checkpoints are gone) moves aside, to metrics.jsonl.1
-    (.2, ...), and one printed line says what there was: not this run's steps, and neither to
-    append to nor to drop silently."""
+    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl (killed before
+    its first checkpoint, say) moves aside to metrics.jsonl.1 (.2, ...), and a line says so."""
     found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
     if not found:
         return
@@ -483,22 +445,11 @@ def prepare_out_dir(args) -> str | None:
     return resume
 
 
-# -------------------------------------------------------------------------------------------------
-# The record of a run's settings
-
-RUN_RECORD = "args.jsonl"  # in --out-dir: one line per start of the run there
-
-
 def record_run(args, settings, start_step: int) -> None:
-    """Add this start's settings to OUT_DIR/args.jsonl: every flag's final value (the command
-    line over --config over the defaults), the settings derived from them (cli.RunSettings),
-    the script, its command line and the step it starts from.
-
-    One JSON line per start (a resume may change --max-steps, the intervals, ...), the earlier
-    lines kept, the file rewritten whole and atomically. Called by the process that writes
-    files once every check has passed: a refused run leaves the out-dir unchanged.
-    """
-    path = os.path.join(args.out_dir, RUN_RECORD)
+    """Add a line to OUT_DIR/args.jsonl for this start (a resume may change --max-steps, ...):
+    every flag's final value, the settings derived (cli.RunSettings), the command and the step
+    it starts from; rewritten whole and atomically, once every check has passed."""
+    path = os.path.join(args.out_dir, "args.jsonl")
     record = {
         "script": os.path.basename(sys.argv[0]),
         "command": shlex.join(sys.argv),

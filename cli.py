@@ -4,9 +4,8 @@
     args = parser.parse_args()                             # never changed afterwards
     run = cli.run_settings(parser, args, devices, device)  # checked; micro-batch, accumulation...
 
-Other tools and the tests drive the scripts by these flags' names: keep them stable. Every check
-runs before any data is read, so a mistake costs a second, not a tokenized corpus. Any flag can
-also come from a TOML file, `--config FILE` (toml_flags.py); the command line wins.
+Tools and tests drive the scripts by these flags' names: keep them stable. Every check runs
+before any data is read. Any flag can also come from `--config FILE` (toml_flags.py).
 """
 
 import argparse
@@ -31,8 +30,7 @@ MAX_SEED = 2**63 - 1
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, but not "None": those flags' help says what they do
-    when left out."""
+    """--help shows each flag's default, but not "None" (its help says what leaving it out does)."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
@@ -50,9 +48,8 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, with --config FILE's values (toml_flags.py) as this parse's defaults: the
-        command line wins over the file, the file over the flags' defaults. The parser itself is
-        not changed: parsing again without --config gives the defaults."""
+        """argparse's, with --config FILE's values (toml_flags.py) as this parse's defaults (the
+        parser unchanged): the command line wins over the file, the file over the defaults."""
         argv = sys.argv[1:] if args is None else list(args)
         if namespace is None and any(a.split("=")[0] == "--config" for a in argv):
             import toml_flags  # only for --config
@@ -65,65 +62,56 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser(description: str, distributed: bool = False) -> argparse.ArgumentParser:
     """The flags every train script takes; distributed: also --backend (the torchrun scripts)."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
-    p.add_argument("--config", metavar="FILE", default=None, help="a TOML file of flag values, "
-                   "keyed by the flags' names (seq-length = 512, or seq_length); a flag given on "
-                   "the command line wins over the file")
+    p.add_argument("--config", metavar="FILE", default=None, help="a TOML file of flag values "
+                   "(seq-length = 512); the command line wins over it")
     if distributed:
         p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
                        help="process group backend (default: nccl on GPU, gloo on CPU)")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="corpus: 'stdlib' (the .py files of this "
-                   "Python's standard library), a file, glob or directory of "
-                   ".txt/.jsonl/.json/.parquet, or a hub dataset")
+    g.add_argument("--data", default="stdlib", help="corpus: 'stdlib' (this Python's standard "
+                   "library), a file, glob or directory of .txt/.jsonl/.json/.parquet, or a hub "
+                   "dataset")
     g.add_argument("--text-column", default="text", help="column holding the text (json/parquet)")
     g.add_argument("--txt-split", choices=["auto", "paragraph", "line", "file"], default="auto",
-                   help=".txt corpora only: one document per paragraph (blank-line separated), "
-                   "line or file. auto: paragraph for one .txt file, file for a directory or glob")
+                   help=".txt only: a document per paragraph, line or file (auto: paragraph for "
+                   "one file, else file)")
     g.add_argument("--tokenizer", default=None, help="an existing tokenizer.json (this suite's "
                    "or any Hugging Face one); default: train a byte-level BPE and cache it")
     add_special_token_flags(g)
     g.add_argument("--vocab-size", type=number_arg(int, MIN_VOCAB_SIZE), default=None,
-                   help="vocabulary of a trained tokenizer, at least 259 (its 256 bytes and 3 "
-                   "special tokens) (default: the --model preset's: 4096 for tiny, else 32000)")
+                   help="vocabulary of a trained tokenizer, at least 259 (default: the preset's)")
     g.add_argument("--data-mode", choices=["pack", "pad"], default="pack", help="pack: "
-                   "documents concatenated into full windows; pad: one document per row, "
-                   "clipped or right-padded (the classic recipe)")
+                   "documents concatenated into full windows; pad: one document per row")
     g.add_argument("--document-mask", action="store_true", help="pack mode: tokens attend only "
                    "within their own document (slower on CPU)")
     g.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
-                   help="kernel of --document-mask: sdpa (a dense (T, T) mask; any device) or "
-                   "flex (FlexAttention's block-sparse mask, compiled; CUDA only). auto: flex "
-                   "with one CUDA GPU per process, else sdpa")
+                   help="kernel of --document-mask: sdpa (a dense mask) or flex (FlexAttention, "
+                   "CUDA only). auto: flex with one CUDA GPU per process, else sdpa")
     g.add_argument("--val-fraction", type=number_arg(float, 0, 1, low_open=True, high_open=True),
                    default=0.01, help="fraction of documents held out for validation")
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
     g.add_argument("--num-workers", type=number_arg(int, 0), default=None, help="DataLoader "
-                   "worker processes (default: 0 on a CPU, where a worker would take a core from "
-                   "the compute threads; 1 on a GPU); with --streaming, 0 reads in the training "
-                   "loop and N reads up to N steps ahead in one background thread")
+                   "worker processes (default: 0 on a CPU, 1 on a GPU); with --streaming, steps "
+                   "read ahead in one thread")
     g.add_argument("--num-proc", type=number_arg(int, 1), default=None, help="processes that "
-                   "tokenize the corpus (default: one, whose tokenizer already uses every core); "
-                   "the tokens and the windows are the same for any value")
-    g.add_argument("--streaming", action="store_true", help="read the corpus as a stream, never "
-                   "cached whole, each data-parallel rank its own shard; validation is the "
-                   "stream's first documents (docs/data.md)")
+                   "tokenize the corpus (default: one); the tokens are the same for any value")
+    g.add_argument("--streaming", action="store_true", help="read the corpus as a stream, each "
+                   "data-parallel rank its own shard (docs/data.md)")
 
     g = p.add_argument_group("model and batch")
     g.add_argument("--model", default=None, help="preset: tiny, small, medium, 1b, 7b, 13b, 70b "
                    "(default: tiny; with --init-from, its architecture)")
     model_flags.add_shape_flags(g, number_arg)
-    g.add_argument("--init-from", default=None, metavar="DIR", help="start from the weights of a "
-                   "finished run: an --out-dir holding model.pt, config.json and tokenizer.json "
-                   "(any train script's, or export_hf.py --from-hf's); the architecture and the "
-                   "tokenizer come from there")
+    g.add_argument("--init-from", default=None, metavar="DIR", help="start from a finished run's "
+                   "out-dir (model.pt, config.json, tokenizer.json): its weights, architecture "
+                   "and tokenizer")
     g.add_argument("--seq-length", type=number_arg(int, 1), default=256,
                    help="tokens per training sequence")
     g.add_argument("--batch-size", type=number_arg(int, 1), default=16,
                    help="global batch: sequences per optimizer step, over all devices")
     g.add_argument("--micro-batch-size", type=micro_batch_size_arg, default=None,
-                   help="sequences per device per forward pass; gradient accumulation makes up "
-                   "the rest of --batch-size (default: no accumulation). auto (CUDA): the "
-                   "largest that fits, measured")
+                   help="sequences per device per forward; accumulation makes up the rest "
+                   "(default: none). auto (CUDA): the largest that fits, measured")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=number_arg(int, 1), default=200,
@@ -132,18 +120,17 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
                    help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=number_arg(float, 0, 1), default=0.1, help="the cosine "
                    "schedule decays to lr * this (0 to 1: the lr never rises after warmup)")
-    g.add_argument("--warmup-steps", type=number_arg(int, 0), default=20, help="linear warmup "
-                   "from lr/warmup to --lr. More than --max-steps is only warned about (a short "
-                   "test run with the default warmup is fine), but the lr then never reaches --lr")
+    g.add_argument("--warmup-steps", type=number_arg(int, 0), default=20,
+                   help="linear warmup from lr/warmup to --lr")
     g.add_argument("--grad-clip", type=number_arg(float, 0), default=1.0,
                    help="max gradient norm (0: off)")
     g.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose "
-                   "loss or gradient is NaN/inf, instead of stopping; "
-                   f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} such steps in a row still stop the run")
+                   f"loss or gradient is NaN/inf instead of stopping (but not "
+                   f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} in a row)")
     g.add_argument("--weight-decay", type=number_arg(float, 0), default=0.1,
                    help="AdamW decay of matrices")
-    g.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=1337, help="seed of "
-                   "weights and data order (the data order of epoch e uses seed + e)")
+    g.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=1337,
+                   help="seed of weights and data order (epoch e's: seed + e)")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="auto: bf16 autocast on GPUs that support it, else fp32")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -158,29 +145,24 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
                    help="evaluate on the first N global batches of the validation split")
     g.add_argument("--save-interval", type=number_arg(int, 1), default=100,
                    help="steps between checkpoints")
-    g.add_argument("--keep-checkpoints", type=number_arg(int, 2), default=3, help="how many "
-                   "checkpoints to keep, at least 2: if the newest is damaged, resuming falls "
-                   "back to the one before")
+    g.add_argument("--keep-checkpoints", type=number_arg(int, 2), default=3, help="checkpoints "
+                   "to keep, at least 2: a resume falls back from a damaged newest one")
     g.add_argument("--out-dir", default="out", help="metrics, checkpoints and the final model")
-    g.add_argument("--resume", default="auto", help="auto: continue from the latest checkpoint "
-                   "in --out-dir if there is one; never: start fresh; or the path of a "
-                   "checkpoint file")
+    g.add_argument("--resume", default="auto", help="auto: from --out-dir's latest checkpoint "
+                   "if any; never: start fresh; or a checkpoint file's path")
     g.add_argument("--sample-tokens", type=number_arg(int, 0), default=64,
                    help="tokens to generate from the trained model at the end (0: none)")
     g.add_argument("--sample-prompt", default="def ", help="prompt of the final sample")
-    g.add_argument("--tensorboard", action="store_true", help="also log every metrics.jsonl "
-                   "value to TensorBoard, in OUT_DIR/tensorboard (needs pip install -r "
-                   "requirements-tensorboard.txt)")
+    g.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard, in "
+                   "OUT_DIR/tensorboard (pip install -r requirements-tensorboard.txt)")
 
     g = p.add_argument_group("memory")
-    g.add_argument("--activation-checkpointing", action="store_true", help="keep only each "
-                   "decoder layer's input and recompute the rest in backward: less activation "
-                   "memory for ~1/3 more compute; the same results")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each "
+                   "decoder layer in backward: less activation memory for ~1/3 more compute")
     g.add_argument("--plan", action="store_true",
                    help="print memory_plan.py's per-GPU memory estimate for this run at start-up")
-    p.add_argument("--check", action="store_true", help="check the flags and exit without "
-                   "running (as WORLD_SIZE processes would): run_ddp.sh does this first, because "
-                   "torchrun would restart a run that fails on them")
+    p.add_argument("--check", action="store_true", help="check the flags (for WORLD_SIZE "
+                   "processes) and exit: run_ddp.sh does, before torchrun")
     return p
 # fmt: on
 
@@ -194,8 +176,8 @@ def add_special_token_flags(group) -> None:
     ):
         group.add_argument(
             f"--{role}-token", default=None, metavar="TOKEN",
-            help=f"for a tokenizer made elsewhere: the token that {what} (default: the one its "
-            f"tokenizer_config.json names, else the usual one: {examples})",
+            help=f"a given tokenizer's token that {what} (default: its tokenizer_config.json's, "
+            f"else the usual: {examples})",
         )  # fmt: skip
 
 
@@ -213,11 +195,9 @@ def micro_batch_size_arg(value: str) -> int | str:
 
 
 def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_open: bool = False):
-    """A numeric flag's `type=`: a finite `kind` (int or float) in [low, high] (low excluded
-    with low_open, high with high_open; None: no bound), else argparse.ArgumentTypeError, which
-    argparse (and a --config file) reports naming the flag: `argument --top-p: expected a number
-    in (0, 1], got 'nan'`. nan and inf are never numbers here. Every number-typed flag of the
-    suite takes one, so that a bad value stops the parse itself.
+    """Every numeric flag's `type=`: a finite `kind` (int or float) in [low, high] (low, high
+    excluded with low_open, high_open; None: no bound), else argparse.ArgumentTypeError, which
+    argparse reports naming the flag: `argument --top-p: expected a number in (0, 1], got 'nan'`.
 
         p.add_argument("--top-p", type=cli.number_arg(float, 0, 1, low_open=True))
     """
@@ -258,8 +238,8 @@ def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_ope
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What the flags imply for this run, derived once by run_settings and passed on explicitly;
-    `args` itself is never changed after parsing (it is what a checkpoint records)."""
+    """What the flags imply for this run, derived once and passed on explicitly (`args` is never
+    changed: a checkpoint records it)."""
 
     model: str | None  # the preset to build; None with --init-from (its config.json)
     tokenizer: str | None  # the tokenizer.json to use (--tokenizer, --init-from's); None: train
@@ -277,29 +257,21 @@ def run_settings(
     """Check the flags against each other, the processes and the device; return the settings.
 
     devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
-    data-parallel groups under TP and PP). replicas, context_parallel: see resolve_attention.
-    default_micro_batch_size: the micro-batch without --micro-batch-size (None: no accumulation,
-    --batch-size / devices). ValueError (parser.error) on any inconsistency, before any data is
-    read. With --micro-batch-size auto, micro_batch_size is None (and accumulation 1) until
-    auto_batch.auto_micro_batch_size has measured it on the GPU.
+    data-parallel groups under TP and PP); replicas, context_parallel: masks.resolve_attention's;
+    default_micro_batch_size: without --micro-batch-size (None: --batch-size / devices).
+    ValueError (parser.error) on any inconsistency. With --micro-batch-size auto, micro_batch_size
+    is None until auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
-    # Each number's own range was checked as it was parsed (number_arg); what is left is how the
-    # flags go together, with the processes and with the device.
+    # Each number's own range was checked as it was parsed (number_arg).
     world_size_from_env()  # WORLD_SIZE itself: ValueError unless a positive integer
     try:  # --backend: the torchrun scripts' flag
         backend_for(getattr(args, "backend", None), device)
     except ValueError as e:
         parser.error(str(e))
-    if args.streaming and args.num_proc is not None:
-        parser.error(
-            "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "
-            "tokenizer uses every core): leave out --num-proc"
-        )
-    if args.streaming and args.val_fraction != parser.get_default("val_fraction"):
-        parser.error(
-            "--val-fraction does not apply to --streaming, whose length is not known: validation "
-            "is the stream's first documents, enough for --eval-batches x --batch-size sequences"
-        )
+    if args.streaming:
+        import streaming  # only for --streaming
+
+        streaming.check_flags(parser, args)
     if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
         print(f"warning: --warmup-steps {args.warmup_steps} is more than --max-steps "

@@ -1,18 +1,13 @@
 """Data pipeline: raw text -> tokens -> (x, y) training examples, top to bottom of this file.
 
-    load_corpus(spec)            a `datasets.Dataset`, one "text" row per document: the stdlib's
-                                 .py files (another --data: corpus.py, imported only for it).
-    split_corpus(ds)             deterministic document-level train/validation split.
-    get_tokenizer(train)         byte-level BPE trained on the training split, with [PAD], [BOT],
-                                 [EOT] = ids 0, 1, 2; or a given tokenizer.json (load_tokenizer).
-    tokenize(ds, tokenizer)      one "input_ids" row per document: BOT ids... EOT.
-    PretrainingDataset(...)      (x, y) pairs of seq_length tokens: packed windows over the token
-                                 stream, or one padded document each.
+    load_corpus(spec)         a datasets.Dataset, one "text" row per document (the stdlib's files)
+    split_corpus(ds)          deterministic document-level train/validation split
+    get_tokenizer(train)      byte-level BPE with [PAD], [BOT], [EOT] = ids 0, 1, 2 (or a given one)
+    tokenize(ds, tokenizer)   one "input_ids" row per document: BOT ids... EOT
+    PretrainingDataset(...)   (x, y) pairs: packed windows of the token stream, or padded documents
 
-Every expensive step is cached under --cache-dir, so a second run (and every rank but one per
-node: distributed.main_process_first) starts in seconds: datasets' own cache holds the corpus,
-the tokens and the windows; a trained tokenizer is <cache_dir>/tokenizers/<sha256 of its inputs>/.
-fingerprint() is what a checkpoint records of the documents, however --data names them.
+Every step is cached under --cache-dir, so a second run, and every rank but one per node, starts
+in seconds. fingerprint() is what a checkpoint records of the documents.
 """
 
 import contextlib
@@ -35,8 +30,8 @@ SPECIAL_TOKENS = [PAD, BOT, EOT]  # trained first, so their ids are 0, 1, 2 in e
 # Hugging Face's names for the three roles, in the tokenizer_config.json every out-dir holds.
 HF_NAMES = {"bot": "bos_token", "eot": "eos_token", "pad": "pad_token"}
 
-# The tokenizer trains on at most this many characters of the training split: the whole stdlib
-# (~31M, about 4 s on 2 CPU cores); the cap bounds time and memory for large hub corpora.
+# The tokenizer trains on at most this many characters: the whole stdlib (~31M, about 4 s on 2
+# CPU cores); the cap bounds time and memory for large corpora.
 TOKENIZER_MAX_CHARS = 50_000_000
 PACK_BATCH_DOCS = 1000  # packing cuts windows within each map() batch of this many documents
 TOKENIZE_BATCH_DOCS = 64  # documents per tokenize() batch; the tokens do not depend on it
@@ -51,9 +46,8 @@ STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 
 def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split="auto"):
-    """Documents as a Dataset with one column, "text", in a deterministic order, empty ones
-    dropped: every .py file of this Python's standard library, or a file, glob or directory of
-    .txt/.jsonl/.json/.parquet or a hub dataset (corpus.py). ValueError if unusable."""
+    """Documents in one "text" column, in a deterministic order, empty ones dropped: the stdlib's
+    .py files, or what corpus.py reads for another --data. ValueError if unusable."""
     cache = writable_cache_dir(cache_dir, "datasets")
     source = None  # the stdlib's, or corpus.py's for another --data
     if spec == "stdlib" and txt_split == "auto":
@@ -85,8 +79,7 @@ def stdlib_files() -> list[str]:
 
 def writable_cache_dir(cache_dir: str, sub: str) -> str:
     """cache_dir/sub, created and checked by writing a file into it: ValueError naming
-    --cache-dir if it cannot be (a file in the way, no permission, a read-only filesystem),
-    rather than a failure deep inside datasets that looks like one of --data."""
+    --cache-dir if it cannot be, rather than a failure deep in datasets that looks like --data's."""
     path = os.path.join(cache_dir, sub)
     try:
         os.makedirs(path, exist_ok=True)
@@ -106,9 +99,8 @@ def is_nonempty(texts: list[str | None]) -> list[bool]:
 
 
 def split_corpus(ds: datasets.Dataset, val_fraction: float = 0.01, seed: int = 0):
-    """(train, validation) documents, the same in every process and run: whole documents go to
-    one side (no validation text is trained on), each side in corpus order, round(val_fraction
-    x n) documents (at least 1) to validation."""
+    """(train, validation) documents, the same in every process and run: whole documents to one
+    side, each in corpus order, round(val_fraction x n) (at least 1) to validation."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     n = len(ds)
@@ -118,15 +110,13 @@ def split_corpus(ds: datasets.Dataset, val_fraction: float = 0.01, seed: int = 0
             f"cannot split {n} document(s) into train and validation with "
             f"val_fraction={val_fraction}: need at least 2 documents and 1 left for training"
         )
-    # A seeded numpy generator gives the same permutation on every machine and process.
     order = np.random.default_rng(seed).permutation(n)
     val_indices, train_indices = np.sort(order[:n_val]), np.sort(order[n_val:])
     return ds.select(train_indices), ds.select(val_indices)
 
 
 def hash_texts(hasher, texts) -> None:
-    """Add texts to a hashlib hash, each length-prefixed so that ["ab", "c"] and ["a", "bc"]
-    differ: the one way this suite hashes documents."""
+    """Add texts to a hashlib hash, each length-prefixed (["ab", "c"] and ["a", "bc"] differ)."""
     for text in texts:
         encoded = text.encode()
         hasher.update(len(encoded).to_bytes(8, "little"))
@@ -134,10 +124,9 @@ def hash_texts(hasher, texts) -> None:
 
 
 def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
-    """The sha256 of a loaded corpus's documents, in order: the same however --data names them,
-    different if any is edited, added, removed or moved (checkpoints.check_same_data). Hashed
-    once per version: kept in cache_dir/fingerprints/, under datasets' own fingerprint of `ds`
-    (new whenever datasets reads the files again), so a cached start reads one small file."""
+    """The sha256 of a corpus's documents, in order: the same however --data names them, another
+    if any is edited, added, removed or moved. Kept in cache_dir/fingerprints/ under datasets'
+    own fingerprint of `ds` (new when it reads the files again): a cached start reads one file."""
     memo = os.path.join(cache_dir, "fingerprints", f"{ds._fingerprint}.sha256")
     with contextlib.suppress(OSError):
         with open(memo) as f:
@@ -162,9 +151,8 @@ def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
 
 
 def get_tokenizer(train_texts, vocab_size=4096, cache_dir=".cache", path=None, specials=None):
-    """The tokenizer.json at `path` (load_tokenizer, with the special tokens the flags name:
-    `specials`), or a byte-level BPE trained on train_texts and cached under a key that hashes
-    vocab_size and the exact texts: a changed corpus retrains, a rerun loads it."""
+    """The tokenizer.json at `path` (load_tokenizer), or a byte-level BPE trained on train_texts
+    and cached under the hash of vocab_size and the texts: a changed corpus retrains."""
     if path is not None:
         return load_tokenizer(path, specials)
     if any((specials or {}).values()):
@@ -182,8 +170,7 @@ def get_tokenizer(train_texts, vocab_size=4096, cache_dir=".cache", path=None, s
         writable_cache_dir(cache_dir, "tokenizers")  # before training, not after: ValueError
         tokenizer = _train_tokenizer(texts, vocab_size)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
-        # Written then renamed (atomic): a killed process, or two nodes sharing the cache and
-        # training at once, never leave a half-written tokenizer.json.
+        # Written then renamed: a kill, or two nodes training at once, leave no half a file.
         tmp = f"{cached}.{os.getpid()}.tmp"
         tokenizer.save(tmp)
         os.replace(tmp, cached)
@@ -219,17 +206,10 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 class DocumentTokenizer:
-    """A tokenizers.Tokenizer and the three tokens the pipeline builds documents with: each
-    document is `bot_id ids... eot_id`, pad mode pads with `pad_id`, the document mask starts a
-    document at bot_id, generation starts at bot_id and stops at eot_id. `specials` names them
-    ({"bot": "[BOT]", "eot": "[EOT]", "pad": "[PAD]"} for this suite's tokenizers).
-
-    Text is encoded without the tokenizer's post-processor (a Llama tokenizer.json would add
-    <|begin_of_text|> a second time), and a special token written in a text ("[BOT]") is
-    tokenized as text: only the pipeline marks where documents begin and end.
-    corpus_sha256: the fingerprint of the documents a run encodes with it (None: loaded alone),
-    which travels with the tokenizer to every checkpoint writer and resume check.
-    """
+    """A tokenizers.Tokenizer and the tokens documents are built with (`bot_id ids... eot_id`,
+    padded with `pad_id`), which `specials` names. Text is encoded without the post-processor (a
+    Llama tokenizer.json would add <|begin_of_text|> again), special tokens in it as text.
+    corpus_sha256: the fingerprint of the documents a run encodes (for checkpoints)."""
 
     corpus_sha256: str | None = None
 
@@ -264,9 +244,8 @@ class DocumentTokenizer:
 
 
 def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> DocumentTokenizer:
-    """A tokenizer.json made elsewhere (--tokenizer, --init-from's, an out-dir's), with the
-    special tokens `specials` names (--bot-token, ...) or hf_tokenizer.py finds; ValueError
-    saying why if it cannot be used, before any data is read."""
+    """A tokenizer.json made elsewhere (--tokenizer, an out-dir's), with the special tokens
+    `specials` names (--bot-token, ...) or hf_tokenizer.py finds; ValueError if unusable."""
     import hf_tokenizer  # only for a tokenizer.json the run did not train
 
     return DocumentTokenizer(*hf_tokenizer.read_tokenizer(path, specials, HF_NAMES))
@@ -277,8 +256,7 @@ def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> 
 
 
 def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int | None = None):
-    """Each document as BOT ids... EOT: a Dataset with one int32 "input_ids" column. datasets
-    fingerprints the input, the function and the tokenizer: the same inputs load the cache."""
+    """Each document as BOT ids... EOT, one int32 "input_ids" column (cached by datasets)."""
     return ds.map(
         _encode_batch, batched=True, input_columns="text", remove_columns=ds.column_names,
         fn_kwargs={"tokenizer": tokenizer.tokenizer, "bot_id": tokenizer.bot_id,
@@ -308,16 +286,10 @@ def count_tokens(ds: datasets.Dataset) -> int:
 
 class PretrainingDataset(torch.utils.data.Dataset):
     """(x, y) int64 pairs of shape (seq_length,) from the output of tokenize(); y is x shifted by 1.
-
-    mode="pack" (default): the documents concatenated into one token stream, cut into windows
-    of seq_length + 1 tokens at a stride of seq_length (neighbours share a boundary token, so
-    every token after the first is a target once). No padding: a window spans documents, whose
-    boundaries are the BOT tokens in x. Cut once, in a cached map() over batches of
-    PACK_BATCH_DOCS documents, each cut on its own (a batch's tail that fills no window is
-    dropped); training.build_datasets packs in one process, so --num-proc never changes them.
-    mode="pad" (the classic recipe): one document per example, clipped or right-padded with
-    pad_id to seq_length + 1 tokens; padded targets are IGNORE_INDEX, which the loss skips.
-    """
+    pack: the documents as one token stream, cut (once, in a cached map() over batches of
+    PACK_BATCH_DOCS documents, each batch's tail dropped) into windows of seq_length + 1 tokens
+    at a stride of seq_length: every token after the first is a target once. pad (the classic
+    recipe): a document per row, clipped or right-padded; padded targets are IGNORE_INDEX."""
 
     def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None):
         if mode not in ("pack", "pad"):
@@ -368,8 +340,7 @@ class PretrainingDataset(torch.utils.data.Dataset):
 
 
 def pad_example(ids: np.ndarray, seq_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad mode's (x, y) of one document: clipped or right-padded with pad_id to seq_length + 1
-    tokens; targets at padded positions are IGNORE_INDEX."""
+    """Pad mode's (x, y) of one document, clipped or right-padded to seq_length + 1 tokens."""
     ids = ids[: seq_length + 1]  # clip long documents
     tokens = torch.full((seq_length + 1,), pad_id, dtype=torch.long)
     tokens[: len(ids)] = torch.as_tensor(ids)

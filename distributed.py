@@ -5,11 +5,7 @@ every rank keeps in it.
     dist.init_process_group(distributed.backend_for(args.backend, device),
                             store=distributed.rendezvous_store(), rank=rank, world_size=world_size)
 
-torchrun starts one copy of a script per GPU and tells each its RANK, LOCAL_RANK and
-WORLD_SIZE; `torchrun_rank` reads them and picks the device of the local rank, and each lesson
-joins the group itself.
-`from_rank0` runs what only rank 0 may do (write files) and shares its result or its error with
-every rank; `main_process_first` lets one process per node fill a cache while the others wait.
+The torch APIs newer than 2.11 that the suite uses are at the end: the one place for them.
 """
 
 import contextlib
@@ -26,18 +22,14 @@ from stopping import TrainingError, end_with_parent
 
 
 def torchrun_rank() -> tuple[int, int, int, torch.device]:
-    """(rank, local_rank, world_size, device) of this process, from torchrun's environment.
-
-    torchrun starts one copy of a script per GPU and tells each its RANK, LOCAL_RANK (its index
-    on its own machine) and WORLD_SIZE. The device comes from the *local* rank, so the same code
-    runs on one node or many: cuda:LOCAL_RANK (made the current GPU), or the CPU without CUDA.
-    Run without torchrun, this is rank 0 of 1.
-    """
+    """(rank, local_rank, world_size, device) of this process, from torchrun's environment
+    (RANK, LOCAL_RANK: its index on its own machine, WORLD_SIZE); rank 0 of 1 without torchrun.
+    The device comes from the *local* rank, so the same code runs on one node or many:
+    cuda:LOCAL_RANK (made the current GPU), or the CPU without CUDA."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        # Started by torchrun, which stops its workers when it is stopped (SIGTERM, passed on)
-        # but cannot when it is killed (SIGKILL, an OOM killer): the kernel then sends this rank
-        # the SIGTERM instead, and it stops as it would on torchrun's (stopping.StopRequest),
-        # rather than train on, an orphan, with no one to watch it or restart it.
+        # torchrun passes its SIGTERM on to its workers, but killed (SIGKILL, the OOM killer) it
+        # cannot: the kernel then sends this rank SIGTERM, and it stops as on torchrun's
+        # (stopping.StopRequest) rather than train on, an orphan no one watches or restarts.
         end_with_parent(signal.SIGTERM)
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -56,9 +48,7 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
 
 
 def backend_for(flag: str | None, device: torch.device) -> str:
-    """--backend, or the one for the device: NCCL moves CUDA tensors between GPUs directly,
-    gloo works on CPU tensors. ValueError for nccl without a GPU (cli.run_settings asks too, for
-    --check, which joins no group)."""
+    """--backend, or the device's: NCCL between GPUs, gloo for CPU tensors (nccl needs a GPU)."""
     backend = flag or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
@@ -66,14 +56,11 @@ def backend_for(flag: str | None, device: torch.device) -> str:
 
 
 def rendezvous_store() -> dist.Store:
-    """Where the ranks meet to form the process group (init_process_group's store).
-
-    Under torchrun: its env:// rendezvous, at the MASTER_ADDR and MASTER_PORT torchrun sets
-    (never hard-coded). After torchrun restarts the group (--max-restarts), that store can still
-    hold the last attempt's addresses, and a new worker may connect to its dead predecessor
-    (seen with torch 2.13 and gloo): a key prefix per attempt keeps the attempts apart. Plain
-    `python train_ddp.py`: a group of one, in memory, so the code is the same at every size.
-    """
+    """Where the ranks meet to form the process group (init_process_group's store). Under
+    torchrun: its env:// rendezvous at the MASTER_ADDR and MASTER_PORT it sets, with a key
+    prefix per restart attempt (--max-restarts): the store can still hold the last attempt's
+    addresses, and a new worker connect to its dead predecessor (seen with torch 2.13 and gloo).
+    Plain `python train_ddp.py`: a group of one, in memory: the same code at every size."""
     if "RANK" not in os.environ:
         if world_size_from_env() > 1:  # (run_ddp.sh's --check stops before it joins a group)
             raise ValueError(
@@ -87,9 +74,8 @@ def rendezvous_store() -> dist.Store:
 
 
 def world_size_from_env() -> int:
-    """The number of processes of the run: WORLD_SIZE, which torchrun sets (and run_ddp.sh, for
-    --check without torchrun), else 1. ValueError in one line unless it is a positive integer:
-    one of 0 would divide the batch by zero, a negative one pass every check."""
+    """The number of processes of the run: WORLD_SIZE (torchrun's; run_ddp.sh's for --check),
+    else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
     value = os.environ.get("WORLD_SIZE", "1")
     try:
         size = int(value)
@@ -106,8 +92,7 @@ def world_size_from_env() -> int:
 
 def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
     """world_size / size: the other side of a grid of ranks one of whose sides is `flag`'s value
-    (e.g. "--tp", 2, "dp x tp"). ValueError in one line unless size is at least 1 and divides
-    the number of ranks."""
+    (e.g. "--tp", 2, "dp x tp"); ValueError unless size is at least 1 and divides world_size."""
     if size < 1:
         raise ValueError(f"{flag} {size} must be at least 1")
     if world_size % size:
@@ -121,13 +106,9 @@ def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
 
 def from_rank0(fn, is_main: bool, *args):
     """Run fn(*args) on global rank 0 alone; every rank gets its result, or raises its error
-    (a ValueError or TrainingError).
-
-    For the work only the writing rank may do (creating --out-dir, choosing the checkpoint to
-    resume from, saving one): without this broadcast, the other ranks would learn of a failure
-    on rank 0 only by waiting forever in the next collective (or failing in it), and each might
-    choose a different checkpoint.
-    """
+    (a ValueError or TrainingError). For what only the writing rank may do (create --out-dir,
+    choose the checkpoint to resume from, save one): without it the others would learn of a
+    failure on rank 0 only by waiting forever in the next collective."""
     box = [None, None]  # [result, error]
     if is_main:
         try:
@@ -142,12 +123,8 @@ def from_rank0(fn, is_main: bool, *args):
 
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
-    """Run the body on each node's LOCAL_RANK 0 first, then on the other ranks.
-
-    The first process fills the caches (tokenizer, tokenized dataset); the others wait at a
-    barrier and then find everything cached instead of all computing it at once. The barrier
-    is collective: every rank must enter this block. Without torch.distributed it just runs.
-    """
+    """Run the body on each node's LOCAL_RANK 0 first (it fills the caches), then on the other
+    ranks (they find them filled). A collective: every rank enters it."""
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
@@ -166,15 +143,13 @@ def main_process_first() -> Iterator[None]:
 
 
 # -------------------------------------------------------------------------------------------------
-# The torch APIs this suite uses that are newer than the oldest torch it supports (2.11): each is
-# one feature check (never a version-string comparison), the new API where this torch has it, the
-# older equivalent where not, with the version that brought the new one. This is the one place:
-# everything else in the suite is the same call on every supported torch (2.11 to 2.15).
+# The torch APIs the suite uses that are newer than the oldest it supports (2.11), in one place:
+# each a feature check (no version comparison), the new API where this torch has it, the older
+# equivalent where not. Everything else is the same call on every torch from 2.11 to 2.15.
 
 # DDP(forward_sync_buffers=False), torch 2.13: no re-broadcast of the buffers before every
-# forward (the initial sync stays). Before 2.13 that was broadcast_buffers=False, since
-# deprecated, which also skips the initial sync: the same for buffers that every rank computes
-# identically (this model's only buffers are its RoPE tables).
+# forward. Before, broadcast_buffers=False, which also skips the initial sync: the same for
+# buffers every rank computes identically (this model's only ones are its RoPE tables).
 NO_FORWARD_BUFFER_SYNC = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -184,6 +159,4 @@ NO_FORWARD_BUFFER_SYNC = (
 # dist.all_gather_single and dist.reduce_scatter_single, torch 2.13; the same calls were named
 # all_gather_into_tensor and reduce_scatter_tensor before (deprecated since 2.13).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -4,7 +4,7 @@ out-dir (model.pt, config.json, tokenizer.json, which every train script writes 
     model, tokenizer = load_model("out", "cpu")
     text = generate_text(model, tokenizer, "def ", 64)     # model.py's sampling
 
-The train scripts import this only for --init-from.
+The train scripts import this only for --init-from (init_from_config, check_init_from).
 """
 
 import json
@@ -26,6 +26,37 @@ def load_config(out_dir: str) -> LlamaConfig:
             return LlamaConfig(**json.load(f))
     except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
         raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
+
+
+def init_from_config(init_from: str) -> LlamaConfig:
+    """--init-from's architecture, its config.json; ValueError unless it is a finished run's."""
+    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(init_from, n))]
+    if missing:
+        raise ValueError(
+            f"--init-from {init_from}: no {', '.join(missing)} there; point it at the "
+            f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
+        )
+    return load_config(init_from)
+
+
+def check_init_from(args, given: list[str]) -> None:
+    """ValueError if --init-from comes with flags that shape the model or its tokenizer
+    (`given`), or names the --out-dir itself."""
+    if given:
+        raise ValueError(
+            f"--init-from {args.init_from} brings its own architecture (config.json) and "
+            f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
+        )
+    if os.path.realpath(args.init_from) == os.path.realpath(args.out_dir):
+        # Refused rather than resolved either way: resuming would ignore --init-from, and a
+        # fresh start would write its checkpoints and model.pt over the very files it starts
+        # from (a run never destroys what is already there).
+        raise ValueError(
+            f"--init-from {args.init_from} is also the --out-dir: a run writes its model.pt "
+            f"there, over the weights it starts from. To train on from that run's own "
+            f"checkpoints, leave out --init-from (it resumes; raise --max-steps); to start "
+            f"a new run from its model, give another --out-dir"
+        )
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

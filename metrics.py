@@ -16,12 +16,9 @@ from stopping import TrainingError
 
 
 class Metrics:
-    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0).
-
-    tensorboard=True (--tensorboard): every number of every record also goes to TensorBoard
-    event files in out_dir/tensorboard, as train/<name> or val/<name> against the step. The
-    package is imported only then (cli.run_settings has checked that it is installed).
-    """
+    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0);
+    with tensorboard (--tensorboard), every number also to out_dir/tensorboard, as train/<name>
+    or val/<name> against the step (the package is imported only then)."""
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int, tensorboard: bool = False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
@@ -31,16 +28,12 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard hides what an earlier run logged after the step this run
-            # starts from (a killed run's steps after its checkpoint; at step 0, a previous
-            # run's, whose metrics.jsonl checkpoints.start_fresh moved aside), as the lines of
-            # metrics.jsonl are cut below.
+            # starts from, as the lines of metrics.jsonl are cut below.
             directory = os.path.join(out_dir, "tensorboard")
             self.writer = SummaryWriter(directory, purge_step=resume_step + 1)
         if enabled and os.path.exists(self.path):
-            # A run killed after its last checkpoint logged steps that this run will log again
-            # (one killed before its first: see start_fresh), and a kill in the middle of a
-            # write can leave half a line. Keep the whole lines up to the step this run starts
-            # from.
+            # A run killed after its last checkpoint logged steps that this run logs again, and
+            # maybe half a line: keep the whole lines up to the step this run starts from.
             kept = []
             with open(self.path) as f:
                 for line in f:
@@ -75,16 +68,12 @@ class Metrics:
 
 
 class NonFiniteGuard:
-    """Notices the first step whose loss (or gradient norm) is NaN or infinite.
-
-    By default the run stops at the next check, which the loop makes before it logs, evaluates
-    or saves anything: the error names the step, and the last checkpoint stays the last good
-    state. Between checks this costs no wait for the GPU: the step is recorded on the device.
-    With --skip-nonfinite, such a step's update is skipped instead (its data counts as used);
-    deciding that needs the value at every step, so each step then waits for the GPU once.
-    MAX_SKIPPED_IN_A_ROW skipped steps in a row still stop the run: a run that stays broken
-    (weights already damaged, a bad learning rate) would otherwise "train" on to --max-steps.
-    """
+    """Notices the first step whose loss (or gradient norm) is NaN or infinite. The run stops at
+    the next check, which the loop makes before it logs, evaluates or saves: the error names the
+    step, and the last checkpoint stays the last good state; between checks the step is
+    recorded on the device, with no wait for the GPU. With --skip-nonfinite, such a step's
+    update is skipped instead (each step then waits for the GPU once, to decide), but
+    MAX_SKIPPED_IN_A_ROW in a row stop the run: one that stays broken would "train" on."""
 
     MAX_SKIPPED_IN_A_ROW = 10
 
@@ -127,8 +116,7 @@ class NonFiniteGuard:
 
 
 class Throughput:
-    """How fast training goes: tokens/s, step time, MFU and peak GPU memory, of training steps
-    alone (evaluation and saving restart the clock)."""
+    """Tokens/s, step time, MFU and peak GPU memory of training steps alone."""
 
     def __init__(self, config: LlamaConfig, args, device: torch.device, devices: int):
         self.tokens_per_step = args.batch_size * args.seq_length
@@ -144,17 +132,15 @@ class Throughput:
         self.steps += 1
 
     def figures(self) -> dict:
-        """The figures since the last figures() or restart(), as metrics.jsonl logs them; starts
-        a new interval. Only host time is measured: the caller has just waited for the GPU (its
-        .item() of the loss), so the steps counted are the steps done."""
+        """The figures since the last call or restart(), in host time: the caller has just
+        waited for the GPU (its .item() of the loss)."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
         rate = self.steps * self.tokens_per_step / seconds
         figures = {
-            "tokens_per_sec": rate,
-            "step_ms": 1000 * seconds / max(self.steps, 1),
+            "tokens_per_sec": rate, "step_ms": 1000 * seconds / max(self.steps, 1),
             "mfu": mfu(rate, self.flops_per_token, self.peak_flops, self.devices),
             "peak_memory_gb": peak_memory_gb(self.device),
-        }
+        }  # fmt: skip
         self.restart()
         return figures
 
@@ -168,14 +154,10 @@ def router_figures(model: torch.nn.Module, group=None) -> dict:
 
 
 def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
-    """The progress bar's figures at a log step: loss, learning rate, tokens/s, the mean step
-    time since the last log, and MFU where the GPU's peak is known (None: left out)."""
-    postfix = {
-        "loss": f"{loss:.3f}",
-        "lr": f"{lr:.2e}",
-        "tok_s": f"{figures['tokens_per_sec']:,.0f}",
-        "step_ms": f"{figures['step_ms']:,.1f}",
-    }
+    """The progress bar's figures at a log step (MFU where the GPU's peak is known)."""
+    rate, step_ms = figures["tokens_per_sec"], figures["step_ms"]
+    postfix = {"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}",
+               "step_ms": f"{step_ms:,.1f}"}  # fmt: skip
     if figures["mfu"] is not None:
         postfix["mfu"] = f"{100 * figures['mfu']:.1f}%"
     return postfix
@@ -193,15 +175,10 @@ PEAK_BF16_FLOPS = (
 
 
 def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
-    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T.
-
-    N counts the parameters of every matrix multiply: lm_head is in it, the input embedding
-    (a table lookup, no multiply) is not; with tied embeddings the one shared matrix is counted
-    once, as lm_head. A mixture of experts counts the parameters a token uses (the router and
-    num_experts_per_tok experts of each layer: count_active_parameters), not every expert.
-    12 L H Q T is attention's QK^T and AV (H heads of width Q, context T), counted in full as
-    PaLM does, although causal attention needs only half of it.
-    """
+    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T. N: the parameters of every
+    matrix multiply a token uses (lm_head, not the embedding lookup; tied, counted once; of a
+    mixture of experts, the router and num_experts_per_tok experts per layer). 12 L H Q T:
+    attention's QK^T and AV (H heads of width Q, context T), in full as PaLM counts it."""
     n = count_active_parameters(config)
     if not config.tie_word_embeddings:
         n -= config.vocab_size * config.hidden_size
@@ -218,9 +195,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devices: int):
-    """Model FLOPs utilisation: the fraction of `devices` GPUs' peak that training turned into
-    model FLOPs (recomputation, e.g. activation checkpointing, does not count); None without a
-    known peak."""
+    """The fraction of `devices` GPUs' peak turned into model FLOPs; None without a peak."""
     return None if peak is None else tokens_per_sec * flops_per_token / (peak * devices)
 
 

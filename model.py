@@ -105,44 +105,28 @@ def is_integer(value) -> bool:
 
 # Named sizes. `tiny` trains visibly in minutes on a laptop CPU; the rest are the usual GPT-2/Llama
 # sizes (`small` ~ GPT-2 124M, `medium` ~ 350M, `1b` ~ Llama 3.2 1B's shape) and the public Llama 2
-# shapes, which later scripts use for memory planning. vocab_size is normally replaced by the
-# tokenizer's; 32000 is Llama 2's.
+# shapes, for memory planning. vocab_size is normally the tokenizer's; 32000 is Llama 2's.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
-    ),
-    "small": dict(
-        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
-    ),
-    "medium": dict(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
-    ),
-    "1b": dict(
-        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-        rope_theta=500000.0, tie_word_embeddings=True,
-    ),
-    "7b": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-    ),
-    "13b": dict(
-        vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-        num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
-    ),
-    "70b": dict(
-        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
-    ),
+    name: dict(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=context,
+               **extra)
+    for name, (vocab, d, ffn, layers, heads, kv, context, extra) in {
+        #          vocab   hidden  ffn    layers heads kv  context
+        "tiny":   (4096,   192,    512,   4,     6,    2,  1024, {}),
+        "small":  (32000,  768,    2048,  12,    12,   12, 2048, {}),
+        "medium": (32000,  1024,   2816,  24,    16,   16, 2048, {}),
+        "1b":     (32000,  2048,   8192,  16,    32,   8,  4096,
+                   dict(rope_theta=500000.0, tie_word_embeddings=True)),
+        "7b":     (32000,  4096,   11008, 32,    32,   32, 4096, {}),
+        "13b":    (32000,  5120,   13824, 40,    40,   40, 4096, {}),
+        "70b":    (32000,  8192,   28672, 80,    64,   8,  4096, {}),
+    }.items()
 }  # fmt: skip
 
 
 def count_parameters(config: LlamaConfig, experts: int | None = None) -> int:
-    """Parameter count from the shapes alone, without building the model (70b would not fit);
-    experts: how many experts of each MoE layer to count (default all; a dense model has none)."""
+    """Parameter count from the shapes alone (70b would not fit in memory); experts: how many of
+    each MoE layer's to count (default all)."""
     d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
     attention = d * d + 2 * d * kv_dim + d * d  # wq, wk + wv (grouped), wo
     mlp = 3 * d * config.intermediate_size  # w1, w2, w3 (of one expert, if there are experts)
@@ -166,9 +150,8 @@ def count_active_parameters(config: LlamaConfig) -> int:
 
 
 def rope_cos_sin(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (max_position_embeddings, head_dim), in float32. Channel i and
-    channel i + head_dim/2 rotate as one pair (Hugging Face's `rotate_half` layout; Meta's
-    original code pairs neighbouring channels, which needs a permutation)."""
+    """cos and sin tables (max_position_embeddings, head_dim), in float32; channels i and i +
+    head_dim/2 rotate as one pair (Hugging Face's `rotate_half` layout, not Meta's neighbours)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
     if config.rope_scaling is not None:
@@ -198,9 +181,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) by position; cos/sin are (T, head_dim), or anything that
-    broadcasts to x, such as (B, 1, T, head_dim) for positions per sequence. A query at position
-    m and a key at n rotated so have a dot product that depends only on m - n."""
+    """Rotate x (B, heads, T, head_dim) by position (cos/sin broadcast to x): a query at position m
+    and a key at n so rotated have a dot product that depends only on m - n."""
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
@@ -209,8 +191,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """One layer's keys and values of the tokens so far, during generation: preallocated to the
-    longest sequence, so a decoding step writes one slot instead of copying the whole history."""
+    """One layer's keys and values so far, preallocated: a decoding step writes one slot."""
 
     def __init__(self, batch_size, num_kv_heads, max_length, head_dim, device, dtype):
         shape = (batch_size, num_kv_heads, max_length, head_dim)
@@ -227,10 +208,9 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-# FlexAttention (--document-mask's BlockMask) is only fast compiled: eagerly it computes the whole
-# (T, T) score matrix it exists to avoid. So it is compiled on first use (the import of
-# torch.compile costs seconds that generate.py and the tests should not pay), whether or not the
-# layers are; inside a layer that --compile compiles, the plain function joins the layer's graph.
+# FlexAttention (--document-mask's BlockMask) is only fast compiled (eagerly it computes the whole
+# (T, T) score matrix), so it is compiled on first use, whether or not the layers are; inside a
+# layer that --compile compiles, the plain function joins the layer's graph.
 @functools.cache
 def compiled_flex_attention():
     """torch.compile(flex_attention), made on the first call and reused by every later one."""
@@ -238,10 +218,8 @@ def compiled_flex_attention():
 
 
 def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention(q, k, v) with a BlockMask, as one fused kernel; q (B, nh, T, hd). CUDA only:
-    on a CPU without AVX-512, torch 2.13's compiled kernel gives wrong logits (NaN, or errors of
-    ~0.2 that change from run to run), so it is refused there rather than trusted on some CPUs,
-    with no silent fallback to the dense mask, whose (T, T) memory is the caller's choice."""
+    """flex_attention(q, k, v) with a BlockMask, one fused kernel. CUDA only: on a CPU without
+    AVX-512, torch 2.13's compiled kernel is wrong; no silent fallback to a dense (T, T) mask."""
     if q.device.type != "cuda":
         raise ValueError(
             f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch 2.13 "
@@ -267,9 +245,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn_mask=None, cache: KVCache | None = None):
         B, T, _ = x.shape
         hd = self.head_dim
-        # The head counts come from the projections' outputs, not from the config: under tensor
-        # parallelism (train_tp.py) wq/wk/wv are split by columns, so this rank computes only
-        # nh / tp query heads and nkv / tp key/value heads, and attention runs on those alone.
+        # The head counts come from the projections' outputs, not the config: under tensor
+        # parallelism wq/wk/wv are split by columns, and a rank computes nh / tp and nkv / tp.
         q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -279,20 +256,15 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)  # (B, nkv, S, hd) with S = all positions so far
         # Grouped-query attention: `enable_gqa` lets each group of nh/nkv query heads share one
         # key/value head without copying k and v.
-        if isinstance(attn_mask, BlockMask):
-            # A document mask for FlexAttention (masks.create_document_block_mask): the kernel
-            # skips the key blocks the mask blocks entirely and never builds a (T, T) mask.
+        if isinstance(attn_mask, BlockMask):  # --document-mask by FlexAttention: no (T, T) mask
             y = fused_flex_attention(q, k, v, attn_mask, enable_gqa=nkv != nh)  # (B, nh, T, hd)
-        elif callable(attn_mask):
-            # Attention computed by the caller, with keys and values this call did not compute
-            # alone: context parallelism (context_parallel.py) gathers them from other ranks.
+        elif callable(attn_mask):  # context parallelism's: keys and values from other ranks too
             y = attn_mask(q, k, v, enable_gqa=nkv != nh)  # (B, nh, T, hd)
         else:
             if attn_mask is not None and attn_mask.dtype != torch.bool:
                 attn_mask = attn_mask.to(q.dtype)  # SDPA wants an additive mask in q's dtype
-            # With no explicit mask, `is_causal=True` lets SDPA pick its fastest kernel (flash
-            # attention on GPU) and never materialise a (T, T) mask. A single decoding step
-            # (T == 1) attends to the whole cache, so it needs no mask at all.
+            # No mask: `is_causal=True` lets SDPA pick its fastest kernel (flash attention on GPU)
+            # with no (T, T) mask; a single decoding step (T == 1) attends to the whole cache.
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1,
                 enable_gqa=nkv != nh,
@@ -315,8 +287,8 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the MLP is a mixture
-    of experts when config.num_local_experts > 0 (named feed_forward either way)."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)), the MLP (feed_forward)
+    a mixture of experts if config.num_local_experts > 0."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -353,9 +325,9 @@ class LlamaForPretraining(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        # GPT-2's recipe: N(0, 0.02) everywhere, and the two projections that write into the
-        # residual stream (wo, w2) scaled by 1/sqrt(2 * layers), so the stream's variance stays
-        # about constant however deep the model is. RMSNorm weights start at one.
+        # GPT-2's recipe: N(0, 0.02), and the two projections into the residual stream (wo, w2)
+        # scaled by 1/sqrt(2 * layers), so its variance stays about constant however deep the
+        # model is. RMSNorm weights start at one.
         std = 0.02
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -365,8 +337,8 @@ class LlamaForPretraining(nn.Module):
         for layer in self.layers:
             w2 = layer.feed_forward.w2  # a Linear, or the experts' stacked (E, d, ffn) Parameter
             if self.config.num_local_experts:
-                # A mixture of experts (moe.py): the router (gate, a Linear) as above, every
-                # expert's w1 and w3 likewise, each expert's w2 as the dense w2.
+                # A mixture of experts (moe.py): the router as above, every expert's w1 and w3
+                # likewise, each expert's w2 as the dense w2.
                 nn.init.normal_(layer.feed_forward.w1, mean=0.0, std=std)
                 nn.init.normal_(layer.feed_forward.w3, mean=0.0, std=std)
                 layer.feed_forward.reset_router_stats()
@@ -374,32 +346,22 @@ class LlamaForPretraining(nn.Module):
                 nn.init.normal_(projection, std=std / math.sqrt(2 * len(self.layers)))
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        targets: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | Callable | None = None,
-        kv_caches: list[KVCache] | None = None,
-        position_ids: torch.Tensor | None = None,
-    ):
-        """Run the decoder on input_ids (B, T).
+        kv_caches: list[KVCache] | None = None, position_ids: torch.Tensor | None = None,
+    ):  # fmt: skip
+        """Run the decoder on input_ids (B, T). Without targets (B, T), the logits (B, T, vocab);
+        with them, (loss_sum, num_tokens): the cross-entropy summed over the targets that are not
+        IGNORE_INDEX (padding), and their number. The caller divides by the targets of the
+        *whole* global batch, so the gradient is the same however the batch is split (and
+        nn.DataParallel gathers two scalars per replica). A mixture of experts in training adds
+        coef x each sequence's balance loss x its targets (so divided: their weighted mean).
 
-        attn_mask: None for plain causal attention (the fast path); a mask from masks.py that
-            includes causality and broadcasts to (B, heads, T, T), additive floats (0 attend,
-            -inf blocked) or bools (True attend), for SDPA; a FlexAttention BlockMask (CUDA
-            only); or a function attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim) that
-            computes the attention itself from each layer's rotated queries (B, heads, T,
-            head_dim) and keys and values (B, kv_heads, T, head_dim) (context_parallel.py).
-        targets: (B, T) next-token ids; positions equal to IGNORE_INDEX (padding) do not count.
-        position_ids: each token's position, for RoPE: (T,) or (B, T); None: 0..T-1 (after a KV
-            cache's tokens). Context parallelism passes those of the slice a rank holds.
-
-        Without targets, the logits (B, T, vocab_size). With them, (loss_sum, num_tokens): the
-        cross-entropy summed over the counted targets, and their number. The caller divides by
-        the targets of the *whole* global batch, so the gradient is the same however the batch
-        is split over micro-batches and ranks (and nn.DataParallel gathers two scalars per
-        replica, not logits). A mixture of experts in training mode adds router_aux_loss_coef x
-        the sum over MoE layers and sequences of each sequence's balance loss x its targets:
-        divided as above, coef x the target-weighted mean balance loss joins the mean loss.
+        attn_mask: None (plain causal attention, the fast path); a mask from masks.py for SDPA
+        (causal included, broadcasting to (B, heads, T, T)); a FlexAttention BlockMask (CUDA);
+        or attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim) from each layer's rotated q and
+        k, v (context_parallel.py's). position_ids: each token's position for RoPE, (T,) or (B,
+        T); None: 0..T-1 after a KV cache's tokens (context parallelism passes its slice's).
         """
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
@@ -415,9 +377,8 @@ class LlamaForPretraining(nn.Module):
         else:  # (1 or B, 1, T, hd): broadcast over the heads
             cos, sin = (t[position_ids].unsqueeze(-3) for t in (self.rope_cos, self.rope_sin))
 
-        # A mixture of experts keeps its routing for the balance loss in a training forward only;
-        # not in evaluation or generation, nor when backward recomputes a layer's forward
-        # (activation checkpointing), which happens after this forward has switched it off.
+        # A mixture of experts keeps its routing for the balance loss in a training forward only
+        # (not when activation checkpointing recomputes a layer: this forward switched it off).
         experts = [layer.feed_forward for layer in self.layers if self.config.num_local_experts]
         balance = self.training and targets is not None and bool(experts)
         for moe in experts:
@@ -438,9 +399,7 @@ class LlamaForPretraining(nn.Module):
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_sum, num_tokens) of the last hidden states x (B, T, d): final norm, lm_head and
-        cross-entropy. A method of its own so that --compile can fuse it (training.compile_layers):
-        eagerly, the (B, T, vocab) logits are written in bf16, again in fp32 and again as
-        log-probabilities, forward and backward."""
+        cross-entropy; a method of its own for --compile to fuse (training.compile_layers)."""
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum = F.cross_entropy(
             logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -454,12 +413,9 @@ class LlamaForPretraining(nn.Module):
         top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
         generator: torch.Generator | None = None, use_cache: bool = True,
     ) -> torch.Tensor:  # fmt: skip
-        """Continue input_ids (B, T) by up to max_new_tokens; returns (B, T + generated).
-
-        With the KV cache, the prompt is run once (prefill) and each later step feeds only the
-        newest token. temperature 0 is greedy. Stops once every sequence has produced eos_id;
-        a sequence that has finished keeps receiving eos_id.
-        """
+        """Continue input_ids (B, T) by up to max_new_tokens; returns (B, T + generated). With the
+        KV cache the prompt runs once, then each step feeds the newest token. temperature 0 is
+        greedy. Stops once every sequence has produced eos_id (then repeated)."""
         B, T = input_ids.shape
         total = T + max_new_tokens
         if total > self.config.max_position_embeddings:
@@ -514,8 +470,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> t
 def generate_text(model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
                   *sampling, **named_sampling) -> str:  # fmt: skip
     """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
-    document (the tokenizer's eot_id; data.DocumentTokenizer); the sampling arguments are
-    generate_ids'. The continuation stops where the model's context ends."""
+    document (the tokenizer's eot_id) or of the model's context; sampling as generate_ids."""
     ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
     return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
 
@@ -526,8 +481,7 @@ def generate_ids(
     seed: int | None = None, use_cache: bool = True,
 ) -> tuple[list[int], bool]:  # fmt: skip
     """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
-    model's context cut the continuation short of max_new_tokens (not an end of document).
-    temperature 0 is greedy; `seed` makes sampling reproducible (None: a fresh random draw)."""
+    model's context cut them short. temperature 0 is greedy; `seed` makes sampling reproducible."""
     model.eval()
     device = model.tok_embeddings.weight.device
     ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]

@@ -1,12 +1,9 @@
 """The model a run trains, as the flags say it: the --model preset with the shape flags over it,
-or --init-from's config.json and tokenizer; and the special tokens the flags name.
+or --init-from's config.json and tokenizer; and the special tokens the flags name. The one place
+where flags become a shape, for the train scripts, bench.py, memory_plan.py and profile_step.py.
 
     model_flags.add_shape_flags(group, cli.number_arg)     # --num-layers, --hidden-size, ...
     preset, tokenizer, config = model_flags.model_source(args)  # checked: errors name the flags
-
-The one place where flags become a shape: for the flag checks before any data is read
-(cli.run_settings), the model built (training.build_model), bench.py, memory_plan.py and
-profile_step.py alike.
 """
 
 import os
@@ -37,8 +34,7 @@ MODEL_FLAGS = [*SHAPE_FLAGS, *EXPERT_FLAGS]
 
 
 def add_shape_flags(group, number_arg) -> None:
-    """--num-layers ... --ffn-size, --num-experts ...: the train scripts', bench.py's and
-    memory_plan.py's, each refused as it is parsed outside its range (number_arg: cli's)."""
+    """--num-layers ... --ffn-size, --num-experts ...: each refused outside its range."""
     for name, (field, what) in SHAPE_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", type=number_arg(int, 1), default=None,
                            metavar="N", help=f"{what}: LlamaConfig.{field} (default: the "
@@ -96,20 +92,13 @@ def model_name(args, preset: str | None) -> str:
 
 
 def model_shape(args) -> LlamaConfig:
-    """The architecture this run trains, known before any data is read: --init-from's
-    config.json, or the --model preset with the shape flags applied (its vocab_size: that of a
-    tokenizer the run trains; a given one's changes no check). ValueError saying why if none."""
+    """The architecture this run trains, known before any data is read: the --model preset
+    shaped by the flags (vocab_size: a trained tokenizer's), or --init-from's config.json."""
     if args.init_from is None:
         return preset_config(args, args.model or "tiny")
-    from generation import OUT_DIR_FILES, load_config  # only for --init-from
+    from generation import init_from_config  # only for --init-from
 
-    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(args.init_from, n))]
-    if missing:
-        raise ValueError(
-            f"--init-from {args.init_from}: no {', '.join(missing)} there; point it at the "
-            f"--out-dir of a finished run (or of `python export_hf.py --from-hf HF_DIR OUT_DIR`)"
-        )
-    return load_config(args.init_from)
+    return init_from_config(args.init_from)
 
 
 def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
@@ -118,23 +107,11 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
     before any data is read. ValueError naming the flags that do not fit."""
     model, tokenizer = args.model or "tiny", args.tokenizer
     if args.init_from is not None:
+        from generation import check_init_from  # only for --init-from
+
         shaping = ["model", "tokenizer", "vocab_size", *MODEL_FLAGS]
         given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
-        if given:
-            raise ValueError(
-                f"--init-from {args.init_from} brings its own architecture (config.json) and "
-                f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
-            )
-        if os.path.realpath(args.init_from) == os.path.realpath(args.out_dir):
-            # Refused rather than resolved either way: resuming would ignore --init-from, and a
-            # fresh start would write its checkpoints and model.pt over the very files it starts
-            # from (a run never destroys what is already there).
-            raise ValueError(
-                f"--init-from {args.init_from} is also the --out-dir: a run writes its model.pt "
-                f"there, over the weights it starts from. To train on from that run's own "
-                f"checkpoints, leave out --init-from (it resumes; raise --max-steps); to start "
-                f"a new run from its model, give another --out-dir"
-            )
+        check_init_from(args, given)
         # The weights only mean something with the tokenizer they were trained with.
         model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
     config = model_shape(args)

@@ -1,9 +1,9 @@
 """How a run ends when it does not finish: one line for a known failure, a clean stop on a signal.
 
-`run(main)` wraps every script's main(): a bad input (ValueError) or a failed training run
-(TrainingError) ends in one line on stderr and an exit code, not a traceback. `StopRequest` turns
-Ctrl-C (SIGINT), SIGTERM and SIGUSR1 into a stop after the step in flight, on every rank at the
-same step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and exits.
+`run(main)` wraps every script's main(): bad input (ValueError) or a failed run (TrainingError)
+ends in one line on stderr and an exit code, not a traceback. `StopRequest` turns Ctrl-C
+(SIGINT), SIGTERM and SIGUSR1 into a stop after the step in flight, on every rank at the same
+step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and exits.
 """
 
 import atexit
@@ -33,26 +33,12 @@ class Stopped(Exception):
 
 
 def run(main: Callable[[], None], os_exit: bool = False) -> None:
-    """Call a script's main(); a known failure ends in one line on stderr, not a traceback.
-
-    The checks in this suite raise ValueError for bad input (no data at that path, a checkpoint
-    of another model, ...), exit code 2, and TrainingError when training itself fails, exit code
-    1; a traceback would only bury the message. Under torchrun every rank meets the same
-    failure, so only global rank 0 prints it.
-
-    Any other exception (a bug, or a failure no check here names) prints its traceback, as
-    Python would, and exits with 1. However main() ends, the process ends: see
-    training.step_batches for the DataLoader workers. os_exit=True (the lessons that join a
-    process group): it ends with end_process, os._exit once the atexit handlers have run,
-    rather than the interpreter's own teardown, which torch.distributed's C++ objects can abort.
-
-    A run stopped by a signal (Stopped) ends in one line too, and exits with 128 + the signal's
-    number: 130 after Ctrl-C (SIGINT), 143 after SIGTERM, what a shell reports for a process
-    that signal killed. Whatever watches the run (a script, torchrun, Slurm) then sees "cut
-    short, not finished": 0 would say the run is complete (model.pt written, nothing to resume)
-    and 1 that it failed. A Ctrl-C that interrupts at once (before training, or a second one)
-    exits with 130 as well.
-    """
+    """Call a script's main(); a known failure ends in one line on stderr (rank 0's: under
+    torchrun every rank meets it), not a traceback. Exit codes: 2 for bad input (ValueError), 1
+    for a failed run (TrainingError) or anything else (a bug: every rank prints its traceback),
+    128 + the signal's number after a stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell
+    reports that signal's kill): whatever watches the run sees "cut short", not "done".
+    os_exit (the lessons that join a process group): end with end_process."""
     is_main = int(os.environ.get("RANK", "0")) == 0
     code = 0
     try:
@@ -76,7 +62,7 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         if is_main:
             print(f"error: {e}", file=sys.stderr)
         code = 2 if isinstance(e, ValueError) else 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a Ctrl-C before training, or a second one: stopped at once
         if is_main:
             print("interrupted: stopped at once, without saving; any checkpoints in --out-dir are "
                   "intact: run the same command to resume", file=sys.stderr)  # fmt: skip
@@ -84,8 +70,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
     except SystemExit:
         raise  # argparse's usage errors (exit code 2), ...
     except BaseException:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
-        # Printed by every rank: an unexpected failure may be one rank's own. Caught rather than
-        # left to the interpreter, so that this process too ends with end_process under torchrun.
+        # Caught rather than left to the interpreter, so that under torchrun this process too
+        # ends with end_process.
         traceback.print_exc()
         code = 1
     if os_exit:
@@ -95,18 +81,10 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
 
 
 def end_process(code: int) -> None:
-    """Exit with `code` after the atexit handlers, but without the interpreter's own teardown.
-
-    A process that used torch.distributed keeps C++ objects past destroy_process_group(): FSDP's
-    and DTensor's sharding keep the gloo process group alive (its threads still run), with
-    tensors of its collectives. They are freed only after Python has shut down, and freeing a
-    tensor that Python still owned then needs a GIL that no longer exists: the process aborts
-    ("terminate called without an active exception", SIGABRT) after a finished run, and torchrun
-    reports the run as failed. Seen a few times in the test suite, mostly in train_fsdp.py.
-    So: the handlers registered with atexit (the out-dir lock's release, logging, ...) run here,
-    while Python is whole; the output is flushed; and os._exit skips the rest. Every file of the
-    run is closed by now (checkpoints and metrics are written whole, or renamed into place).
-    """
+    """Exit with `code` after the atexit handlers, without the interpreter's own teardown:
+    torch.distributed's C++ objects outlive destroy_process_group() (FSDP keeps the gloo group),
+    and freeing them after Python has shut down aborts the process ("terminate called without an
+    active exception"), which torchrun reports as a failure. Every file is written by now."""
     atexit._run_exitfuncs()  # what a normal exit runs first; emptied, so it never runs twice
     sys.stdout.flush()
     sys.stderr.flush()
@@ -118,38 +96,25 @@ def end_process(code: int) -> None:
 # warning that slurm_ddp.sbatch asks Slurm for, before the time limit)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# torchrun passes the signals it receives on to its workers, which a Ctrl-C in the terminal (or
-# Slurm, which signals every process of a job step) has reached already: each worker gets the
-# same signal twice, milliseconds apart. A repeat within this many seconds is that echo.
+# torchrun passes its signals on to its workers, which a terminal's Ctrl-C (or Slurm) reached
+# already: a repeat within this many seconds is that echo, not a second request.
 ECHO_SECONDS = 2.0
 
 
 class StopRequest:
-    """A STOP_SIGNALS signal stops the run cleanly: after the step in flight, with a checkpoint
-    there, on every rank at the same step.
-
-    The signal handler only notes the signal; the training loop calls all_reduce() after each step.
-    Ranks receive a signal at slightly different moments (or only some of them do), and a rank
-    that left the loop alone would leave the others waiting forever in their next collective.
-    So every rank all-reduces (MAX) the signal it has received, every step, and reads the
-    result one step later: all ranks see the same value after the same step, and stop there
-    together. Read a step late, the result costs no wait for the GPU: its all-reduce was queued
-    behind the previous step, which has finished by then.
-
-    A second signal (other than the echo above) raises KeyboardInterrupt at once, saving or
-    not: every file is written under a temporary name and renamed once complete, so what is cut
-    short is never visible (the next start removes it), and the newest checkpoint is the one
-    before. One process alone (train_dp.py) stops right after the step in flight.
-    """
+    """A STOP_SIGNALS signal stops the run after the step in flight, with a checkpoint there,
+    on every rank at the same step: ranks receive it at different moments (or only some do), and
+    one that left the loop alone would leave the others waiting forever. So after each step every
+    rank all-reduces (MAX) the signal it has noted, and reads the result a step later, with no
+    wait. A second signal raises KeyboardInterrupt at once (files are renamed into place whole)."""
 
     def __init__(self, device: torch.device):
         self.signal = 0  # the signal all ranks agreed to stop on (0: none)
         self._received, self._received_at = 0, 0.0  # this process's first signal, and when
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._flag = torch.zeros((), dtype=torch.int64, device=device)
-        # On a GPU the result is copied to pinned host memory behind the all-reduce, and an
-        # event marks that point of the stream; on CPU, gloo runs the all-reduce in its own
-        # threads while the next step computes.
+        # On a GPU the result is copied to pinned host memory behind the all-reduce, an event
+        # marking that point; on CPU, gloo's threads run it while the next step computes.
         self._cuda = self._flag.is_cuda
         self._result = torch.zeros((), dtype=torch.int64, pin_memory=True) if self._cuda else None
         self._event = torch.cuda.Event() if self._cuda else None
@@ -174,8 +139,8 @@ class StopRequest:
 
     def all_reduce(self) -> int:
         """A collective: every rank calls it after every step. The signal to stop on after this
-        step, the same on all ranks (the MAX over the ranks of the signal each received; one
-        process: its own, with no collective); 0: go on."""
+        step, the same on all ranks (the MAX of the signals the ranks received; one process: its
+        own, with no collective); 0: go on."""
         if not self._distributed:
             self.signal = self._received
             return self.signal
@@ -196,28 +161,19 @@ class StopRequest:
         return 0
 
     def finish(self) -> None:
-        """After the last step, before the process group goes: wait for the all-reduce that
-        all_reduce() left in flight. Its handle would otherwise outlive the process group, and a
-        collective's work freed only at interpreter exit can abort the process there (gloo:
-        "terminate called without an active exception")."""
+        """After the last step, before the process group goes: wait for the all-reduce left in
+        flight, whose handle would otherwise outlive the group and can abort the process at
+        exit (gloo: "terminate called without an active exception")."""
         if self._wait is not None:
             self._wait()
             self._wait = None
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker ignores STOP_SIGNALS, which a terminal's Ctrl-C and Slurm (its
-    warning, scancel, a preemption) send to every process of a job, workers included: the
-    training process still reads batches until it stops, then ends its workers itself, through
-    the DataLoader (they leave when told; training.step_batches makes sure they are told, even
-    when the run ends in an error). A worker killed by the signal instead would fail the step in
-    flight, and the run would lose everything since its last checkpoint.
-
-    Deaf to SIGTERM, a worker must never outlive the training process: on Linux the kernel kills
-    it (SIGKILL) the moment its parent exits, however (a SIGKILL, the OOM killer, torchrun's
-    kill after its timeout), even in the middle of a batch. (The DataLoader's own check of its
-    parent runs only between batches, every 5 s; where prctl is missing, it is the only one.)
-    """
+    """A DataLoader worker ignores STOP_SIGNALS, which Ctrl-C and Slurm send to every process of
+    a job: killed, it would fail the step in flight; the training process ends it itself
+    (training._start_loader). Deaf to SIGTERM, it must never outlive the training process: the
+    kernel kills it when its parent exits (the DataLoader only checks between batches)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     parent = multiprocessing.parent_process()  # the training process (with any start method)
@@ -229,15 +185,9 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 def end_with_parent(signum: int, parent: int | None = None) -> None:
     """Linux: have the kernel send `signum` to this process when its parent exits (prctl's
-    PR_SET_PDEATHSIG), whatever ends the parent: a SIGKILL passes nothing on to its children,
-    who would otherwise run on as orphans. Elsewhere (or should prctl fail), nothing happens.
-
-    The parent is the thread that started this process (for a DataLoader worker, the training
-    loop's; for a rank, torchrun's main thread), and a DataLoader worker under the forkserver
-    start method has the fork server for parent, which ends with the training process.
-    `parent`: the pid of the process that started this one, if known; if it has exited before
-    this call (too early for the kernel to notice), `signum` comes at once.
-    """
+    PR_SET_PDEATHSIG), however it ends: a SIGKILL passes nothing on to children, who would run
+    on as orphans. Elsewhere (or should prctl fail), nothing. `parent`: its pid, if known; if it
+    exited before this call, `signum` comes now."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -67,6 +67,20 @@ class Stream:
     mode: str  # --data-mode: "pack" or "pad"
 
 
+def check_flags(parser, args) -> None:
+    """parser.error for the flags that --streaming cannot go with (cli.run_settings asks)."""
+    if args.num_proc is not None:
+        parser.error(
+            "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "
+            "tokenizer uses every core): leave out --num-proc"
+        )
+    if args.val_fraction != parser.get_default("val_fraction"):
+        parser.error(
+            "--val-fraction does not apply to --streaming, whose length is not known: validation "
+            "is the stream's first documents, enough for --eval-batches x --batch-size sequences"
+        )
+
+
 def open_stream(args, tokenizer_path: str | None) -> Stream:
     """The validation documents (held out), the tokenizer, and the stream of the rest: the
     streaming counterpart of training.build_datasets. ValueError in one line if unusable."""

@@ -94,26 +94,16 @@ def main():
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
-        train_ds,
-        order_for_epoch,
-        run.micro_batch_size * devices,
-        run.accumulation,
-        steps_per_epoch,
-        start_step,
-        args.num_workers,
-        pin_memory=device.type == "cuda",
+        train_ds, order_for_epoch, run.micro_batch_size * devices, run.accumulation,
+        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
         data_position=data_position,  # --streaming: where to go on reading it
-    )
+    )  # fmt: skip
     metrics = Metrics(args.out_dir, True, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
-    bar = tqdm(
-        range(start_step, args.max_steps),
-        initial=start_step,
-        total=args.max_steps,
-        desc="train",
-    )
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+               desc="train")  # fmt: skip
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
         # Copy the whole step's micro-batches to the device first, asynchronously (from pinned

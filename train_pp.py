@@ -248,29 +248,18 @@ def main():
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
-        train_ds,
-        order_for_epoch,
-        run.micro_batch_size,
-        run.accumulation,  # m micro-batches per step
-        steps_per_epoch,
-        start_step,
-        args.num_workers,
-        pin_memory=device.type == "cuda",
+        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
+        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
         shard=(dp_rank, dp),  # --streaming: this rank's shard of the stream
         data_position=data_position,  # --streaming: where to go on reading it
-    )
+    )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     final_checkpoint = resume_path  # model.pt is read back from the last checkpoint
-    bar = tqdm(
-        range(start_step, args.max_steps),
-        initial=start_step,
-        total=args.max_steps,
-        desc="train",
-        disable=not is_main,
-    )
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+               desc="train", disable=not is_main)  # fmt: skip
 
     def run_pipeline(x, y, scale, losses, train: bool):
         """One pass of the schedule over the pipeline's batch x, y (rows, T), m micro-batches.

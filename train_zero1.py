@@ -127,28 +127,17 @@ def main():
 
     # ---- training loop -------------------------------------------------------------------------
     batches = training.step_batches(
-        train_ds,
-        order_for_epoch,
-        run.micro_batch_size,
-        run.accumulation,
-        steps_per_epoch,
-        start_step,
-        args.num_workers,
-        pin_memory=device.type == "cuda",
+        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
+        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
         shard=(rank, world_size),  # --streaming: this rank's shard of the stream
         data_position=data_position,  # --streaming: where to go on reading it
-    )
+    )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
-    bar = tqdm(
-        range(start_step, args.max_steps),
-        initial=start_step,
-        total=args.max_steps,
-        desc="train",
-        disable=not is_main,
-    )
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+               desc="train", disable=not is_main)  # fmt: skip
     for step in bar:
         lr = optimizer.param_groups[0]["lr"]
         # Copy the whole step's micro-batches to the device first, asynchronously (from pinned

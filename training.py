@@ -1,11 +1,8 @@
-"""The parts of a training run that are the same under every parallel strategy.
-
-Each train_*.py keeps its own visible loop (setup -> data -> model -> wrap -> loop -> outputs)
-and calls these for what no strategy changes: the datasets and each step's batches, the model,
-AdamW and its schedule, mixed precision, attention masks, evaluation and the end of a run. That
-keeps the diff between neighbouring lessons to the concept each one adds. An optional feature's
-module is imported where it is used: streaming.py (--streaming), masks.py (--document-mask),
-generation.py (--init-from).
+"""The parts of a training run that no parallel strategy changes: the datasets and each step's
+batches, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and the
+end of a run. Each train_*.py keeps its own visible loop and calls these, which keeps the diff
+between neighbouring lessons to the concept each one adds. An optional feature's module is
+imported where it is used: streaming.py, masks.py (--document-mask), generation.py (--init-from).
 """
 
 import atexit
@@ -33,14 +30,8 @@ from stopping import ignore_stop_signals
 
 
 def build_datasets(args, tokenizer_path: str | None):
-    """Corpus -> tokenizer -> tokenized, cached datasets: (train, val, tokenizer).
-
-    tokenizer_path: the settings' tokenizer.json (--tokenizer, --init-from's); None: one is
-    trained on the training split and cached. Under torchrun, main_process_first lets one
-    process per node do the work while the others wait, then read what it cached. With
-    --streaming, train is a streaming.Stream: the corpus not yet read, which step_batches reads
-    as it goes, each data-parallel rank its own shard.
-    """
+    """Corpus -> tokenizer (tokenizer_path's, or trained) -> tokenized datasets: (train, val,
+    tokenizer), made by one process per node; with --streaming, train is a streaming.Stream."""
     if args.streaming:
         import streaming  # only for --streaming
 
@@ -49,20 +40,15 @@ def build_datasets(args, tokenizer_path: str | None):
     with main_process_first():
         docs = data.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
         train_docs, val_docs = data.split_corpus(docs, args.val_fraction, seed=0)
-        tokenizer = data.get_tokenizer(
-            train_docs, model_flags.vocab_size(args), args.cache_dir, tokenizer_path,
-            model_flags.special_tokens(args),
-        )  # fmt: skip
+        specials = model_flags.special_tokens(args)
+        vocab = model_flags.vocab_size(args)
+        tokenizer = data.get_tokenizer(train_docs, vocab, args.cache_dir, tokenizer_path, specials)
         tokenizer.corpus_sha256 = data.fingerprint(docs, args.cache_dir)  # for checkpoints
-        # --num-proc tokenizes in parallel; packing stays in one process, so that the windows
-        # never depend on it (see data.PretrainingDataset).
-        train_ids, val_ids = (
-            data.tokenize(d, tokenizer, args.num_proc) for d in (train_docs, val_docs)
-        )
-        train, val = (
-            data.PretrainingDataset(ids, args.seq_length, args.data_mode, tokenizer.pad_id)
-            for ids in (train_ids, val_ids)
-        )
+        # --num-proc tokenizes in parallel; packing stays in one process (data.PretrainingDataset)
+        train_ids = data.tokenize(train_docs, tokenizer, args.num_proc)
+        val_ids = data.tokenize(val_docs, tokenizer, args.num_proc)
+        window = (args.seq_length, args.data_mode, tokenizer.pad_id)
+        train, val = (data.PretrainingDataset(ids, *window) for ids in (train_ids, val_ids))
     if int(os.environ.get("RANK", "0")) == 0:
         train_size = (len(train_docs), data.count_tokens(train_ids), len(train))
         val_size = (len(val_docs), data.count_tokens(val_ids), len(val))
@@ -72,7 +58,7 @@ def build_datasets(args, tokenizer_path: str | None):
 
 def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) -> str:
     """The start-up summary of the data: train and val as (documents, tokens, sequences), and
-    the share of an epoch that --max-steps covers (an epoch: the whole batches of the split)."""
+    the share of an epoch (the split's whole batches) that --max-steps covers."""
 
     def size(n: int) -> str:
         return f"{n:,}" if n < 1e6 else f"{n / 1e6:,.1f}M" if n < 1e9 else f"{n / 1e9:,.2f}B"
@@ -94,15 +80,14 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
 
 
 def is_stream(dataset) -> bool:
-    """Whether `dataset` is a streaming.Stream (--streaming). One exists only once streaming.py
-    was imported (for --streaming alone), so no import here."""
+    """Whether `dataset` is a streaming.Stream (--streaming): only if streaming.py is loaded."""
     streaming = sys.modules.get("streaming")
     return streaming is not None and isinstance(dataset, streaming.Stream)
 
 
 def steps_per_epoch(train_ds, args) -> int | None:
-    """Optimizer steps in one pass over the training split; ValueError if not even one. None
-    for a stream (--streaming), whose length is not known before it is read."""
+    """Optimizer steps in one pass over the training split (ValueError if none); None for a
+    stream, whose length is not known."""
     if is_stream(train_ds):
         return None
     steps = len(train_ds) // args.batch_size
@@ -119,18 +104,11 @@ def step_batches(
     steps_per_epoch: int, start_step: int, num_workers: int, pin_memory: bool,
     shard: tuple[int, int] = (0, 1), data_position: list[dict] | None = None,
 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
-    """An iterator over the optimizer steps from `start_step` on: each step's `accumulation`
-    micro-batches.
-
-    `order_for_epoch(epoch)` gives the sample indices this process reads in that epoch: that is
-    where single-process and distributed training differ. The position in the data is a pure
-    function of the step (epoch = step // steps_per_epoch), so resuming at step s reads exactly
-    what an uninterrupted run would have read, without storing anything but s.
-
-    A stream (--streaming) is read by a streaming.StreamingBatches instead: `shard` is this
-    process's (data-parallel rank, number of them), `data_position` the checkpoint's
-    data_positions() (None: the stream's start); the other arguments but the sizes are unused.
-    """
+    """An iterator over the optimizer steps from `start_step` on, each step's `accumulation`
+    micro-batches. `order_for_epoch(epoch)` gives the sample indices this process reads in that
+    epoch: where single-process and distributed training differ. The position in the data is a
+    function of the step, so a resume at step s reads what an uninterrupted run would. A stream
+    is read by a streaming.StreamingBatches: `shard` (dp rank, dp size), `data_position`."""
     if num_workers is None:  # --num-workers' default (cli.py): none on a CPU, one on a GPU
         num_workers = 1 if pin_memory else 0  # pin_memory: training on a GPU
     if is_stream(dataset):
@@ -168,16 +146,10 @@ _exit_hook_registered = False
 
 
 def _start_loader(loader: DataLoader) -> Iterator:
-    """iter(loader); its worker processes, if any, end when this process does, however it ends.
-
-    Its workers ignore SIGINT, SIGTERM and SIGUSR1 (stopping.ignore_stop_signals). A run that
-    finishes or stops drops its loader, and the DataLoader tells its workers to leave. But a run
-    that ends in an error still holds it at exit (the traceback holds main()'s frames), the
-    DataLoader's own shutdown is then off (torch's exit hook), and multiprocessing's exit hook
-    sends the workers SIGTERM, which they ignore, and waits for them forever (under torchrun, on
-    every rank). So the first loader with workers registers _end_open_loaders to run at exit
-    before those hooks (atexit runs the last registered first), to end every loader still open.
-    """
+    """iter(loader), whose workers end when this process does, however it ends: they ignore the
+    stop signals, and a run ended by an error still holds the loader at exit, when the
+    DataLoader's shutdown is off and multiprocessing's exit hook would wait for them forever. So
+    the first loader with workers registers _end_open_loaders, which atexit runs before it."""
     global _exit_hook_registered
     batches = iter(loader)
     if loader.num_workers > 0:
@@ -213,10 +185,8 @@ def data_positions(batches) -> list[dict] | None:
 
 def build_model(args, preset: str | None, vocab_size: int):
     """(model, config) to train: the settings' preset (shaped by the flags) with fresh weights
-    from --seed, or --init-from's (in fp32, on the CPU)."""
+    from --seed, or --init-from's (in fp32, on the CPU: generate.py's loader, its checks)."""
     if args.init_from is not None:
-        # generate.py's loader: a model.pt that generates also trains (and fails the same way,
-        # with the same messages, if its files do not belong together).
         from generation import load_model
 
         model, _ = load_model(args.init_from, "cpu", torch.float32)
@@ -227,18 +197,15 @@ def build_model(args, preset: str | None, vocab_size: int):
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a model, or of a pipeline stage of train_pp.py (which keeps them in
-    an nn.ModuleDict keyed by their index in the whole model)."""
+    """The decoder layers of a model, or of a pipeline stage (an nn.ModuleDict of them)."""
     layers = model.layers
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
 
 
 def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
-    """Compile each decoder layer in place: a short compile (one layer's graph, reused), and the
-    parameter names stay unchanged (no `_orig_mod.`), so checkpoints and wrappers are unaffected.
-    loss: also compile model.loss (final norm, lm_head, cross-entropy), which fuses the upcast
-    and log-softmax of the (B, T, vocab) logits; off under tensor parallelism (its loss runs on
-    vocabulary shards in loss_parallel()) and in pipeline stages (pipeline.PipelineLoss)."""
+    """Compile each decoder layer in place (one layer's graph, reused; the parameter names
+    unchanged) and, with loss, model.loss, which fuses the upcast and log-softmax of the logits
+    (not under TP, whose loss runs on vocabulary shards, nor in pipeline stages)."""
     for layer in decoder_layers(model):
         layer.compile()
     if loss:
@@ -246,10 +213,9 @@ def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
 
 
 def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
-    """Recompute each decoder layer's activations in backward instead of storing them: its
-    forward runs under torch.utils.checkpoint, which keeps only the layer's inputs. Non-reentrant
-    (use_reentrant=False): it works with DDP, FSDP and torch.compile and replays the RNG state.
-    Set on each instance from here; the parameter names, hence the checkpoints, are unchanged."""
+    """Recompute each decoder layer's activations in backward instead of storing them (its
+    forward under torch.utils.checkpoint, non-reentrant: it works with DDP, FSDP and compile);
+    the parameter names, hence the checkpoints, unchanged."""
     for layer in decoder_layers(model):
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
@@ -262,9 +228,8 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # One fused kernel per parameter for the whole update, on a GPU and a CPU alike. Not fused, a
-    # CPU gets no multi-tensor path either: AdamW loops over the parameters in Python, about ten
-    # operations each (~3 ms of a ~35 ms step at bench_nanogpt.py's shape).
+    # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
+    # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
     fused = device_type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
@@ -311,13 +276,9 @@ def autocast(device: torch.device, precision: str):
 
 
 def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], object]:
-    """The attention mask of a batch of tokens x (B, T), as a function: mask(x) is None (plain
-    causal attention, the fast path) unless --document-mask asks for masks.document_masks'.
-
-    Pad mode needs no padding mask: padding is on the right, so under causal attention a real
-    token never sees a pad, and the loss ignores what pad positions compute (tests/test_model.py
-    proves real-token logits unchanged by right padding).
-    """
+    """mask(x) for a batch of tokens x (B, T): None (plain causal attention, the fast path)
+    unless --document-mask asks for masks.document_masks'. Pad mode needs no padding mask:
+    padding is on the right, so under causal attention no real token sees it."""
     if not args.document_mask:
         return lambda x: None
     import masks  # only for --document-mask
@@ -330,17 +291,10 @@ def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], objec
 
 
 class ValidationShard:
-    """This rank's share of the validation set, in batches of `rows`, the same number of batches
-    on every rank: iterate it (once per evaluation) like a DataLoader.
-
-    Every `ranks`-th sample from `rank` on, so that over the ranks each sample counts once.
-    Where the ranks do not divide the set, shards differ by a sample, hence by a batch; but
-    every forward of a sharded model (FSDP's all-gathers, TP's all-reduces, CP's gathers, a
-    pipeline's sends) needs every rank, and one that stopped early would leave the others
-    waiting forever. So the last batch is topped up to `rows` rows and a shorter shard gets
-    batches of padding: token 0 as input and all targets IGNORE_INDEX, which add nothing to the
-    loss sum or the token count. Full rows also keep one shape for a pipeline.
-    """
+    """This rank's share of the validation set (every `ranks`-th sample from `rank` on), in
+    batches of `rows`, the same number on every rank (a sharded model's forward needs them all):
+    the last batch topped up to `rows` rows, a shorter shard given batches of padding (targets
+    all IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline."""
 
     def __init__(self, val_set, rank: int, ranks: int, rows: int):
         self.shard = Subset(val_set, range(rank, len(val_set), ranks))
@@ -367,13 +321,9 @@ class ValidationShard:
 
 @torch.no_grad()
 def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, number of targets) over `loader`, as tensors on `device`; attn_mask: the
-    run's attention_masks, or whatever function of x gives the model's third argument
-    (train_cp.py: the document ids that context_parallel.ContextParallel takes).
-
-    Sums rather than a mean, so that a distributed caller can add them up over ranks and divide
-    once: the validation loss is then exactly that of a single process on the same data.
-    """
+    """(summed loss, number of targets) over `loader`, tensors on `device`: sums, which ranks
+    add up before dividing once, to get one process's loss on the same data. attn_mask(x): the
+    model's third argument (attention_masks; train_cp.py's document ids)."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device)
@@ -389,9 +339,8 @@ def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor,
 
 
 def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
-    """The end of a run, on the process that writes files: model.pt, config.json and
-    tokenizer.json; with --plan on a GPU, the measured peak to hold against the plan printed at
-    start-up; and a sample of the trained model (--sample-tokens)."""
+    """The end of a run, on the process that writes files: the final files, the peak memory
+    (--plan, GPU) and a sample of the trained model (--sample-tokens)."""
     try:
         save_final(args.out_dir, model, config, tokenizer)
     except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
@@ -408,6 +357,6 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """`prompt` and a continuation, the same every time: generate.py's generate_text with seed 0,
-    so `python generate.py --seed 0 --prompt ... --max-new-tokens ...` prints it on CPU too."""
+    """`prompt` and a continuation: generate_text with seed 0, what `python generate.py --seed 0
+    --prompt ... --max-new-tokens ...` prints on CPU too."""
     return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

@@ -43,6 +43,7 @@ from test_fsdp import assert_resumes_bit_identically, copy_sharded_checkpoint
 from test_moe_training import MOE
 
 import expert_parallel
+import stopping
 from model import LlamaConfig
 from moe import MoEFeedForward
 
@@ -76,7 +77,9 @@ def moe_layer(seed: int = 0) -> MoEFeedForward:
 
 
 def dispatch_worker(rank: int, world: int, port: int) -> None:
-    """One rank, for both routings: see check_dispatch."""
+    """One rank, for both routings: see check_dispatch. A rank that passed ends as the lessons
+    do (stopping.end_process: os._exit), not through the interpreter's teardown, which the gloo
+    group that DTensor keeps alive can abort (SIGABRT, seen about once in ten runs)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -84,6 +87,7 @@ def dispatch_worker(rank: int, world: int, port: int) -> None:
             check_dispatch(rank, world, skewed)
     finally:
         dist.destroy_process_group()
+    stopping.end_process(0)  # only after every check passed: a failure raises above
 
 
 def check_dispatch(rank: int, world: int, skewed: bool) -> None:
