@@ -151,7 +151,8 @@ def count_active_parameters(config: LlamaConfig) -> int:
 
 def rope_cos_sin(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (max_position_embeddings, head_dim), in float32; channels i and i +
-    head_dim/2 rotate as one pair (Hugging Face's `rotate_half` layout, not Meta's neighbours)."""
+    head_dim/2 rotate as one pair (Hugging Face's `rotate_half` layout, not Meta's neighbours),
+    and sin's first half is negated: apply_rope's swap of the halves then rotates."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
     if config.rope_scaling is not None:
@@ -159,7 +160,9 @@ def rope_cos_sin(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.
     positions = torch.arange(config.max_position_embeddings, device=device).float()
     angles = torch.outer(positions, inv_freq)  # (T, dim/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, dim): both halves of a pair turn together
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    sin[:, : dim // 2] *= -1  # rotate_half's minus sign, in the table once
+    return angles.cos(), sin
 
 
 def llama3_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -175,15 +178,12 @@ def llama3_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tens
     return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, heads, T, head_dim) by position (cos/sin broadcast to x): a query at position m
-    and a key at n so rotated have a dot product that depends only on m - n."""
-    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+    and a key at n so rotated have a dot product that depends only on m - n. Hugging Face's
+    x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), bit for bit: the halves
+    swapped by one roll, the minus sign in the sin table (one operation fewer each way)."""
+    return x * cos.to(x.dtype) + x.roll(x.size(-1) // 2, -1) * sin.to(x.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -336,12 +336,8 @@ class LlamaForPretraining(nn.Module):
                 nn.init.ones_(module.weight)
         for layer in self.layers:
             w2 = layer.feed_forward.w2  # a Linear, or the experts' stacked (E, d, ffn) Parameter
-            if self.config.num_local_experts:
-                # A mixture of experts (moe.py): the router as above, every expert's w1 and w3
-                # likewise, each expert's w2 as the dense w2.
-                nn.init.normal_(layer.feed_forward.w1, mean=0.0, std=std)
-                nn.init.normal_(layer.feed_forward.w3, mean=0.0, std=std)
-                layer.feed_forward.reset_router_stats()
+            if self.config.num_local_experts:  # the router is a Linear, as above
+                layer.feed_forward.init_weights(std)  # w1 and w3 likewise; w2 below
             for projection in (layer.attention.wo.weight, getattr(w2, "weight", w2)):
                 nn.init.normal_(projection, std=std / math.sqrt(2 * len(self.layers)))
 

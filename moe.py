@@ -108,6 +108,14 @@ class MoEFeedForward(nn.Module):
         return out.to(x.dtype).view(B, T, d)
 
     @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """LlamaForPretraining.init_weights' recipe: every expert's w1 and w3 N(0, std), as the
+        dense ones (it sets w2 and the router itself); the routing statistics zeroed."""
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        self.reset_router_stats()
+
+    @torch.no_grad()
     def reset_router_stats(self) -> None:
         self.tokens_per_expert.zero_()
         self.aux_loss_sum.zero_()

@@ -128,8 +128,9 @@ def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig) -> torch.Tens
 
 
 def reference_rope_tables(config: LlamaConfig, T: int, device) -> tuple:
-    """cos, sin (T, hd/2): model.py's tables hold each value twice, once per half."""
-    return tuple(t[:T, : config.head_dim // 2] for t in rope_cos_sin(config, device))
+    """cos, sin (T, hd/2): model.py's tables hold each value twice, once per half (sin's first
+    half negated: the second is the plain one)."""
+    return tuple(t[:T, config.head_dim // 2 :] for t in rope_cos_sin(config, device))
 
 
 def reference_loss(params: dict, x, y, config, cos, sin, layer_fn=reference_layer):

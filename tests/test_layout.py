@@ -101,9 +101,12 @@ def test_each_lesson_says_which_files_come_with_it_and_names_its_neighbour(lesso
         assert f"diff {NEIGHBOURS[lesson]} {lesson}" in docstring
 
 
-def test_copying_a_lesson_takes_few_files():
-    # The layout's figure: a lesson copies the shared library and its own modules, no more.
-    assert len(files_to_copy("train_ddp.py")) <= 10
+def test_copying_a_lesson_takes_few_files_and_lines():
+    # The layout's figures: a lesson copies the shared library and its own modules, no more, and
+    # train_ddp.py with its files is at most 3,000 lines (comments, docstrings, blanks included).
+    ddp = files_to_copy("train_ddp.py")
+    assert len(ddp) <= 10
+    assert sum(len((Path(REPO) / name).read_text().splitlines()) for name in ddp) <= 3000
     assert max(len(files_to_copy(lesson)) for lesson in LESSONS) <= 14
 
 

@@ -19,7 +19,6 @@ from model import (
     apply_rope,
     count_parameters,
     rope_cos_sin,
-    rotate_half,
     sample,
 )
 
@@ -262,9 +261,22 @@ def test_rope_tables_have_shape_max_positions_by_head_dim():
     assert cos.shape == sin.shape == (64, config.head_dim)
 
 
-def test_rotate_half_twice_negates():
-    x = torch.randn(2, 3, 5, 16, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(rotate_half(rotate_half(x)), -x)
+def test_apply_rope_is_hugging_faces_rotate_half_formula_bit_for_bit():
+    # Hugging Face's Llama: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), with
+    # the plain sin table. model.py swaps the halves with a roll and keeps the minus sign in its
+    # table: the same products and sums, so the same bits (and the checkpoints map 1:1).
+    config = tiny_config()
+    cos, sin = rope_cos_sin(config)
+    half = config.head_dim // 2
+    plain_sin = sin[:, half:].repeat(1, 2)  # the second half is the plain one
+    assert torch.equal(sin[:, :half], -plain_sin[:, :half])
+
+    def rotate_half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    x = torch.randn(2, 3, 64, config.head_dim, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(apply_rope(x, cos, sin), x * cos + rotate_half(x) * plain_sin)
 
 
 # -------------------------------------------------------------------------------------------------
