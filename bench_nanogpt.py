@@ -3,6 +3,8 @@
     python bench_nanogpt.py --nanogpt ~/src/nanoGPT                 # the comparison, 2 rounds
     python bench_nanogpt.py --nanogpt ~/src/nanoGPT --rounds 3 --busy 1   # beside a busy process
     python bench_nanogpt.py --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
+    python bench_nanogpt.py --nanogpt ~/src/nanoGPT --step         # the step alone, one process
+    python bench_nanogpt.py --transformers                 # the step alone vs LlamaForCausalLM
 
 nanoGPT is not a dependency: pass a checkout of github.com/karpathy/nanoGPT (its train.py,
 model.py and config/train_shakespeare_char.py are used as they are). Nothing is downloaded.
@@ -284,11 +286,13 @@ def hf_llama(config):
     return LlamaForCausalLM(hf).float()
 
 
-def compare_transformers(vocab_size: int, rounds: int, steps: int) -> dict:
-    """ms per training step of this suite's model and of LlamaForCausalLM, the same shape, batch
-    (12 x 64 random tokens) and optimizer (training.build_optimizer: AdamW as the lessons build
-    it), with gradient clipping at 1 as in the lessons; timed in alternating rounds.
-    {name: [ms per step of each round]}."""
+def compare_steps(other: str, vocab_size: int, rounds: int, steps: int, nanogpt=None) -> dict:
+    """ms per training step of this suite's model and of `other`'s at the same shape and batch
+    (12 x 64 random tokens), timed in rounds that alternate which goes first: {(name, clock):
+    [ms per step of each round]}. "transformers": LlamaForCausalLM, the same config, AdamW as
+    the lessons build it (training.build_optimizer), the loss computed as ours. "nanogpt": its
+    model.py and its own AdamW setup (configure_optimizers: on a CPU, not fused), from the
+    checkout `nanogpt`, at its README's CPU shape. Both clip gradients at 1, as the lessons."""
     import argparse as ap
 
     import torch
@@ -301,11 +305,8 @@ def compare_transformers(vocab_size: int, rounds: int, steps: int) -> dict:
     tokens = torch.randint(vocab_size, (12, 65))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours = LlamaForPretraining(llama_config(vocab_size))
-    theirs = hf_llama(ours.config)
 
-    def stepper(model, loss_of):
-        optimizer = training.build_optimizer(model, args, "cpu")
-
+    def stepper(model, loss_of, optimizer):
         def step():
             loss_of(model).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -314,11 +315,16 @@ def compare_transformers(vocab_size: int, rounds: int, steps: int) -> dict:
 
         return step
 
-    contenders = {
-        "this suite": stepper(ours, lambda m: m(x, y)[0] / y.numel()),
+    contenders = {"this suite": stepper(ours, lambda m: m(x, y)[0] / y.numel(),
+                                        training.build_optimizer(ours, args, "cpu"))}  # fmt: skip
+    if other == "transformers":
+        theirs = hf_llama(ours.config)
         # The same 64 inputs and 64 targets: the logits, and the loss computed as ours is.
-        "transformers": stepper(theirs, lambda m: hf_loss(m(x).logits, y)),
-    }
+        contenders[other] = stepper(theirs, lambda m: hf_loss(m(x).logits, y),
+                                    training.build_optimizer(theirs, args, "cpu"))  # fmt: skip
+    else:
+        theirs, optimizer = nanogpt_model(nanogpt, vocab_size)
+        contenders[other] = stepper(theirs, lambda m: m(x, y)[1], optimizer)
     for step in contenders.values():
         for _ in range(5):  # warm-up: the allocator, the first calls
             step()
@@ -326,8 +332,8 @@ def compare_transformers(vocab_size: int, rounds: int, steps: int) -> dict:
     # for a core, the wall time counts the wait and the CPU time does not (with one thread, it
     # is the work done; with more, it also counts the threads' spinning at each join).
     times = {(name, clock): [] for name in contenders for clock in ("wall", "cpu")}
-    for _ in range(rounds):
-        for name, step in contenders.items():
+    for r in range(rounds):
+        for name, step in list(contenders.items())[:: 1 if r % 2 == 0 else -1]:
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step()
@@ -336,27 +342,47 @@ def compare_transformers(vocab_size: int, rounds: int, steps: int) -> dict:
     return times
 
 
+def nanogpt_model(nanogpt: Path, vocab_size: int):
+    """nanoGPT's GPT (its model.py, imported from the checkout) at its README's CPU shape (4
+    layers, 4 heads, width 128, block 64, no dropout, no bias: its train.py's default), and the
+    AdamW its train.py makes for it (train_shakespeare_char's beta2 0.99)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.GPTConfig(block_size=SEQ_LENGTH, vocab_size=vocab_size, n_layer=4, n_head=4,
+                              n_embd=128, dropout=0.0, bias=False)  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # its parameter count and optimizer notes
+        model = module.GPT(config)
+        return model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+
+
 def hf_loss(logits, targets):
     import torch.nn.functional as F
 
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def report_transformers(times: dict, rounds: int, steps: int) -> None:
+def report_steps(times: dict, other: str, rounds: int, steps: int) -> None:
     import torch
 
     threads = torch.get_num_threads()
     print(f"training step, 12 x 64 tokens, torch {torch.__version__}, {threads} threads; "
-          f"{rounds} alternating rounds of {steps} steps")  # fmt: skip
+          f"{rounds} alternating rounds of {steps} steps; command: "
+          f"{shlex.join(['python', *sys.argv])}")  # fmt: skip
+    target = ">= 1.2" if other == "transformers" else ">= 1.0"  # issue 27's
     for clock in ("wall", "cpu"):
-        ours, theirs = times["this suite", clock], times["transformers", clock]
-        for name, t in (("this suite", ours), ("transformers", theirs)):
+        ours, theirs = times["this suite", clock], times[other, clock]
+        for name, t in (("this suite", ours), (other, theirs)):
             print(f"  {clock:<4} {name:<13} median {statistics.median(t):7.2f} ms per step "
                   f"(rounds: {min(t):.2f}-{max(t):.2f})")  # fmt: skip
         ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        print(f"  {clock:<4} this suite's speed / transformers', per round: median "
-              f"{statistics.median(ratios):.2f}, {spread} (target >= 1.2)")  # fmt: skip
+        print(f"  {clock:<4} this suite's speed / {other}'s, per round: median "
+              f"{statistics.median(ratios):.2f}, {spread} (target {target})")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------
@@ -380,9 +406,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the runs")
     p.add_argument("--busy", type=int, default=0, help="busy neighbour processes meanwhile")
     p.add_argument("--only", choices=["suite", "nanogpt"], default=None, help="run one side")
-    p.add_argument("--step-rounds", type=int, default=9, help="--transformers: timing rounds")
-    p.add_argument("--step-steps", type=int, default=10, help="--transformers: steps per round")
+    p.add_argument("--step", action="store_true",
+                   help="with --nanogpt: time the training step alone of both models, in one "
+                   "process (alternating rounds), instead of the whole runs")  # fmt: skip
+    p.add_argument("--step-rounds", type=int, default=9, help="--step, --transformers: rounds")
+    p.add_argument("--step-steps", type=int, default=10, help="--step, --transformers: steps each")
     args = p.parse_args()
+    if args.step and args.nanogpt is None:
+        p.error("--step times nanoGPT's step: pass --nanogpt DIR too")
     if args.nanogpt is None and not args.transformers:
         p.error("nothing to do: pass --nanogpt DIR, --transformers, or both")
     counts = (args.rounds, args.max_steps, args.corpus_chars, args.step_rounds, args.step_steps)
@@ -392,19 +423,23 @@ def main() -> None:
         nanogpt = Path(args.nanogpt).expanduser().resolve()
         if not (nanogpt / "train.py").is_file() or not (nanogpt / "model.py").is_file():
             p.error(f"--nanogpt {nanogpt}: no train.py and model.py there (a nanoGPT checkout)")
-        run_both(args, nanogpt)
-    if args.transformers:
-        if args.threads:
-            import torch
+        if not args.step:
+            run_both(args, nanogpt)
+    others = (["nanogpt"] if args.step else []) + (["transformers"] if args.transformers else [])
+    if others and args.threads:
+        import torch
 
-            torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    for other in others:
         neighbours = busy_neighbours(args.busy)
         try:
-            times = compare_transformers(CHAR_VOCAB, args.step_rounds, args.step_steps)
+            vocab = CHAR_VOCAB - 3 if other == "nanogpt" else CHAR_VOCAB  # its 96 characters
+            times = compare_steps(other, vocab, args.step_rounds, args.step_steps,
+                                  nanogpt if other == "nanogpt" else None)  # fmt: skip
         finally:
             for proc in neighbours:
                 proc.kill()
-        report_transformers(times, args.step_rounds, args.step_steps)
+        report_steps(times, other, args.step_rounds, args.step_steps)
 
 
 def run_both(args, nanogpt: Path) -> None:

@@ -9,10 +9,12 @@ and that the figures agree with each other, not how fast this machine is.
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from harness import run_script
+from harness import REPO, run_script
 
 import bench
 
@@ -264,3 +266,39 @@ def test_held_out_windows_cover_the_text_once_as_targets():
 def test_bench_nanogpt_refuses_a_directory_without_nanogpt(tmp_path):
     proc = run_script("bench_nanogpt.py", ["--nanogpt", str(tmp_path)], expect_rc=2)
     assert "no train.py and model.py there" in proc.stderr
+
+
+def test_the_step_alone_is_timed_against_nanogpts_model_from_its_checkout(tmp_path):
+    # A stand-in for nanoGPT's model.py, with its interface: GPTConfig, GPT(config),
+    # model(idx, targets) -> (logits, loss) and configure_optimizers(...).
+    import bench_nanogpt
+
+    (tmp_path / "model.py").write_text(
+        "import dataclasses, torch\n"
+        "@dataclasses.dataclass\n"
+        "class GPTConfig:\n"
+        "    block_size: int; vocab_size: int; n_layer: int; n_head: int; n_embd: int\n"
+        "    dropout: float; bias: bool\n"
+        "class GPT(torch.nn.Module):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(config.vocab_size, config.vocab_size)\n"
+        "    def forward(self, idx, targets):\n"
+        "        logits = self.emb(idx)\n"
+        "        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1),\n"
+        "                                                         targets.flatten())\n"
+        "    def configure_optimizers(self, weight_decay, lr, betas, device_type):\n"
+        "        print('using fused AdamW: False')\n"
+        "        return torch.optim.AdamW(self.parameters(), lr=lr, betas=betas)\n"
+    )
+    times = bench_nanogpt.compare_steps("nanogpt", 96, rounds=2, steps=1, nanogpt=tmp_path)
+    assert set(times) == {(name, clock) for name in ("this suite", "nanogpt")
+                          for clock in ("wall", "cpu")}  # fmt: skip
+    assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+
+
+def test_timing_nanogpts_step_needs_its_checkout():
+    proc = subprocess.run([sys.executable, str(REPO / "bench_nanogpt.py"), "--step"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert "--step times nanoGPT's step: pass --nanogpt DIR too" in proc.stderr
