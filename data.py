@@ -60,7 +60,7 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
         ds = corpus.open_source(source, spec, text_column, cache_dir)
     try:
         ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
-    except UnicodeDecodeError as e:  # datasets' json reader keeps text that is not UTF-8 as is
+    except UnicodeDecodeError as e:  # a json file's non-UTF-8 text (the stdlib's is replaced)
         raise corpus.read_error(source.data_files, source.path, spec, e) from e
     if len(ds) == 0:
         raise ValueError(f"corpus {spec!r} has no non-empty documents")
