@@ -7,6 +7,7 @@ only for such a --data (and streaming.py, which reads any --data as a stream).
     ds = open_source(source, spec, text_column, cache_dir, streaming=False)  # one "text" column
 """
 
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -206,10 +207,13 @@ def cache_dir_error(cache_dir: str, error: OSError) -> ValueError:
 
 def in_cache_dir(error: BaseException, cache_dir: str) -> ValueError | None:
     """cache_dir_error if `error` (or an error it comes from) is an OSError about a path inside
-    cache_dir: one that datasets could not write, e.g. in a cache shared with another user."""
+    cache_dir (one that datasets could not write, e.g. in a cache shared with another user), or a
+    write that found no room (a full disk, a quota, a file size limit), which names no file."""
     root, seen = os.path.abspath(cache_dir), set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return cache_dir_error(cache_dir, error)
         name = getattr(error, "filename", None)
         if isinstance(error, OSError) and isinstance(name, str):
             path = os.path.abspath(name)

@@ -51,8 +51,13 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
     cache = writable_cache_dir(cache_dir, "datasets")
     source = None  # the stdlib's, or corpus.py's for another --data
     if spec == "stdlib" and txt_split == "auto":
-        ds = datasets.load_dataset("text", data_files=stdlib_files(), split="train",
-                                   cache_dir=cache, **STDLIB_OPTIONS)  # fmt: skip
+        try:
+            ds = datasets.load_dataset("text", data_files=stdlib_files(), split="train",
+                                       cache_dir=cache, **STDLIB_OPTIONS)  # fmt: skip
+        except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
+            import corpus  # (no file scan: the stdlib's bad bytes are replaced, never the cause)
+
+            raise corpus.in_cache_dir(e, cache_dir) or corpus.read_error([], "", spec, e) from e
     else:
         import corpus  # only for another --data (or to refuse --txt-split for the stdlib)
 

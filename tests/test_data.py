@@ -1,5 +1,6 @@
 """Specification of data.py: corpus sources, tokenizer, tokenize cache, (x, y) layouts."""
 
+import errno
 import json
 import multiprocessing
 import os
@@ -395,6 +396,28 @@ def test_a_cache_dir_that_cannot_be_written_is_refused_naming_it_not_data(tmp_pa
     write(tmp_path / "cache2" / "tokenizers", "in the way of the tokenizer cache")
     with pytest.raises(ValueError, match=f"^--cache-dir {tmp_path / 'cache2'} cannot be"):
         data.get_tokenizer(texts_dataset(SAMPLE_TEXTS), VOCAB, str(tmp_path / "cache2"))
+
+
+@pytest.mark.parametrize("spec", ["stdlib", "docs.jsonl"])
+def test_a_full_disk_while_the_corpus_is_cached_names_the_cache_not_the_data(
+    tmp_path, monkeypatch, spec
+):
+    # datasets' writers report a full disk (a quota, a file size limit) as an OSError naming no
+    # file, inside an error of their own: the message must name the cache, not blame a document
+    # (for the stdlib, whose undecodable bytes are replaced, not one of its encoding tests).
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i}"} for i in range(4)])
+
+    def full_disk(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise datasets.exceptions.DatasetGenerationError("An error occurred") from e
+
+    monkeypatch.setattr(datasets, "load_dataset", full_disk)
+    cache = tmp_path / "cache"
+    said = re.escape(f"--cache-dir {cache} cannot be created or written (No space left on device)")
+    with pytest.raises(ValueError, match=f"^{said}"):
+        data.load_corpus(spec if spec == "stdlib" else str(docs), cache_dir=str(cache))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
