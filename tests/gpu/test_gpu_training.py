@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 DP, DDP, ZERO1 = "train_dp.py", "train_ddp.py", "train_zero1.py"
 FSDP, TP, PP, CP = "train_fsdp.py", "train_tp.py", "train_pp.py", "train_cp.py"
+EP = "train_ep.py"
 
 # 30 steps of 16 sequences x 64 tokens, a checkpoint every 10: long enough that the loss falls
 # clearly, short enough for ~20 launches in a few minutes.
@@ -110,8 +111,9 @@ SCRIPTS = [
     (TP, ("--tp", "1")),
     (PP, ("--pp", "1")),
     (CP, ("--cp", "1")),  # a group of one: CP's attention path, flash via causal_lower_right
+    (EP, ("--num-experts", "4", "--ep", "1")),  # the dispatch's all-to-alls over NCCL
 ]  # fmt: skip
-SCRIPT_IDS = ["dp", "ddp", "zero1", "fsdp", "tp", "pp", "cp"]
+SCRIPT_IDS = ["dp", "ddp", "zero1", "fsdp", "tp", "pp", "cp", "ep"]
 
 
 @pytest.mark.parametrize("script, flags", SCRIPTS, ids=SCRIPT_IDS)
