@@ -66,8 +66,7 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
         ds = datasets.load_dataset(source.path, data_files=source.data_files, **source.options,
                                    **kwargs)  # fmt: skip
     except Exception as e:  # datasets wraps a bad file in many exception types
-        cache_error = in_cache_dir(e, cache_dir)  # --cache-dir's datasets/ not writable
-        raise cache_error or read_error(source.data_files, source.path, spec, e) from e
+        raise load_error(e, cache_dir, source.data_files, source.path, spec) from e
     finally:
         datasets.logging.set_verbosity(verbosity)
     # The text builder's one column is already "text".
@@ -185,6 +184,12 @@ def read_error(files: list[str] | None, builder: str, spec: str, error: Exceptio
     """
     where = _find_unreadable(files, builder) if files else None
     return ValueError(f"--data {spec!r}: {where or 'cannot be read: ' + _first_line(error)}")
+
+
+def load_error(error: Exception, cache_dir: str, files: list[str], builder: str, spec: str):
+    """The one-line ValueError of a load_dataset of local files that failed: the cache's if it
+    could not be written (in_cache_dir), else which file could not be read (read_error)."""
+    return in_cache_dir(error, cache_dir) or read_error(files, builder, spec, error)
 
 
 def load_hub(name: str, config: str | None, spec: str, **kwargs):

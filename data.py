@@ -57,7 +57,7 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
         except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
             import corpus  # (no file scan: the stdlib's bad bytes are replaced, never the cause)
 
-            raise corpus.in_cache_dir(e, cache_dir) or corpus.read_error([], "", spec, e) from e
+            raise corpus.load_error(e, cache_dir, [], "text", spec) from e
     else:
         import corpus  # only for another --data (or to refuse --txt-split for the stdlib)
 
