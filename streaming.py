@@ -123,14 +123,14 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
                 f"more data or fewer --eval-batches, or leave out --streaming"
             )
         tokenizer = data.get_tokenizer(
-            datasets.Dataset.from_dict({"text": train_texts}),
+            _in_memory("text", train_texts),
             model_flags.vocab_size(args),
             args.cache_dir,
             tokenizer_path,
             model_flags.special_tokens(args),
         )
     tokenizer.corpus_sha256 = stream_fingerprint(source, val_texts)  # for checkpoints
-    val_ids = datasets.Dataset.from_dict({"input_ids": _encode(val_texts, tokenizer)})
+    val_ids = _in_memory("input_ids", _encode(val_texts, tokenizer))
     val_set = data.PretrainingDataset(val_ids, args.seq_length, args.data_mode, tokenizer.pad_id)
     if int(os.environ.get("RANK", "0")) == 0:  # as training.describe_data, what is known
         sequences = args.max_steps * args.batch_size
@@ -187,6 +187,17 @@ def _reader(documents: datasets.IterableDataset) -> datasets.IterableDataset:
     to the dict being copied (RuntimeError: dictionary changed size during iteration)."""
     cache = HfFileSystem._cache
     return copy.deepcopy(documents, memo={id(cache): cache})
+
+
+def _in_memory(column: str, values: list) -> datasets.Dataset:
+    """Dataset.from_dict({column: values}), named (fingerprinted) by a sha256 of the values.
+    from_dict names it by pickling the whole table with dill instead, which fails where pyarrow
+    is installed outside a folder named site-packages (`pip install --target`: PicklingError,
+    MonthDayNano), dill then taking pyarrow for the user's own code."""
+    hasher = hashlib.sha256(f"{column}\n".encode())
+    data.hash_texts(hasher, (v if isinstance(v, str) else repr(v) for v in values))
+    table = datasets.table.InMemoryTable.from_pydict({column: values})
+    return datasets.Dataset(table, fingerprint=hasher.hexdigest())
 
 
 def _digest(text: str) -> bytes:

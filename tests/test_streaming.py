@@ -176,6 +176,25 @@ def test_validation_documents_are_held_out_and_never_trained_on(tmp_path):
     assert not [t for t in held_out if t in trained]
 
 
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_a_stream_opens_where_datasets_would_pickle_pyarrow_by_value(tmp_path, monkeypatch, mode):
+    """Installed outside a folder named site-packages (`pip install --target DIR`, DIR on
+    PYTHONPATH: a GPU image, a cluster's shared folder), dill takes pyarrow for the user's own
+    code and pickles its namespace by value, which fails (PicklingError: MonthDayNano); datasets
+    pickles with dill to fingerprint an in-memory table. Injected here: dill judges pyarrow so."""
+    import dill
+
+    judged = dill._dill._is_builtin_module
+    monkeypatch.setattr(
+        dill._dill, "_is_builtin_module",
+        lambda module: not module.__name__.startswith("pyarrow") and judged(module),
+    )  # fmt: skip
+    with pytest.raises(Exception, match="MonthDayNano"):  # the injection bites datasets' own
+        datasets.Dataset.from_dict({"text": ["a document"]})
+    stream = open_stream(write_corpus(tmp_path / "docs", 2), tmp_path, "--data-mode", mode)
+    assert len(stream.val_set) > 0 and next(streaming.StreamingBatches(stream, 4, 1, 0, 1))
+
+
 def test_windows_follow_the_packing_of_the_cached_path(tmp_path):
     root = write_corpus(tmp_path / "docs", 1, docs_per_file=60)
     stream = open_stream(root, tmp_path)  # one process, one file: the corpus order
