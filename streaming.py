@@ -195,7 +195,7 @@ def _in_memory(column: str, values: list) -> datasets.Dataset:
     is installed outside a folder named site-packages (`pip install --target`: PicklingError,
     MonthDayNano), dill then taking pyarrow for the user's own code."""
     hasher = hashlib.sha256(f"{column}\n".encode())
-    data.hash_texts(hasher, (v if isinstance(v, str) else repr(v) for v in values))
+    data.hash_texts(hasher, (v if isinstance(v, str) else ",".join(map(str, v)) for v in values))
     table = datasets.table.InMemoryTable.from_pydict({column: values})
     return datasets.Dataset(table, fingerprint=hasher.hexdigest())
 
