@@ -273,8 +273,11 @@ def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int |
 
 def _encode_batch(texts, tokenizer: Tokenizer, bot_id: int, eot_id: int) -> dict:
     # encode_special_tokens is lost when map() pickles the tokenizer to --num-proc workers: set
-    # it again here. No post-processor: the document's bot_id and eot_id are added here, once.
-    tokenizer.encode_special_tokens = True
+    # it again there. Only there: setting it borrows the tokenizer exclusively, and another
+    # thread's encoding then fails (tokenizers 0.22: "Already borrowed"; --streaming reads ahead
+    # in a thread). No post-processor: the document's bot_id and eot_id are added here, once.
+    if not tokenizer.encode_special_tokens:
+        tokenizer.encode_special_tokens = True
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)  # parallel in Rust
     return {"input_ids": [[bot_id, *encoding.ids, eot_id] for encoding in encodings]}
 

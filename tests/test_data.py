@@ -531,6 +531,21 @@ def test_tokenize_in_worker_processes_still_encodes_special_text_as_text(tokeniz
     assert all(row.count(1) == 1 for row in ids["input_ids"])
 
 
+def test_encoding_sets_no_flag_that_is_already_set(tokenizer):
+    # Setting encode_special_tokens borrows a tokenizers.Tokenizer exclusively: another thread
+    # encoding meanwhile (--streaming's reader beside the main thread) then fails, "Already
+    # borrowed" (tokenizers 0.22). So encoding only reads it, once it is on (the stand-in below
+    # fails on a set); a --num-proc worker, whose unpickled copy lost it, sets it (test above).
+    class ReadOnlyFlag:
+        encode_special_tokens = property(lambda self: True, lambda self, value: pytest.fail("set"))
+
+        def encode_batch(self, texts, add_special_tokens):
+            return tokenizer.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    ids = data._encode_batch(["x = [BOT]"], ReadOnlyFlag(), 1, 2)["input_ids"]
+    assert ids == [[1, *tokenizer.encode("x = [BOT]"), 2]]
+
+
 def test_tokenize_with_worker_processes_gives_the_same_tokens_and_counts_them(tokenizer):
     docs = texts_dataset(SAMPLE_TEXTS * 3)  # 126 documents: two map() batches, or two processes
     one, two = data.tokenize(docs, tokenizer), data.tokenize(docs, tokenizer, num_proc=2)
