@@ -30,8 +30,7 @@ SPECIAL_TOKENS = [PAD, BOT, EOT]  # trained first, so their ids are 0, 1, 2 in e
 # Hugging Face's names for the three roles, in the tokenizer_config.json every out-dir holds.
 HF_NAMES = {"bot": "bos_token", "eot": "eos_token", "pad": "pad_token"}
 
-# The tokenizer trains on at most this many characters: the whole stdlib (~31M, about 4 s on 2
-# CPU cores); the cap bounds time and memory for large corpora.
+# The tokenizer's training characters at most: the whole stdlib (~31M, ~4 s on 2 CPU cores).
 TOKENIZER_MAX_CHARS = 50_000_000
 PACK_BATCH_DOCS = 1000  # packing cuts windows within each map() batch of this many documents
 TOKENIZE_BATCH_DOCS = 64  # documents per tokenize() batch; the tokens do not depend on it
@@ -272,13 +271,11 @@ def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int |
 
 
 def _encode_batch(texts, tokenizer: Tokenizer, bot_id: int, eot_id: int) -> dict:
-    # encode_special_tokens is lost when map() pickles the tokenizer to --num-proc workers: set
-    # it again there. Only there: setting it borrows the tokenizer exclusively, and another
-    # thread's encoding then fails (tokenizers 0.22: "Already borrowed"; --streaming reads ahead
-    # in a thread). No post-processor: the document's bot_id and eot_id are added here, once.
+    # encode_special_tokens, lost when map() pickles the tokenizer to --num-proc workers, is set
+    # here only if off: a set borrows it exclusively (a thread's encode fails: tokenizers 0.22).
     if not tokenizer.encode_special_tokens:
         tokenizer.encode_special_tokens = True
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)  # parallel in Rust
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)  # no post-processor
     return {"input_ids": [[bot_id, *encoding.ids, eot_id] for encoding in encodings]}
 
 
