@@ -195,12 +195,14 @@ def test_from_hf_imports_a_sharded_llama3_and_training_continues_from_it(
     vocab = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
     # Llama 3.1's RoPE scaling, with an original context short enough that it changes the
     # frequencies the test positions use; and shards of ~20 KB, as save_pretrained splits 7B+.
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    # Given as rope_theta + rope_scaling, which every supported transformers accepts: 4.x writes
+    # them so, 5 as one rope_parameters.
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=True, rope_parameters=rope,
+        tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=rope,
     )  # fmt: skip
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(config).eval()
