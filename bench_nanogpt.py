@@ -478,6 +478,16 @@ def run_both(args, nanogpt: Path) -> None:
     report(args, prep, rows)
 
 
+# The environment variables that steer a CPU run's speed: OpenMP's threads and waiting (GNU's,
+# Intel's), MKL's and ATen's kernels, glibc's allocator. A printed command keeps each one set.
+RUNTIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "ATEN_CPU_", "MALLOC_")
+
+
+def runtime_settings(environ) -> list[str]:
+    """NAME=value for each variable of environ that RUNTIME_PREFIXES names, sorted."""
+    return [f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith(RUNTIME_PREFIXES)]
+
+
 def report(args, prep: dict, rows: list[dict]) -> None:
     import torch
 
@@ -488,10 +498,7 @@ def report(args, prep: dict, rows: list[dict]) -> None:
                        cpu)  # fmt: skip
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"bench_nanogpt.py, {date}")
-    env = [
-        f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ
-    ]
-    print(f"command: {shlex.join([*env, 'python', *sys.argv])}")
+    print(f"command: {shlex.join([*runtime_settings(os.environ), 'python', *sys.argv])}")
     print(f"torch {torch.__version__}; {cpu}, {os.cpu_count()} cores; OMP_NUM_THREADS "
           f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'unset')}; busy neighbours "
           f"{args.busy}")  # fmt: skip

@@ -255,6 +255,18 @@ def test_the_suites_figures_come_from_metrics_jsonl(tmp_path):
     assert bench_nanogpt.suite_figures(tmp_path) == {"step_ms": 40.0, "val_loss": 2.25}
 
 
+def test_the_printed_command_keeps_every_setting_that_steers_the_cpu_runtime():
+    import bench_nanogpt
+
+    environ = {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "10000", "MALLOC_ARENA_MAX": "2",
+               "ATEN_CPU_CAPABILITY": "avx2", "KMP_BLOCKTIME": "0", "HOME": "/root",
+               "PATH": "/usr/bin", "OMPX_UNRELATED": "x"}  # fmt: skip
+    assert bench_nanogpt.runtime_settings(environ) == [
+        "ATEN_CPU_CAPABILITY=avx2", "GOMP_SPINCOUNT=10000", "KMP_BLOCKTIME=0",
+        "MALLOC_ARENA_MAX=2", "OMP_NUM_THREADS=1",
+    ]  # fmt: skip
+
+
 def test_held_out_windows_cover_the_text_once_as_targets():
     import bench_nanogpt
 
