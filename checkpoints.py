@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -135,13 +136,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# The flags that fix the data order, what the model attends to (--document-mask) and the
-# learning-rate schedule: a resumed run must use the same, or it would not be the run an
-# uninterrupted one gives. Everything else (micro-batch size, precision, intervals, workers, the
-# attention kernel, ...) may change between restarts, and so may --max-steps: a larger one
-# extends the run (even a finished one: resume_schedule); one below the checkpoint's step is
-# refused. Not listed: the flags that make the model and --data, for check_resumable compares
-# what they make (the config; the documents, corpus_sha256), not how they were spelled.
+# The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
+# a resumed run must use the same, or it is not the run an uninterrupted one gives. The others
+# (micro-batch size, precision, intervals, workers, kernel, ...) may change, and so may --max-steps
+# (a larger one extends even a finished run: resume_schedule; one below the checkpoint's is
+# refused). Not listed: the model's flags and --data: check_resumable compares what they make
+# (the config; the documents, corpus_sha256), not how they were spelled.
 RESUME_MUST_MATCH = (
     "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
     "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
@@ -451,20 +451,13 @@ def record_run(args, settings, start_step: int) -> None:
     it starts from; rewritten whole and atomically, once every check has passed."""
     path = os.path.join(args.out_dir, "args.jsonl")
     record = {
-        "script": os.path.basename(sys.argv[0]),
-        "command": shlex.join(sys.argv),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "world_size": world_size_from_env(),
-        "start_step": start_step,
-        "args": vars(args),
+        "script": os.path.basename(sys.argv[0]), "command": shlex.join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world_size_from_env(),
+        "start_step": start_step, "args": vars(args),
         "plan": dataclasses.asdict(settings),  # cli.RunSettings
-    }
+    }  # fmt: skip
     try:
-        try:
-            with open(path) as f:
-                previous = f.read()
-        except FileNotFoundError:
-            previous = ""
+        previous = Path(path).read_text() if os.path.exists(path) else ""
         if previous and not previous.endswith("\n"):
             previous += "\n"
         atomic_write_text(path, previous + json.dumps(record) + "\n")

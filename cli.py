@@ -182,16 +182,10 @@ def add_special_token_flags(group) -> None:
 
 
 def micro_batch_size_arg(value: str) -> int | str:
-    """--micro-batch-size: a positive number, or 'auto'."""
-    if value == "auto":
-        return value
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'auto', got {value!r}")
-    return number
+    """--micro-batch-size: a positive integer, or 'auto'."""
+    if value != "auto" and not (value.strip().isdecimal() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return value if value == "auto" else int(value)
 
 
 def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_open: bool = False):

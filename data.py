@@ -144,8 +144,7 @@ def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
     with contextlib.suppress(OSError):  # written then renamed: never half a digest
         os.makedirs(os.path.dirname(memo), exist_ok=True)
         tmp = f"{memo}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(digest + "\n")
+        Path(tmp).write_text(digest + "\n")
         os.replace(tmp, memo)
     return digest
 

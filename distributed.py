@@ -77,10 +77,7 @@ def world_size_from_env() -> int:
     """The number of processes of the run: WORLD_SIZE (torchrun's; run_ddp.sh's for --check),
     else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
     value = os.environ.get("WORLD_SIZE", "1")
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
+    size = int(value) if value.strip().isdecimal() else 0
     if size < 1:
         raise ValueError(
             f"WORLD_SIZE={value!r} in the environment is not a positive integer: it is the "

@@ -424,9 +424,8 @@ class LlamaForPretraining(nn.Module):
             KVCache(B, config.num_key_value_heads, total, config.head_dim, input_ids.device, dtype)
             for _ in self.layers
         ] if use_cache else None  # fmt: skip
-        tokens = input_ids
+        tokens = next_input = input_ids
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        next_input = input_ids
         for _ in range(max_new_tokens):
             logits = self(next_input if use_cache else tokens, kv_caches=caches)[:, -1, :]  # (B, V)
             next_token = sample(logits.float(), temperature, top_k, top_p, generator)  # (B,)

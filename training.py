@@ -65,11 +65,8 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
 
     docs, tokens, sequences = train
     epoch_steps = sequences // args.batch_size
-    epochs = (
-        f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps"
-        if epoch_steps
-        else "more than the split has (fewer sequences than one batch)"
-    )
+    epochs = (f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps" if epoch_steps
+              else "more than the split has (fewer sequences than one batch)")  # fmt: skip
     return (
         f"data: {docs:,} train documents = {size(tokens)} tokens -> {sequences:,} sequences of "
         f"{args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
@@ -224,10 +221,8 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": args.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
     # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
     # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
     fused = device_type in ("cuda", "cpu")

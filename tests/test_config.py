@@ -64,7 +64,10 @@ def test_a_lesson_s_own_flags_come_from_the_file_too(tmp_path):
         ("lr = true\n", "line 1: lr: expected a single value (a number or a string), got bool"),
         ('document-mask = "yes"\n', "line 1: document-mask: expected true or false, got 'yes'"),
         ('data-mode = "packed"\n', "line 1: data-mode: invalid choice: 'packed'"),
-        ('micro-batch-size = "max"\n', "line 1: micro-batch-size: expected a number or 'auto'"),
+        (
+            'micro-batch-size = "max"\n',
+            "line 1: micro-batch-size: expected a positive integer or 'auto'",
+        ),
         ("seq-length = 64\nseq_length = 32\n", "line 2: seq_length: given twice"),
         ("[model]\nname = 'tiny'\n", "line 1: model: expected a single value"),
         ("lr = 1e-3\nseed = \n", "not valid TOML: Invalid value (at line 2, column 8)"),

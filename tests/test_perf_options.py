@@ -217,8 +217,9 @@ def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
     parser = cli.build_parser("test")
     assert parser.parse_args(["--micro-batch-size", "4"]).micro_batch_size == 4
     assert parser.parse_args(["--micro-batch-size", "auto"]).micro_batch_size == "auto"
-    with pytest.raises(ValueError, match="expected a number or 'auto'"):
-        parser.parse_args(["--micro-batch-size", "max"])
+    for bad in ["max", "0", "-1", "1.5", ""]:
+        with pytest.raises(ValueError, match=f"expected a positive integer or 'auto', got '{bad}'"):
+            parser.parse_args(["--micro-batch-size", bad])
 
 
 # -------------------------------------------------------------------------------------------------
