@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from stopping import TrainingError, end_with_parent
+from stopping import TrainingError, end_with_parent, failure_store
 
 
 def torchrun_rank() -> tuple[int, int, int, torch.device]:
@@ -70,7 +70,8 @@ def rendezvous_store() -> dist.Store:
         return dist.HashStore()
     store, _, _ = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"attempt_{attempt}", store)
+    failure_store.append(dist.PrefixStore(f"attempt_{attempt}", store))  # (stopping.say_once)
+    return failure_store[-1]
 
 
 def world_size_from_env() -> int:

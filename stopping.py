@@ -8,6 +8,7 @@ step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and 
 
 import atexit
 import ctypes
+import datetime
 import multiprocessing
 import os
 import signal
@@ -33,11 +34,11 @@ class Stopped(Exception):
 
 
 def run(main: Callable[[], None], os_exit: bool = False) -> None:
-    """Call a script's main(); a known failure ends in one line on stderr (rank 0's: under
-    torchrun every rank meets it), not a traceback. Exit codes: 2 for bad input (ValueError), 1
-    for a failed run (TrainingError) or anything else (a bug: every rank prints its traceback),
-    128 + the signal's number after a stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell
-    reports that signal's kill): whatever watches the run sees "cut short", not "done".
+    """Call a script's main(); a known failure ends in one line on stderr (say_once), not a
+    traceback. Exit codes: 2 for bad input (ValueError), 1 for a failed run (TrainingError) or
+    anything else (a bug: every rank prints its traceback), 128 + the signal's number after a
+    stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell reports that signal's kill):
+    whatever watches the run sees "cut short", not "done".
     os_exit (the lessons that join a process group): end with end_process."""
     is_main = int(os.environ.get("RANK", "0")) == 0
     code = 0
@@ -48,19 +49,18 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         except Stopped as e:
             stopped = e.step, e.signum  # not e: its traceback would keep main's frames alive
         if stopped is not None:
-            if dist.is_initialized():
-                # Here, not in the loop: main's frames (DDP's reducer, the DataLoader workers)
-                # are gone. The barrier keeps every rank until rank 0 has written its files:
-                # torchrun stops the other workers when one exits with an error.
-                dist.barrier()
-                dist.destroy_process_group()
             if is_main:
                 print(f"stopped at step {stopped[0]}, checkpoint saved; run the same command to "
-                      f"resume")  # fmt: skip
+                      f"resume", flush=True)  # fmt: skip
+            if dist.is_initialized():
+                # Here, not in the loop: main's frames (DDP's reducer, the DataLoader workers)
+                # are gone. The barrier keeps every rank until rank 0 has said so (and written its
+                # files): torchrun stops the other workers when one exits with an error.
+                dist.barrier()
+                dist.destroy_process_group()
             code = 128 + stopped[1]
     except (ValueError, TrainingError) as e:
-        if is_main:
-            print(f"error: {e}", file=sys.stderr)
+        say_once(f"error: {e}", is_main)
         code = 2 if isinstance(e, ValueError) else 1
     except KeyboardInterrupt:  # a Ctrl-C before training, or a second one: stopped at once
         if is_main:
@@ -78,6 +78,27 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         end_process(code)
     if code:
         sys.exit(code)
+
+
+failure_store: list[dist.Store] = []  # distributed.rendezvous_store's, under torchrun
+FAILURE_WAIT = 30  # seconds: rank 0 meets a failure every rank meets within moments of them
+
+
+def say_once(line: str, is_main: bool) -> None:
+    """Print `line` on stderr on rank 0; another rank waits (up to FAILURE_WAIT s) until rank 0
+    has: torchrun stops all workers once one exits with an error, maybe rank 0 before its line is
+    out. A failure that rank 0 never says (it met none) is said by the rank that met it."""
+    if is_main:
+        print(line, file=sys.stderr, flush=True)
+    for store in failure_store:
+        try:
+            if is_main:
+                store.set("failure_said", "1")
+            else:
+                store.wait(["failure_said"], datetime.timedelta(seconds=FAILURE_WAIT))
+        except dist.DistError:  # timed out (or the store has gone, with its node)
+            if not is_main:
+                print(f"rank {os.environ['RANK']}: {line}", file=sys.stderr, flush=True)
 
 
 def end_process(code: int) -> None:

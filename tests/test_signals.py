@@ -9,6 +9,7 @@ for bit). Each test signals a real run the way a terminal, `kill` or Slurm would
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -142,3 +143,42 @@ def test_a_process_that_joined_a_process_group_ends_with_os_exit_after_its_atexi
     with pytest.raises(SystemExit):  # (os._exit is a stand-in here, so run() goes on)
         stopping.run(refused, os_exit=True)
     assert calls == ["atexit", 0, "atexit", 2]
+
+
+def say_as_rank(rank: int, monkeypatch, capsys, store) -> str:
+    """stopping.run of a main() that meets bad input, as global rank `rank` of a torchrun run
+    whose store is `store`; its stderr."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(stopping, "failure_store", [store])
+
+    def fails():
+        raise ValueError("bad input")
+
+    with pytest.raises(SystemExit) as exit_:
+        stopping.run(fails)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_failure_every_rank_meets_is_said_once_by_rank_0_and_no_rank_exits_before_it(
+    monkeypatch, capsys
+):
+    # torchrun stops every worker once one exits with an error: rank 1 leaving first could stop
+    # rank 0 before its line is out (seen in CI: no "error:" line at all). So rank 1 waits for it.
+    store = torch.distributed.HashStore()
+    said = threading.Timer(1.0, lambda: store.set("failure_said", "1"))  # a slow rank 0
+    said.start()
+    started = time.monotonic()
+    assert say_as_rank(1, monkeypatch, capsys, store) == ""
+    assert time.monotonic() - started >= 0.9  # it waited for rank 0, and said nothing itself
+    said.join()
+
+    store = torch.distributed.HashStore()
+    assert say_as_rank(0, monkeypatch, capsys, store) == "error: bad input\n"
+    assert store.check(["failure_said"])  # what the others wait for
+
+
+def test_a_failure_rank_0_does_not_meet_is_said_by_the_rank_that_met_it(monkeypatch, capsys):
+    monkeypatch.setattr(stopping, "FAILURE_WAIT", 0.5)
+    err = say_as_rank(3, monkeypatch, capsys, torch.distributed.HashStore())
+    assert err == "rank 3: error: bad input\n"
