@@ -132,7 +132,7 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     folder.mkdir()
     for name in files_to_copy(lesson):
         shutil.copy(Path(REPO) / name, folder / name)
-    env = launch_env()
+    env = launch_env(TOKENIZERS_PARALLELISM="true")  # one process: both cores tokenize
     env.pop("PYTHONPATH", None)  # the copy alone: nothing may come from the repository
     argv = ["--cache-dir", str(stdlib_cache), "--out-dir", str(tmp_path / "out"),
             "--vocab-size", "512", "--seq-length", "32", "--batch-size", "4", "--eval-batches",
