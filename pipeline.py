@@ -160,7 +160,6 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank:
     return (pp - 1) / (slots + pp - 1)
 
 
-
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
     """Consecutive layer indices of each stage, as even as possible.
 
@@ -292,7 +291,7 @@ class PipelineLoss:
         loss_sum = F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
             reduction="sum",
-        )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets (B*T,)
+        )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets  # fmt: skip
         return loss_sum * self.scale
 
 

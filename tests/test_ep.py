@@ -22,7 +22,6 @@ embedding weight lands at 2.1e-5, as train_fsdp.py's does on the same layout (1.
 rare token's row, not EP; the layouts here keep the margin the other lessons' tests keep.
 """
 
-
 import pytest
 import test_moe_training
 import torch

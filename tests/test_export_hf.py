@@ -270,9 +270,7 @@ def siblings(path: Path) -> set[str]:
     return {p.name for p in path.parent.iterdir()}
 
 
-def test_export_into_a_folder_holding_a_sharded_model_is_refused_and_leaves_it(
-    exported, tmp_path
-):
+def test_export_into_a_folder_holding_a_sharded_model_is_refused_and_leaves_it(exported, tmp_path):
     # It used to write model.safetensors beside the old index and shards, and --from-hf then
     # read the old shards with the new config.json.
     out, hf_dir = exported

@@ -119,7 +119,7 @@ def test_cli_refuses_an_output_in_a_missing_folder_or_a_folder_in_one_line(tmp_p
 @pytest.mark.parametrize(
     "line, expected",
     [
-        ('{"step": 3, "loss": "abc"}', '"loss" is \'abc\', not a number'),
+        ('{"step": 3, "loss": "abc"}', "\"loss\" is 'abc', not a number"),
         ('{"step": 3, "loss": 1.0, "lr": [1]}', '"lr" is [1], not a number'),
         ('{"step": 3, "val_loss": true}', '"val_loss" is True, not a number'),
         ('{"step": "3", "loss": 1.0}', "\"step\" is '3', not an integer"),
