@@ -100,10 +100,9 @@ def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -
     reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
-    return TrainingError(
-        f"could not save {what} {path}: {reason}. The checkpoints before it are intact: "
-        f"if the disk is full, make room, then run the same command again to resume"
-    )
+    return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it are "
+                         f"intact: if the disk is full, make room, then run the same command "
+                         f"again to resume")  # fmt: skip
 
 
 def load_checkpoint(path: str) -> dict:
@@ -180,11 +179,10 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
     """ValueError if the checkpoint belongs to another run (model, tokenizer, data, data order,
     schedule) or is past --max-steps; on every rank, before anything is loaded."""
     if ckpt["step"] > args.max_steps:
-        raise ValueError(
-            f"the checkpoint is at step {ckpt['step']}, past --max-steps {args.max_steps}: a run "
-            f"cannot be shortened below what it has trained; give --max-steps {ckpt['step']} or "
-            f"more, or start a new run in another --out-dir"
-        )
+        raise ValueError(f"the checkpoint is at step {ckpt['step']}, past --max-steps "
+                         f"{args.max_steps}: a run cannot be shortened below what it has trained; "
+                         f"give --max-steps {ckpt['step']} or more, or start a new run in another "
+                         f"--out-dir")  # fmt: skip
     recorded = {**ADDED_SINCE, **ckpt["args"]}
     # A stream's validation is its first documents, as many as --eval-batches x --batch-size
     # sequences need: another --eval-batches holds out others (say which flag changed them).
@@ -195,10 +193,8 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         if recorded.get(name) != getattr(args, name)
     ]
     if changed:
-        raise ValueError(
-            f"the checkpoint was made with {', '.join(changed)}; resume with the same values, or "
-            f"start a new run in another --out-dir"
-        )
+        raise ValueError(f"the checkpoint was made with {', '.join(changed)}; resume with the "
+                         f"same values, or start a new run in another --out-dir")  # fmt: skip
     # Fields newer than some checkpoints, or that a dense model leaves out: missing, the default.
     absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
     saved, now = ckpt["config"], config.to_dict()
@@ -216,10 +212,9 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
     # The data before the tokenizer, which changes with it when trained: the data is the news.
     check_same_data(ckpt, args, tokenizer)
     if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
-        raise ValueError(
-            "the checkpoint was trained with a different tokenizer than this run's; use the "
-            "same --data, --vocab-size and --tokenizer as that run, or another --out-dir"
-        )
+        raise ValueError("the checkpoint was trained with a different tokenizer than this run's; "
+                         "use the same --data, --vocab-size and --tokenizer as that run, or "
+                         "another --out-dir")  # fmt: skip
     if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: a run started with --init-from and restarted with the same command must
         # resume, not start over.
@@ -239,18 +234,16 @@ def check_same_data(ckpt: dict, args, tokenizer) -> None:
             what = "its documents"
             if args.streaming:
                 what = "its first documents (held out for validation) or its files' sizes"
-            raise ValueError(
-                f"--data {args.data} is not the data the checkpoint was trained on: {what} "
-                f"differ (fingerprint {saved[:12]}, now {now[:12]}); resume with that data as "
-                f"it was, or start a new run in another --out-dir"
-            )
+            raise ValueError(f"--data {args.data} is not the data the checkpoint was trained on: "
+                             f"{what} differ (fingerprint {saved[:12]}, now {now[:12]}); resume "
+                             f"with that data as it was, or start a new run in another "
+                             f"--out-dir")  # fmt: skip
         return
     recorded = ckpt["args"].get("data")
     if recorded is not None and _normalised_spec(recorded) != _normalised_spec(args.data):
-        raise ValueError(
-            f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); resume with "
-            f"the same data, or start a new run in another --out-dir"
-        )
+        raise ValueError(f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); "
+                         f"resume with the same data, or start a new run in another "
+                         f"--out-dir")  # fmt: skip
 
 
 def _normalised_spec(spec: str) -> str:
@@ -328,10 +321,8 @@ def lock_out_dir(out_dir: str) -> None:
             who = f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
         except (ValueError, KeyError, TypeError):
             who = "it is starting"
-        raise ValueError(
-            f"--out-dir {out_dir} is in use by another run ({who}); wait for it to end or stop "
-            f"it, or choose another --out-dir"
-        ) from None
+        raise ValueError(f"--out-dir {out_dir} is in use by another run ({who}); wait for it to "
+                         f"end or stop it, or choose another --out-dir") from None  # fmt: skip
     f.seek(0)
     f.truncate()
     started = time.strftime("%Y-%m-%d %H:%M:%S")

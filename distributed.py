@@ -38,10 +38,9 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise ValueError(
-            f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-            f"launch at most that many processes per node (--nproc_per_node)"
-        )
+        raise ValueError(f"local rank {local_rank} has no GPU: this node has "
+                         f"{torch.cuda.device_count()}; launch at most that many processes per "
+                         f"node (--nproc_per_node)")  # fmt: skip
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return rank, local_rank, world_size, device
@@ -80,11 +79,10 @@ def world_size_from_env() -> int:
     value = os.environ.get("WORLD_SIZE", "1")
     size = int(value) if value.strip().isdecimal() else 0
     if size < 1:
-        raise ValueError(
-            f"WORLD_SIZE={value!r} in the environment is not a positive integer: it is the "
-            f"number of processes of the run (torchrun sets it; for --check, set it to the "
-            f"number the run will have, or leave it unset for one)"
-        )
+        raise ValueError(f"WORLD_SIZE={value!r} in the environment is not a positive integer: it "
+                         f"is the number of processes of the run (torchrun sets it; for --check, "
+                         f"set it to the number the run will have, or leave it unset for "
+                         f"one)")  # fmt: skip
     return size
 
 
@@ -94,11 +92,10 @@ def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
     if size < 1:
         raise ValueError(f"{flag} {size} must be at least 1")
     if world_size % size:
-        raise ValueError(
-            f"{flag} {size} must divide the number of ranks ({world_size}): the ranks form a grid "
-            f"of {grid}; launch a multiple of {size} processes (torchrun --nproc_per_node) or "
-            f"choose a {flag} that divides {world_size}"
-        )
+        raise ValueError(f"{flag} {size} must divide the number of ranks ({world_size}): the "
+                         f"ranks form a grid of {grid}; launch a multiple of {size} processes "
+                         f"(torchrun --nproc_per_node) or choose a {flag} that divides "
+                         f"{world_size}")  # fmt: skip
     return world_size // size
 
 
