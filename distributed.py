@@ -31,10 +31,9 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
         # cannot: the kernel then sends this rank SIGTERM, and it stops as on torchrun's
         # (stopping.StopRequest) rather than train on, an orphan no one watches or restarts.
         end_with_parent(signal.SIGTERM)
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
     world_size = world_size_from_env()
+    rank, local_rank = (rank_from_env(name, world_size) for name in ("RANK", "LOCAL_RANK"))
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
@@ -84,6 +83,16 @@ def world_size_from_env() -> int:
                          f"set it to the number the run will have, or leave it unset for "
                          f"one)")  # fmt: skip
     return size
+
+
+def rank_from_env(name: str, world_size: int) -> int:
+    """RANK or LOCAL_RANK (torchrun's), 0 where unset; ValueError unless from 0 to world_size-1."""
+    value = os.environ.get(name, "0")
+    if value.strip().isdecimal() and int(value) < world_size:
+        return int(value)
+    bound = f"from 0 to WORLD_SIZE - 1 = {world_size - 1}"
+    raise ValueError(f"{name}={value!r} in the environment is not an integer {bound} (torchrun "
+                     f"sets it; leave it unset for one process)")  # fmt: skip
 
 
 def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:

@@ -40,7 +40,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
     stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell reports that signal's kill):
     whatever watches the run sees "cut short", not "done".
     os_exit (the lessons that join a process group): end with end_process."""
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    rank = os.environ.get("RANK", "0")  # not a number: this process says so (distributed.py)
+    is_main = not rank.strip().isdecimal() or int(rank) == 0
     code = 0
     try:
         stopped = None
@@ -87,9 +88,12 @@ FAILURE_WAIT = 30  # seconds: rank 0 meets a failure every rank meets within mom
 def say_once(line: str, is_main: bool) -> None:
     """Print `line` on stderr on rank 0; another rank waits (up to FAILURE_WAIT s) until rank 0
     has: torchrun stops all workers once one exits with an error, maybe rank 0 before its line is
-    out. A failure that rank 0 never says (it met none) is said by the rank that met it."""
+    out. A failure that rank 0 never says (it met none) is said by the rank that met it, and any
+    rank's where no torchrun gathers the ranks' output (RANK set by hand, a leftover)."""
     if is_main:
         print(line, file=sys.stderr, flush=True)
+    elif not failure_store and "TORCHELASTIC_RUN_ID" not in os.environ:
+        print(f"rank {os.environ['RANK']}: {line}", file=sys.stderr, flush=True)
     for store in failure_store:
         try:
             if is_main:

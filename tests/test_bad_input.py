@@ -307,6 +307,42 @@ def test_train_ddp_check_refuses_a_world_size_that_is_not_positive(tmp_path, val
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "name, value, world, accepted",
+    [("RANK", "1", 2, True), ("LOCAL_RANK", "0", 1, True), ("RANK", "2", 2, False),
+     ("RANK", "1", 1, False), ("LOCAL_RANK", "x", 2, False), ("RANK", "-1", 2, False),
+     ("RANK", "", 2, False)],
+)  # fmt: skip
+def test_a_rank_must_be_an_integer_below_the_world_size(monkeypatch, name, value, world, accepted):
+    monkeypatch.setenv(name, value)
+    if accepted:
+        assert distributed.rank_from_env(name, world) == int(value)
+        return
+    with pytest.raises(ValueError, match=f"{name}='{value}' in the environment is not an integer "
+                                         f"from 0 to WORLD_SIZE - 1 = {world - 1}"):  # fmt: skip
+        distributed.rank_from_env(name, world)
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [({"RANK": "1"}, "rank 1: error: RANK='1' in the environment is not an integer from 0 to "
+                     "WORLD_SIZE - 1 = 0"),
+     ({"WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "error: LOCAL_RANK='x' in the environment")],
+    ids=["rank_without_torchrun", "local_rank_not_a_number"],
+)  # fmt: skip
+def test_a_rank_set_by_hand_is_refused_in_one_line_by_that_process(tmp_path, env, said):
+    # Before: RANK=1 without torchrun exited 2 saying nothing (only rank 0 speaks, and no
+    # torchrun gathered this rank's output), and LOCAL_RANK=x said "invalid literal for int()".
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        script_command(DDP, ["--out-dir", str(out), "--check"]), cwd=REPO,
+        env=launch_env(**env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(said) and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, corpus, cache_dir):
     # argparse's prefix matching would read --mode (no such flag) as --model.
     argv = cmd(corpus, cache_dir, existing_run) + ["--mode", "pad"]
@@ -550,6 +586,7 @@ def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (a local rank below the world size, as torchrun's)
     with pytest.raises(ValueError, match="local rank 1 has no GPU: this node has 1"):
         distributed.torchrun_rank()
 

@@ -147,9 +147,9 @@ def test_a_process_that_joined_a_process_group_ends_with_os_exit_after_its_atexi
 
 def say_as_rank(rank: int, monkeypatch, capsys, store) -> str:
     """stopping.run of a main() that meets bad input, as global rank `rank` of a torchrun run
-    whose store is `store`; its stderr."""
+    whose store is `store` (None: none yet); its stderr."""
     monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setattr(stopping, "failure_store", [store])
+    monkeypatch.setattr(stopping, "failure_store", [] if store is None else [store])
 
     def fails():
         raise ValueError("bad input")
@@ -182,3 +182,13 @@ def test_a_failure_rank_0_does_not_meet_is_said_by_the_rank_that_met_it(monkeypa
     monkeypatch.setattr(stopping, "FAILURE_WAIT", 0.5)
     err = say_as_rank(3, monkeypatch, capsys, torch.distributed.HashStore())
     assert err == "rank 3: error: bad input\n"
+
+
+def test_without_a_store_a_rank_speaks_for_itself_unless_torchrun_runs_it(monkeypatch, capsys):
+    # Before its store exists, torchrun's rank 0 says what all ranks met (a bad flag); a rank
+    # that no torchrun launched (RANK set by hand, or left over) has no one to say it for it.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert say_as_rank(1, monkeypatch, capsys, None) == "rank 1: error: bad input\n"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert say_as_rank(1, monkeypatch, capsys, None) == ""
+    assert say_as_rank(0, monkeypatch, capsys, None) == "error: bad input\n"
