@@ -388,7 +388,7 @@ def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
         pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
     else:
         pattern = CHECKPOINT_DIR_RE
-        writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py (directories)"
+        writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py (directories)"
     if list_checkpoints(out_dir, pattern):
         raise ValueError(
             f"{out_dir} holds checkpoints of {writers}, which {os.path.basename(sys.argv[0])} can "

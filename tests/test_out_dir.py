@@ -91,7 +91,8 @@ def test_train_dp_and_ddp_refuse_an_out_dir_of_sharded_checkpoints(
 ):
     # Before: they started at step 0 beside those checkpoints and replaced that run's model.pt.
     argv = cmd(corpus, cache_dir, fsdp_out_dir, resume=resume)
-    expect = "holds checkpoints of train_fsdp.py/train_tp.py/train_pp.py/train_cp.py (directories)"
+    expect = ("holds checkpoints of train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py "
+              "(directories)")  # fmt: skip
     assert_refused(script, argv, expect, fsdp_out_dir, cache_dir, world)
 
 
