@@ -76,7 +76,7 @@ def load_model(
     """
     device = torch.device(device)
     if not os.path.isdir(out_dir):
-        raise ValueError(f"--out-dir {out_dir} is not a directory")
+        raise ValueError(f"{out_dir} is not a directory: give a training run's --out-dir")
     missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
     if missing:
         raise ValueError(

@@ -366,6 +366,16 @@ def test_from_hf_names_the_file_it_cannot_read(
     assert {p.name for p in tmp_path.iterdir()} == {"bad"}
 
 
+def test_an_export_source_that_is_not_a_folder_is_named_as_given(tmp_path, monkeypatch, capsys):
+    # The message named --out-dir, a flag export_hf.py does not have (its source is positional).
+    (tmp_path / "a_file").write_text("not a run\n")
+    for src in (tmp_path / "missing", tmp_path / "a_file"):
+        code, stdout, err = run_main(monkeypatch, capsys, str(src), str(tmp_path / "hf"))
+        assert_one_line_error(code, err, f"error: {src} is not a directory", "training run's")
+        assert "--out-dir " + str(src) not in err and stdout == ""
+        assert not (tmp_path / "hf").exists()
+
+
 def test_from_hf_refuses_a_tensor_its_config_has_no_place_for(exported, tmp_path):
     _, hf_dir = exported
     config = json.loads((hf_dir / "config.json").read_text())
