@@ -49,8 +49,9 @@ def data_parallel_size(world_size: int, ep: int, num_experts: int) -> int:
     dp = divide_ranks(world_size, "--ep", ep, "dp x ep")
     if not num_experts:
         raise ValueError(
-            "expert parallelism shards a mixture of experts, and this model is dense: give "
-            "--num-experts (a multiple of --ep), or train a dense model with train_fsdp.py"
+            "expert parallelism shards a mixture of experts, and this model is dense: give one "
+            "with experts (--num-experts, a multiple of --ep, or --init-from a run that has "
+            "them), or train a dense model with train_fsdp.py"
         )
     if num_experts % ep:
         raise ValueError(
