@@ -107,9 +107,10 @@ class MoEFeedForward(nn.Module):
         run = self.run_experts if self.dispatch is None else self.dispatch
         y = run(tokens[order // k], counts)  # (N * k, d), sorted by expert
         y = torch.empty_like(y).index_copy(0, order, y)  # (N * k, d), back in pair order
-        # Each token's output: its k experts' outputs, weighted (in fp32, as the router).
-        out = (y.view(B * T, k, d) * weights.unsqueeze(-1)).sum(dim=1)  # (N, d)
-        return out.to(x.dtype).view(B, T, d)
+        # Each token's output: its k experts' outputs, weighted (in fp32, as the router); summed
+        # into a new (B, T, d) tensor, not a view (FSDP2 warns of a wrapped module's view output).
+        out = (y.view(B, T, k, d) * weights.view(B, T, k, 1)).sum(dim=2)  # (B, T, d)
+        return out.to(x.dtype)
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
