@@ -250,9 +250,9 @@ def main():
         )
         E = config.num_local_experts
         print(
-            f"experts: {E} per layer over the {args.ep} ranks of each EP group ({E // args.ep} "
-            f"each), {dp} group{'s' if dp > 1 else ''}; the experts' FSDP over {dp} rank"
-            f"{'s' if dp > 1 else ''}"
+            f"experts: {E} per layer over the {args.ep} rank{'s' if args.ep > 1 else ''} of each "
+            f"EP group ({E // args.ep} each), {dp} group{'s' if dp > 1 else ''}; the experts' FSDP "
+            f"over {dp} rank{'s' if dp > 1 else ''}"
         )
         if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
             import memory_plan
