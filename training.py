@@ -89,10 +89,8 @@ def steps_per_epoch(train_ds, args) -> int | None:
         return None
     steps = len(train_ds) // args.batch_size
     if steps == 0:
-        raise ValueError(
-            f"the training split has {len(train_ds)} sequences, fewer than one --batch-size "
-            f"({args.batch_size}); use more data or a smaller batch"
-        )
+        raise ValueError(f"--batch-size {args.batch_size} is more than the training split's "
+                         f"{len(train_ds)} sequences: add data or lower --batch-size")  # fmt: skip
     return steps
 
 

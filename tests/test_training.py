@@ -211,6 +211,15 @@ class Indices(torch.utils.data.Dataset):
         return i
 
 
+def test_an_epoch_is_the_splits_whole_batches_and_less_than_one_batch_is_refused():
+    import argparse
+
+    args = argparse.Namespace(batch_size=8)
+    assert training.steps_per_epoch(Indices(17), args) == 2
+    with pytest.raises(ValueError, match="--batch-size 8 is more than the training split's 7 seq"):
+        training.steps_per_epoch(Indices(7), args)
+
+
 @pytest.mark.parametrize("n", [40, 37])  # divisible by the world size, and not
 def test_distributed_sampler_shards_are_disjoint_and_reshuffled_each_epoch(n):
     world, seed, batch_size, epochs = 2, 1234, 8, 3
