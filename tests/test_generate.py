@@ -144,6 +144,20 @@ def test_the_training_scripts_sample_is_generate_text_with_seed_0(out_dir):
     assert training.sample_text(model, tokenizer, "def ", 20) == expected
 
 
+def test_the_sample_of_a_compiled_run_is_generated_eagerly(out_dir):
+    # --compile compiles each layer; generating through them would compile them again for the
+    # prompt's and one token's shapes (seconds on a CPU, at the end of a run). A backend that
+    # refuses to compile shows that nothing is.
+    def refuse(graph_module, example_inputs):
+        raise AssertionError("the sample compiled a layer")
+
+    model, tokenizer = load_model(str(out_dir))
+    expected = generate_text(model, tokenizer, "def ", 20, seed=0)
+    for layer in model.layers:
+        layer.compile(backend=refuse)
+    assert training.sample_text(model, tokenizer, "def ", 20) == expected
+
+
 # -------------------------------------------------------------------------------------------------
 # Bad input: one line, exit code 2, no traceback
 
