@@ -5,6 +5,7 @@
     python bench_nanogpt.py --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
     python bench_nanogpt.py --nanogpt ~/src/nanoGPT --step         # the step alone, one process
     python bench_nanogpt.py --transformers                 # the step alone vs LlamaForCausalLM
+    python bench_nanogpt.py --nanogpt ~/src/nanoGPT --compile      # this suite with --compile
 
 nanoGPT is not a dependency: pass a checkout of github.com/karpathy/nanoGPT (its train.py,
 model.py and config/train_shakespeare_char.py are used as they are). Nothing is downloaded.
@@ -34,6 +35,9 @@ What it does, in --work-dir:
      both final models scored on the same held-out text (the validation documents, joined by
      newlines, in windows of --seq-length + 1 characters): mean nats per character.
 
+--compile runs this suite with --compile (Inductor: a C++ compiler on a CPU), against nanoGPT's
+recipe as it is; --compile-nanogpt compiles the other side too (nanoGPT's --compile=True, or
+LlamaForCausalLM under torch.compile), which is the like-for-like comparison.
 --busy N runs N processes that spin on the CPU for the whole benchmark (a busy neighbour);
 --threads N sets OMP_NUM_THREADS for both runs. The figures are printed, nothing is asserted:
 it is a measurement, not a test (tests/test_bench.py checks its preparation and parsing).
@@ -157,16 +161,19 @@ def prepare(args) -> dict:
 # The runs
 
 
-def suite_command(prep: dict, out_dir: Path, max_steps: int) -> list[str]:
+def suite_command(prep: dict, out_dir: Path, max_steps: int, compile: bool = False) -> list[str]:
     return [sys.executable, str(REPO / "train_dp.py"), *prep["suite_argv"],
-            "--max-steps", str(max_steps), "--out-dir", str(out_dir)]  # fmt: skip
+            "--max-steps", str(max_steps), "--out-dir", str(out_dir),
+            *(["--compile"] if compile else [])]  # fmt: skip
 
 
-def nanogpt_command(nanogpt: Path, out_dir: Path, max_steps: int) -> list[str]:
+def nanogpt_command(
+    nanogpt: Path, out_dir: Path, max_steps: int, compile: bool = False
+) -> list[str]:
     return [sys.executable, str(nanogpt / "train.py"),
             str(nanogpt / "config" / "train_shakespeare_char.py"), *NANOGPT_FLAGS,
             f"--max_iters={max_steps}", f"--lr_decay_iters={max_steps}", f"--dataset={DATASET}",
-            f"--out_dir={out_dir}"]  # fmt: skip
+            f"--out_dir={out_dir}", *(["--compile=True"] if compile else [])]  # fmt: skip
 
 
 def timed_run(command: list[str], cwd: Path, env: dict, log: Path) -> float:
@@ -286,13 +293,23 @@ def hf_llama(config):
     return LlamaForCausalLM(hf).float()
 
 
-def compare_steps(other: str, vocab_size: int, rounds: int, steps: int, nanogpt=None) -> dict:
+def compare_steps(
+    other: str,
+    vocab_size: int,
+    rounds: int,
+    steps: int,
+    nanogpt=None,
+    compile_ours: bool = False,
+    compile_theirs: bool = False,
+) -> dict:
     """ms per training step of this suite's model and of `other`'s at the same shape and batch
     (12 x 64 random tokens), timed in rounds that alternate which goes first: {(name, clock):
     [ms per step of each round]}. "transformers": LlamaForCausalLM, the same config, AdamW as
     the lessons build it (training.build_optimizer), the loss computed as ours. "nanogpt": its
     model.py and its own AdamW setup (configure_optimizers: on a CPU, not fused), from the
-    checkout `nanogpt`, at its README's CPU shape. Both clip gradients at 1, as the lessons."""
+    checkout `nanogpt`, at its README's CPU shape. Both clip gradients at 1, as the lessons.
+    compile_ours: this suite's layers and loss compiled as --compile does; compile_theirs:
+    torch.compile on the other model, as nanoGPT's --compile=True does (the warm-up pays both)."""
     import argparse as ap
 
     import torch
@@ -305,6 +322,8 @@ def compare_steps(other: str, vocab_size: int, rounds: int, steps: int, nanogpt=
     tokens = torch.randint(vocab_size, (12, 65))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours = LlamaForPretraining(llama_config(vocab_size))
+    if compile_ours:
+        training.compile_layers(ours)
 
     def stepper(model, loss_of, optimizer):
         def step():
@@ -319,12 +338,15 @@ def compare_steps(other: str, vocab_size: int, rounds: int, steps: int, nanogpt=
                                         training.build_optimizer(ours, args, "cpu"))}  # fmt: skip
     if other == "transformers":
         theirs = hf_llama(ours.config)
-        # The same 64 inputs and 64 targets: the logits, and the loss computed as ours is.
-        contenders[other] = stepper(theirs, lambda m: hf_loss(m(x).logits, y),
-                                    training.build_optimizer(theirs, args, "cpu"))  # fmt: skip
+        optimizer = training.build_optimizer(theirs, args, "cpu")
     else:
         theirs, optimizer = nanogpt_model(nanogpt, vocab_size)
-        contenders[other] = stepper(theirs, lambda m: m(x, y)[1], optimizer)
+
+    def their_loss(model):  # transformers': the same 64 targets, the loss computed as ours is
+        return hf_loss(model(x).logits, y) if other == "transformers" else model(x, y)[1]
+
+    model = torch.compile(theirs) if compile_theirs else theirs
+    contenders[other] = stepper(model, their_loss, optimizer)
     for step in contenders.values():
         for _ in range(5):  # warm-up: the allocator, the first calls
             step()
@@ -409,6 +431,12 @@ def main() -> None:
     p.add_argument("--step", action="store_true",
                    help="with --nanogpt: time the training step alone of both models, in one "
                    "process (alternating rounds), instead of the whole runs")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="this suite with --compile (its layers and loss compiled; Inductor "
+                   "needs a C++ compiler on a CPU); nanoGPT stays as its recipe")  # fmt: skip
+    p.add_argument("--compile-nanogpt", action="store_true",
+                   help="nanoGPT (or, with --transformers, LlamaForCausalLM) compiled too: "
+                   "its own --compile=True, for a like-for-like comparison")  # fmt: skip
     p.add_argument("--step-rounds", type=int, default=9, help="--step, --transformers: rounds")
     p.add_argument("--step-steps", type=int, default=10, help="--step, --transformers: steps each")
     args = p.parse_args()
@@ -435,7 +463,8 @@ def main() -> None:
         try:
             vocab = CHAR_VOCAB - 3 if other == "nanogpt" else CHAR_VOCAB  # its 96 characters
             times = compare_steps(other, vocab, args.step_rounds, args.step_steps,
-                                  nanogpt if other == "nanogpt" else None)  # fmt: skip
+                                  nanogpt if other == "nanogpt" else None, args.compile,
+                                  args.compile_nanogpt)  # fmt: skip
         finally:
             for proc in neighbours:
                 proc.kill()
@@ -459,10 +488,11 @@ def run_both(args, nanogpt: Path) -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 log = work / f"{side}_{r}.log"
                 if side == "suite":
-                    cmd, cwd = suite_command(prep, out, args.max_steps), REPO
+                    cmd, cwd = suite_command(prep, out, args.max_steps, args.compile), REPO
                 else:  # train.py reads ./configurator.py and ./data/<dataset>/: from work
                     shutil.copy(nanogpt / "configurator.py", work / "configurator.py")
-                    cmd, cwd = nanogpt_command(nanogpt, out, args.max_steps), work
+                    cmd = nanogpt_command(nanogpt, out, args.max_steps, args.compile_nanogpt)
+                    cwd = work
                 print(f"round {r + 1}: {side} ...", file=sys.stderr, flush=True)
                 wall = timed_run(cmd, cwd, env, log)
                 if side == "suite":

@@ -267,6 +267,20 @@ def test_the_printed_command_keeps_every_setting_that_steers_the_cpu_runtime():
     ]  # fmt: skip
 
 
+def test_compile_flags_reach_the_runs_and_nanogpts_comes_after_its_recipes_false(tmp_path):
+    import bench_nanogpt
+
+    prep = {"suite_argv": ["--data", "c.jsonl"]}
+    plain = bench_nanogpt.suite_command(prep, tmp_path, 5)
+    assert "--compile" not in plain
+    assert bench_nanogpt.suite_command(prep, tmp_path, 5, compile=True) == [*plain, "--compile"]
+    nano = bench_nanogpt.nanogpt_command(tmp_path, tmp_path / "out", 5)
+    assert "--compile=False" in nano and "--compile=True" not in nano
+    # nanoGPT's configurator applies --key=value in order: the last one wins.
+    compiled = bench_nanogpt.nanogpt_command(tmp_path, tmp_path / "out", 5, compile=True)
+    assert compiled == [*nano, "--compile=True"]
+
+
 def test_held_out_windows_cover_the_text_once_as_targets():
     import bench_nanogpt
 
