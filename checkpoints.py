@@ -218,10 +218,8 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
     if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: a run started with --init-from and restarted with the same command must
         # resume, not start over.
-        print(
-            f"note: --init-from {args.init_from} is not used: the run resumes from its own "
-            f"checkpoint (at step {ckpt['step']}), which holds its weights"
-        )
+        print(f"note: --init-from {args.init_from} is not used: the run resumes from its own "
+              f"checkpoint (at step {ckpt['step']}), which holds its weights")  # fmt: skip
 
 
 def check_same_data(ckpt: dict, args, tokenizer) -> None:

@@ -362,10 +362,8 @@ class LlamaForPretraining(nn.Module):
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
         if start + T > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence of {start + T} tokens exceeds max_position_embeddings "
-                f"{self.config.max_position_embeddings}"
-            )
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")  # fmt: skip
         if kv_caches is not None and start > 0 and T > 1:
             raise ValueError("with a KV cache, feed the prompt once, then one token per step")
         if position_ids is None:
@@ -483,9 +481,8 @@ def generate_ids(
     context = model.config.max_position_embeddings
     room = context - len(ids)
     if room <= 0:
-        raise ValueError(
-            f"the prompt is {len(ids)} tokens, no shorter than the model's context of {context}"
-        )
+        raise ValueError(f"the prompt is {len(ids)} tokens, no shorter than the model's context "
+                         f"of {context}")  # fmt: skip
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     out = model.generate(
         torch.tensor([ids], device=device), min(max_new_tokens, room), temperature=temperature,
