@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -276,6 +277,8 @@ def run_settings(
             "--tensorboard needs the tensorboard package: pip install -r "
             "requirements-tensorboard.txt (or drop --tensorboard: metrics.jsonl has every value)"
         )
+    if args.compile and device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
+        parser.error("--compile on a CPU needs a C++ compiler: install g++ or set CXX, or drop it")
     auto = args.micro_batch_size == "auto"
     if auto and not torch.cuda.is_available():
         # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of

@@ -413,6 +413,17 @@ def test_warmup_beyond_max_steps_is_warned_about(corpus, cache_dir, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused(corpus, cache_dir, monkeypatch):
+    # Inductor writes C++ for a CPU: without a compiler, torch.compile fails in the first step,
+    # after the data is prepared, with a traceback. CXX names the compiler, as for Inductor.
+    monkeypatch.setenv("CXX", str(cache_dir / "no-such-compiler"))
+    with pytest.raises(ValueError, match="--compile on a CPU needs a C[+][+] compiler"):
+        build_args(corpus, cache_dir, compile=True)
+    build_args(corpus, cache_dir)  # without --compile, none is needed
+    monkeypatch.setenv("CXX", sys.executable)  # an executable that exists stands for one
+    build_args(corpus, cache_dir, compile=True)
+
+
 def test_unknown_choice_is_one_message_not_a_usage_dump(existing_run, corpus, cache_dir):
     argv = cmd(corpus, cache_dir, existing_run, data_mode="zip")
     proc = assert_refused(DP, argv, "invalid choice: 'zip'", existing_run, cache_dir)
