@@ -403,7 +403,8 @@ def report_steps(times: dict, other: str, rounds: int, steps: int) -> None:
                   f"(rounds: {min(t):.2f}-{max(t):.2f})")  # fmt: skip
         ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        print(f"  {clock:<4} this suite's speed / {other}'s, per round: median "
+        whose = f"{other}'" if other.endswith("s") else f"{other}'s"  # transformers', nanogpt's
+        print(f"  {clock:<4} this suite's speed / {whose}, per round: median "
               f"{statistics.median(ratios):.2f}, {spread} (target {target})")  # fmt: skip
 
 
