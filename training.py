@@ -349,8 +349,8 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
         print(f"sample:\n{text}")
 
 
-@torch.compiler.set_stance("force_eager")  # --compile's layers would compile again per shape
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """`prompt` and a continuation: generate_text with seed 0, what `python generate.py --seed 0
     --prompt ... --max-new-tokens ...` prints on CPU too."""
-    return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)
+    with torch.compiler.set_stance("force_eager"):  # compiled layers: a compile per new shape
+        return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

@@ -92,6 +92,17 @@ def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
     assert not offenders, f"these import a tool at module level: {offenders}"
 
 
+def test_importing_train_dp_or_generate_does_not_load_torch_dynamo():
+    # torch._dynamo takes ~1.2 s to import: a run pays it at AdamW's first step (torch.optim
+    # imports it) or at --compile, but not generate.py, nor a refused flag, at import time
+    # (torch.compiler.set_stance, for one, imports it when called: training.sample_text).
+    probe = "import sys, train_dp, generate; print('torch._dynamo' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=launch_env(),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_each_lesson_says_which_files_come_with_it_and_names_its_neighbour(lesson):
     docstring = ast.get_docstring(ast.parse((Path(REPO) / lesson).read_text()))
