@@ -21,7 +21,7 @@ import torch
 import model_flags
 import training
 from data import SPECIAL_TOKENS
-from distributed import backend_for, world_size_from_env
+from distributed import backend_for, rank_from_env, world_size_from_env
 from metrics import NonFiniteGuard
 from model import LlamaConfig, count_active_parameters, count_parameters
 
@@ -258,7 +258,7 @@ def run_settings(
     is None until auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
     # Each number's own range was checked as it was parsed (number_arg).
-    world_size_from_env()  # WORLD_SIZE itself: ValueError unless a positive integer
+    rank_from_env("RANK", world_size_from_env())  # ValueError unless a rank of a valid world
     try:  # --backend: the torchrun scripts' flag
         backend_for(getattr(args, "backend", None), device)
     except ValueError as e:
