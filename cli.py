@@ -258,7 +258,10 @@ def run_settings(
     is None until auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
     # Each number's own range was checked as it was parsed (number_arg).
-    rank_from_env("RANK", world_size_from_env())  # ValueError unless a rank of a valid world
+    rank_from_env("RANK", world_size := world_size_from_env())  # ValueError unless valid
+    if world_size > 1 and not hasattr(args, "backend"):  # (--backend: the torchrun scripts')
+        parser.error(f"{parser.prog} is one process, not a torchrun worker (WORLD_SIZE="
+                     f"{world_size}): start it with python, or use train_ddp.py")  # fmt: skip
     try:  # --backend: the torchrun scripts' flag
         backend_for(getattr(args, "backend", None), device)
     except ValueError as e:
