@@ -276,30 +276,26 @@ def run_settings(
               f"{args.max_steps}: the learning rate rises for the whole run and never reaches "
               f"--lr {args.lr}", file=sys.stderr)  # fmt: skip
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        parser.error(
-            "--tensorboard needs the tensorboard package: pip install -r "
-            "requirements-tensorboard.txt (or drop --tensorboard: metrics.jsonl has every value)"
-        )
+        parser.error("--tensorboard needs the tensorboard package: pip install -r "
+                     "requirements-tensorboard.txt (or drop --tensorboard: metrics.jsonl has every "
+                     "value)")  # fmt: skip
     if args.compile and device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
         parser.error("--compile on a CPU needs a C++ compiler: install g++ or set CXX, or drop it")
     auto = args.micro_batch_size == "auto"
     if auto and not torch.cuda.is_available():
         # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of
         # memory swaps or has the process killed instead of raising an error one could catch.
-        parser.error(
-            "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
-            "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
-        )
+        parser.error("--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU "
+                     "give a number, or leave the flag out (no accumulation: --batch-size / "
+                     "devices per forward)")  # fmt: skip
     micro = default_micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     if auto or micro is None:
         micro = args.batch_size // devices  # each device's share (auto: the largest candidate)
     per_step = micro * devices
     if micro == 0 or args.batch_size % per_step:
-        parser.error(
-            f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
-            f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step sees "
-            f"exactly the global batch"
-        )
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
+                     f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step "
+                     f"sees exactly the global batch")  # fmt: skip
     # The model, its tokenizer and the sequence length are known now: refuse them before minutes
     # of data preparation, not after (model_flags.model_source).
     try:
@@ -307,10 +303,9 @@ def run_settings(
     except ValueError as e:
         parser.error(str(e))
     if args.seq_length > config.max_position_embeddings:
-        parser.error(
-            f"--seq-length {args.seq_length} exceeds the {model or args.init_from} model's "
-            f"max_position_embeddings ({config.max_position_embeddings})"
-        )
+        parser.error(f"--seq-length {args.seq_length} exceeds the {model or args.init_from} "
+                     f"model's max_position_embeddings "
+                     f"({config.max_position_embeddings})")  # fmt: skip
     return RunSettings(
         model=model, tokenizer=tokenizer, devices=devices,
         micro_batch_size=None if auto else micro, accumulation=args.batch_size // per_step,

@@ -110,10 +110,9 @@ def split_corpus(ds: datasets.Dataset, val_fraction: float = 0.01, seed: int = 0
     n = len(ds)
     n_val = max(1, round(val_fraction * n))
     if n - n_val < 1:
-        raise ValueError(
-            f"cannot split {n} document(s) into train and validation with "
-            f"val_fraction={val_fraction}: need at least 2 documents and 1 left for training"
-        )
+        raise ValueError(f"cannot split {n} document(s) into train and validation with "
+                         f"val_fraction={val_fraction}: need at least 2 documents and 1 left for "
+                         f"training")  # fmt: skip
     order = np.random.default_rng(seed).permutation(n)
     val_indices, train_indices = np.sort(order[:n_val]), np.sort(order[n_val:])
     return ds.select(train_indices), ds.select(val_indices)
@@ -159,10 +158,8 @@ def get_tokenizer(train_texts, vocab_size=4096, cache_dir=".cache", path=None, s
     if path is not None:
         return load_tokenizer(path, specials)
     if any((specials or {}).values()):
-        raise ValueError(
-            "--bot-token, --eot-token and --pad-token name tokens of a given --tokenizer; a "
-            "trained tokenizer has its own: [BOT], [EOT], [PAD]"
-        )
+        raise ValueError("--bot-token, --eot-token and --pad-token name tokens of a given "
+                         "--tokenizer; a trained one has its own: [BOT], [EOT], [PAD]")  # fmt: skip
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be at least 259 (256 bytes + 3 specials): {vocab_size}")
     texts = _tokenizer_training_texts(train_texts)
@@ -318,12 +315,10 @@ class PretrainingDataset(torch.utils.data.Dataset):
         )  # fmt: skip
         if len(windows) == 0:
             n_tokens = sum(len(ids) for ids in dataset["input_ids"])
-            raise ValueError(
-                f"the tokenized dataset has {n_tokens} tokens, too few for one window: "
-                f"pack mode needs at least {window} (seq_length + 1) tokens within one batch of "
-                f"{PACK_BATCH_DOCS} documents; use more data, a smaller --seq-length or "
-                f"--data-mode pad"
-            )
+            raise ValueError(f"the tokenized dataset has {n_tokens} tokens, too few for one "
+                             f"window: pack mode needs at least {window} (seq_length + 1) tokens "
+                             f"within one batch of {PACK_BATCH_DOCS} documents; use more data, a "
+                             f"smaller --seq-length or --data-mode pad")  # fmt: skip
         self.rows = windows.with_format("numpy")
 
     def __len__(self) -> int:

@@ -61,10 +61,9 @@ def rendezvous_store() -> dist.Store:
     Plain `python train_ddp.py`: a group of one, in memory: the same code at every size."""
     if "RANK" not in os.environ:
         if world_size_from_env() > 1:  # (run_ddp.sh's --check stops before it joins a group)
-            raise ValueError(
-                f"WORLD_SIZE={os.environ['WORLD_SIZE']} without torchrun: launch the processes "
-                f"with torchrun (or run_ddp.sh), or leave WORLD_SIZE unset for one process"
-            )
+            raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without torchrun: launch the "
+                             f"processes with torchrun (or run_ddp.sh), or leave WORLD_SIZE unset "
+                             f"for one process")  # fmt: skip
         return dist.HashStore()
     store, _, _ = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

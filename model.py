@@ -221,11 +221,10 @@ def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> to
     """flex_attention(q, k, v) with a BlockMask, one fused kernel. CUDA only: on a CPU without
     AVX-512, torch 2.13's compiled kernel is wrong; no silent fallback to a dense (T, T) mask."""
     if q.device.type != "cuda":
-        raise ValueError(
-            f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch 2.13 "
-            f"computes it wrongly without AVX-512): pass the dense mask "
-            f"masks.create_causal_mask(T) + masks.create_document_mask(ids) instead of a BlockMask"
-        )
+        raise ValueError(f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch "
+                         f"2.13 computes it wrongly without AVX-512): pass the dense mask "
+                         f"masks.create_causal_mask(T) + masks.create_document_mask(ids) instead "
+                         f"of a BlockMask")  # fmt: skip
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
     return attend(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
@@ -413,10 +412,9 @@ class LlamaForPretraining(nn.Module):
         B, T = input_ids.shape
         total = T + max_new_tokens
         if total > self.config.max_position_embeddings:
-            raise ValueError(
-                f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                f"max_position_embeddings ({self.config.max_position_embeddings})"
-            )
+            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")  # fmt: skip
         config, dtype = self.config, self.tok_embeddings.weight.dtype
         caches = [
             KVCache(B, config.num_key_value_heads, total, config.head_dim, input_ids.device, dtype)

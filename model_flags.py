@@ -118,10 +118,9 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
     if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
         load_tokenizer(tokenizer, special_tokens(args))
     elif any(special_tokens(args).values()):
-        raise ValueError(
-            "--bot-token, --eot-token and --pad-token name tokens of --tokenizer's (or "
-            "--init-from's) tokenizer; the one a run trains has its own: [BOT], [EOT], [PAD]"
-        )
+        raise ValueError("--bot-token, --eot-token and --pad-token name tokens of --tokenizer's "
+                         "(or --init-from's) tokenizer; the one a run trains has its own: [BOT], "
+                         "[EOT], [PAD]")  # fmt: skip
     return model, tokenizer, config
 
 

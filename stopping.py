@@ -155,10 +155,8 @@ class StopRequest:
             return
         self._received, self._received_at = signum, now
         if int(os.environ.get("RANK", "0")) == 0:
-            note = (
-                f"\n{signal.Signals(signum).name}: stopping after this step, with a "
-                f"checkpoint (the same signal again stops at once, without saving)\n"
-            )
+            note = (f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                    f"(the same signal again stops at once, without saving)\n")  # fmt: skip
             # os.write, not print: a handler may run in the middle of a print to stderr.
             os.write(sys.stderr.fileno(), note.encode())
 

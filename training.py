@@ -67,13 +67,11 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
     epoch_steps = sequences // args.batch_size
     epochs = (f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps" if epoch_steps
               else "more than the split has (fewer sequences than one batch)")  # fmt: skip
-    return (
-        f"data: {docs:,} train documents = {size(tokens)} tokens -> {sequences:,} sequences of "
-        f"{args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
-        f"{size(val[1])} tokens -> {val[2]:,} sequences\n"
-        f"this run: {args.max_steps:,} steps x {args.batch_size} sequences = "
-        f"{args.max_steps * args.batch_size:,} sequences = {epochs}"
-    )
+    return (f"data: {docs:,} train documents = {size(tokens)} tokens -> {sequences:,} sequences "
+            f"of {args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
+            f"{size(val[1])} tokens -> {val[2]:,} sequences\n"
+            f"this run: {args.max_steps:,} steps x {args.batch_size} sequences = "
+            f"{args.max_steps * args.batch_size:,} sequences = {epochs}")  # fmt: skip
 
 
 def is_stream(dataset) -> bool:
