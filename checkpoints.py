@@ -204,11 +204,10 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         if saved.get(name, absent.get(name)) != now.get(name, absent.get(name))
     ]
     if changed:
-        raise ValueError(
-            f"the checkpoint holds a model with config {', '.join(changed)}; resume with that "
-            f"run's --model, shape flags (--num-layers, ...), expert flags (--num-experts, ...) "
-            f"and --vocab-size or --tokenizer, or start a new run in another --out-dir"
-        )
+        raise ValueError(f"the checkpoint holds a model with config {', '.join(changed)}; resume "
+                         f"with that run's --model, shape flags (--num-layers, ...), expert flags "
+                         f"(--num-experts, ...) and --vocab-size or --tokenizer, or start a new "
+                         f"run in another --out-dir")  # fmt: skip
     # The data before the tokenizer, which changes with it when trained: the data is the news.
     check_same_data(ckpt, args, tokenizer)
     if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
@@ -350,9 +349,11 @@ def make_out_dir(args) -> None:
         probe = os.path.join(args.out_dir, f".write-test-{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
+        lock_out_dir(args.out_dir)  # (ValueError if another run holds it)
+        if os.path.lexists(folder := os.path.join(args.out_dir, "checkpoints")):
+            os.listdir(folder)  # NotADirectoryError if a file took its name
     except OSError as e:
         raise ValueError(f"--out-dir {args.out_dir} cannot be created or written: {e}") from e
-    lock_out_dir(args.out_dir)
     for folder in (args.out_dir, os.path.join(args.out_dir, "checkpoints")):
         if os.path.isdir(folder):
             for name in os.listdir(folder):
@@ -361,10 +362,8 @@ def make_out_dir(args) -> None:
 
 
 def resume_never_error(out_dir: str) -> ValueError:
-    return ValueError(
-        f"--resume never, but {out_dir} already has checkpoints; pass --resume auto to continue "
-        f"that run, or choose another --out-dir (nothing was overwritten)"
-    )
+    return ValueError(f"--resume never, but {out_dir} has checkpoints (nothing was overwritten): "
+                      f"--resume auto goes on, or choose another --out-dir")  # fmt: skip
 
 
 def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
@@ -376,6 +375,9 @@ def newest_readable(paths: list[str], state_file=lambda path: path) -> str | Non
             return path
         except ValueError as e:
             print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
+    if paths:  # starting over would prune them: they may be readable again (a disk, a mount)
+        raise ValueError(f"none of the {len(paths)} checkpoints in {os.path.dirname(paths[0])} "
+                         f"can be read; move them aside to start at step 0")  # fmt: skip
     return None
 
 
@@ -388,16 +390,18 @@ def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
         pattern = CHECKPOINT_DIR_RE
         writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py (directories)"
     if list_checkpoints(out_dir, pattern):
-        raise ValueError(
-            f"{out_dir} holds checkpoints of {writers}, which {os.path.basename(sys.argv[0])} can "
-            f"neither resume nor write beside; choose another --out-dir (a finished run's out-dir "
-            f"starts any script with --init-from)"
-        )
+        raise ValueError(f"{out_dir} holds checkpoints of {writers}, which "
+                         f"{os.path.basename(sys.argv[0])} can neither resume nor write beside; "
+                         f"choose another --out-dir (a finished run's out-dir starts any script "
+                         f"with --init-from)")  # fmt: skip
 
 
-def start_fresh(out_dir: str) -> None:
-    """Before a run starts at step 0 in --out-dir: a previous run's metrics.jsonl (killed before
-    its first checkpoint, say) moves aside to metrics.jsonl.1 (.2, ...), and a line says so."""
+def start_from(out_dir: str, resume: str | None) -> str | None:
+    """resume, once its metrics.jsonl is read (ValueError now if it cannot be). At step 0 instead,
+    a previous run's (killed before its first checkpoint) moves aside to metrics.jsonl.1 (.2...)."""
+    if resume is not None:
+        read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+        return resume
     found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
     if not found:
         return
@@ -412,26 +416,47 @@ def start_fresh(out_dir: str) -> None:
     if "model.pt" in found:
         note += "; model.pt will be replaced when this run ends"
     print(note)
+    return None
 
 
 def prepare_out_dir(args) -> str | None:
     """make_out_dir, then choose the checkpoint to resume from (None: start fresh)."""
+    if args.resume not in ("never", "auto") and not os.path.isfile(args.resume):
+        raise ValueError(f"--resume: no checkpoint file at {args.resume}")
     make_out_dir(args)
     if args.resume == "never":
         if list_checkpoints(args.out_dir):
             raise resume_never_error(args.out_dir)
         resume = None
     elif args.resume != "auto":
-        if not os.path.isfile(args.resume):
-            raise ValueError(f"--resume: no checkpoint file at {args.resume}")
         load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
         resume = args.resume
     else:
         resume = newest_readable(list_checkpoints(args.out_dir))
     refuse_other_checkpoints(args.out_dir, sharded=False)
-    if resume is None:
-        start_fresh(args.out_dir)
-    return resume
+    return start_from(args.out_dir, resume)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl's records ([] if none); ValueError for a line of JSON that is not a step's
+    record, or a file that cannot be read."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the torn last line of a killed run
+                if not isinstance(record, dict) or type(record.get("step")) is not int:
+                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
+                                     f"): correct or delete that line")  # fmt: skip
+                records.append(record)
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    return records
 
 
 def record_run(args, settings, start_step: int) -> None:

@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from checkpoints import atomic_write_text
+from checkpoints import atomic_write_text, read_metrics
 from model import LlamaConfig, count_active_parameters
 from stopping import TrainingError
 
@@ -34,16 +34,8 @@ class Metrics:
         if enabled and os.path.exists(self.path):
             # A run killed after its last checkpoint logged steps that this run logs again, and
             # maybe half a line: keep the whole lines up to the step this run starts from.
-            kept = []
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # the torn last line of a killed run
-                    if record["step"] <= resume_step:
-                        kept.append(json.dumps(record) + "\n")
-            atomic_write_text(self.path, "".join(kept))
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, **record) -> None:
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
@@ -93,12 +85,12 @@ class NonFiniteGuard:
                 return True
             self.skipped_in_a_row += 1
             if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
-                raise TrainingError(
-                    f"the loss or the gradient was NaN/infinite at {self.skipped_in_a_row} steps "
-                    f"in a row ({step - self.skipped_in_a_row + 1} to {step}): the run is not "
-                    f"recovering, so it stopped (--skip-nonfinite skipped their updates, so "
-                    f"nothing saved holds NaN/inf). Try a lower --lr or --grad-clip."
-                )
+                raise TrainingError(f"the loss or the gradient was NaN/infinite at "
+                                    f"{self.skipped_in_a_row} steps in a row "
+                                    f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
+                                    f"not recovering, so it stopped (--skip-nonfinite skipped "
+                                    f"their updates, so nothing saved holds NaN/inf). Try a lower "
+                                    f"--lr or --grad-clip.")  # fmt: skip
             print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
                   file=sys.stderr)  # fmt: skip
             return False
@@ -108,11 +100,11 @@ class NonFiniteGuard:
 
     def check(self, out_dir: str) -> None:
         if step := int(self.first_bad_step):
-            raise TrainingError(
-                f"the loss or the gradient became NaN/infinite at step {step}; stopped before "
-                f"saving anything from that state (the checkpoints in {out_dir} are the last good "
-                f"ones). Try a lower --lr, --grad-clip, or --skip-nonfinite to skip such steps."
-            )
+            raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
+                                f"stopped before saving anything from that state (the checkpoints "
+                                f"in {out_dir} are the last good ones). Try a lower --lr, "
+                                f"--grad-clip, or --skip-nonfinite to skip such "
+                                f"steps.")  # fmt: skip
 
 
 class Throughput:

@@ -48,7 +48,7 @@ from checkpoints import (
     rng_state,
     save_failed,
     set_rng_state,
-    start_fresh,
+    start_from,
     tokenizer_digest,
 )
 from distributed import from_rank0
@@ -91,9 +91,7 @@ def prepare_out_dir(args, script: str) -> str | None:
         # A directory is checked through its train state, the file this script loads first.
         resume = newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
     refuse_other_checkpoints(args.out_dir, sharded=True)  # .pt files: train_dp/ddp's
-    if resume is None:
-        start_fresh(args.out_dir)
-    return resume
+    return start_from(args.out_dir, resume)
 
 
 @contextlib.contextmanager

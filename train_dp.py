@@ -85,6 +85,12 @@ def main():
         )
     # One forward pass takes micro-batch x devices sequences; DataParallel splits them.
     val_loader = DataLoader(val_set, batch_size=run.micro_batch_size * devices)
+    batches = training.step_batches(
+        train_ds, order_for_epoch, run.micro_batch_size * devices, run.accumulation,
+        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
+        data_position=data_position,  # --streaming: where to go on reading it
+    )  # fmt: skip
+    metrics = Metrics(args.out_dir, True, start_step, args.tensorboard)
     print(cli.describe_run(args, run, config, device))
     checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
     if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
@@ -93,12 +99,6 @@ def main():
         print(memory_plan.estimate_for_run(args, run, config, devices))
 
     # ---- training loop -------------------------------------------------------------------------
-    batches = training.step_batches(
-        train_ds, order_for_epoch, run.micro_batch_size * devices, run.accumulation,
-        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
-        data_position=data_position,  # --streaming: where to go on reading it
-    )  # fmt: skip
-    metrics = Metrics(args.out_dir, True, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

@@ -227,6 +227,13 @@ def main():
         start_step, data_position = train_state["step"], train_state.get("data")
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
+    batches = training.step_batches(
+        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
+        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
+        shard=(dp_rank, dp),  # --streaming: this rank's shard of the stream
+        data_position=data_position,  # --streaming: where to go on reading it
+    )  # fmt: skip
+    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
         print(cli.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
@@ -245,13 +252,6 @@ def main():
             )
 
     # ---- training loop -------------------------------------------------------------------------
-    batches = training.step_batches(
-        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
-        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
-        shard=(dp_rank, dp),  # --streaming: this rank's shard of the stream
-        data_position=data_position,  # --streaming: where to go on reading it
-    )  # fmt: skip
-    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

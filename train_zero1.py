@@ -117,6 +117,13 @@ def main():
     # Every world_size-th validation sample, nothing dropped or repeated, and the same number of
     # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
     val_loader = training.ValidationShard(val_set, rank, world_size, run.micro_batch_size)
+    batches = training.step_batches(
+        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
+        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
+        shard=(rank, world_size),  # --streaming: this rank's shard of the stream
+        data_position=data_position,  # --streaming: where to go on reading it
+    )  # fmt: skip
+    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
         print(cli.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
@@ -126,13 +133,6 @@ def main():
             print(memory_plan.estimate_for_run(args, run, config, world_size))
 
     # ---- training loop -------------------------------------------------------------------------
-    batches = training.step_batches(
-        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
-        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
-        shard=(rank, world_size),  # --streaming: this rank's shard of the stream
-        data_position=data_position,  # --streaming: where to go on reading it
-    )  # fmt: skip
-    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
     stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)

@@ -104,3 +104,66 @@ def test_train_fsdp_refuses_an_out_dir_of_pt_checkpoints_even_with_resume_never(
     argv = cmd(corpus, cache_dir, out, resume="never")
     expect = f"holds checkpoints of {DP}/{DDP}/train_zero1.py (.pt files), which {FSDP} can"
     assert_refused(FSDP, argv, expect, out, cache_dir)
+
+
+@pytest.mark.parametrize("script", [DP, FSDP])
+def test_checkpoints_none_of_which_can_be_read_are_refused_not_replaced(
+    trained, fsdp_out_dir, corpus, cache_dir, tmp_path, script
+):
+    # Before: a warning per checkpoint, then "no checkpoint: starting at step 0", and the new run
+    # pruned and overwrote them (a disk or a mount that comes back would have found them gone).
+    out = fsdp_out_dir  # its train_state.pt files hold b"...": none loads
+    if script == DP:
+        out = tmp_path / "out"
+        shutil.copytree(trained(DP), out)
+        for checkpoint in (out / "checkpoints").glob("*.pt"):
+            checkpoint.write_bytes(checkpoint.read_bytes()[:50])
+    count = len(list((out / "checkpoints").iterdir()))
+    expect = f"none of the {count} checkpoints in {out / 'checkpoints'} can be read; move them"
+    assert_refused(script, cmd(corpus, cache_dir, out, max_steps=12), expect, out, cache_dir)
+
+
+@pytest.mark.parametrize(
+    "script, world, line, expect",
+    [(DP, 1, b'{"note": "mine"}\n', "line {n} is not a step's record ({{\"note\": \"mine\"}}): "),
+     (DP, 1, b'{"step": "x"}\n', "line {n} is not a step's record"),
+     (DP, 1, b"\xff\xfe\n", "cannot read {metrics}: 'utf-8' codec can't decode byte 0xff"),
+     (DDP, 2, b"42\n", "line {n} is not a step's record (42)")],
+)  # fmt: skip
+def test_a_resume_over_a_metrics_file_it_cannot_read_is_refused_before_anything_is_written(
+    trained, corpus, cache_dir, tmp_path, script, world, line, expect
+):
+    # Before: a KeyError or TypeError traceback, or a line that did not name the file (and under
+    # torchrun the other rank's traceback), after args.jsonl had recorded a start.
+    out = tmp_path / "out"
+    shutil.copytree(trained(DP), out)
+    metrics = out / "metrics.jsonl"
+    n = len(metrics.read_bytes().splitlines()) + 1  # the line added
+    metrics.write_bytes(metrics.read_bytes() + line)
+    expect = expect.format(metrics=metrics, n=n)
+    argv = cmd(corpus, cache_dir, out, max_steps=12)
+    proc = assert_refused(script, argv, expect, out, cache_dir, world)
+    # Under torchrun, only its own report follows the line (before: rank 1's traceback too).
+    assert proc.stderr.count("Traceback") == (world > 1), proc.stderr
+    assert "RuntimeError" not in proc.stderr and "Connection" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name", ["checkpoints", ".lock", "metrics.jsonl"])
+def test_a_file_or_folder_in_the_place_of_the_other_is_refused_in_one_line(
+    trained, corpus, cache_dir, tmp_path, name
+):
+    # Before: a checkpoints file meant "no checkpoint" (metrics.jsonl moved aside), a step
+    # trained, then "could not save ... if the disk is full"; a .lock or metrics.jsonl folder
+    # gave an IsADirectoryError traceback.
+    out = tmp_path / "out"
+    shutil.copytree(trained(DP), out)
+    path = out / name
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.write_text("") if name == "checkpoints" else path.mkdir()
+    expect = {"checkpoints": f"--out-dir {out} cannot be created or written: [Errno 20] Not a "
+                             f"directory: '{path}'",
+              ".lock": f"--out-dir {out} cannot be created or written: [Errno 21] Is a directory",
+              "metrics.jsonl": f"cannot read {path}: [Errno 21] Is a directory"}[name]  # fmt: skip
+    if name == "metrics.jsonl":  # (a resume: the checkpoints are there; at step 0 it moves aside)
+        assert (out / "checkpoints").is_dir()
+    assert_refused(DP, cmd(corpus, cache_dir, out, max_steps=12), expect, out, cache_dir)

@@ -13,6 +13,7 @@ import datasets
 import pytest
 import torch
 from harness import STREAMING, build_args, cmd, run_script
+from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically
 
 import checkpoints
@@ -311,3 +312,8 @@ def test_a_tensor_parallel_streaming_run_resumes_from_its_sharded_checkpoint_bit
     assert_resumes_bit_identically(TP, full, resumed, argv, 2, tmp_path)
     position = torch.load(full / "checkpoints/step_0000004/train_state.pt", weights_only=True)
     assert [state["rank"] for state in position["data"]] == [0]
+    # Another number of data-parallel ranks is refused as the stream is opened, the last check
+    # before the loop: before, args.jsonl had already recorded the start it refused.
+    argv = cmd(corpus, cache_dir, full, **STREAMING, max_steps=12) + ["--tp", "1"]
+    expect = "the checkpoint's stream was read by 1 data-parallel ranks, this run has 2"
+    assert_refused(TP, argv, expect, full, cache_dir, world=2)
