@@ -328,20 +328,15 @@ def test_a_rank_must_be_an_integer_below_the_world_size(monkeypatch, name, value
     [(DDP, {"RANK": "1"}, "rank 1: error: RANK='1' in the environment is not an integer from 0 "
                           "to WORLD_SIZE - 1 = 0"),
      (DDP, {"WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "error: LOCAL_RANK='x' in the environment"),
-     (DP, {"RANK": "x"}, "error: RANK='x' in the environment is not an integer from 0 to "
-                         "WORLD_SIZE - 1 = 0"),
-     (DP, {"RANK": "1"}, "rank 1: error: RANK='1' in the environment"),
      (DP, {"WORLD_SIZE": "2"}, "error: train_dp.py is one process, not a torchrun worker "
                                "(WORLD_SIZE=2): start it with python, or use train_ddp.py")],
-    ids=["rank_without_torchrun", "local_rank_not_a_number", "dp_rank_not_a_number",
-         "dp_stale_rank", "dp_under_torchrun"],
+    ids=["rank_without_torchrun", "local_rank_not_a_number", "dp_under_torchrun"],
 )  # fmt: skip
 def test_a_rank_set_by_hand_is_refused_in_one_line_by_that_process(tmp_path, script, env, said):
     # Before: RANK=1 without torchrun exited 2 saying nothing (only rank 0 speaks, and no
-    # torchrun gathered this rank's output), and LOCAL_RANK=x said "invalid literal for int()";
-    # train_dp.py, which never reads a rank, said the same for RANK=x, and with a RANK=1 left in
-    # the shell it ran with every rank-0 warning silenced. Under torchrun its processes raced
-    # for --out-dir, and the loser said the directory was in use by another run.
+    # torchrun gathered this rank's output), and LOCAL_RANK=x said "invalid literal for int()".
+    # train_dp.py under torchrun: its processes raced for --out-dir, and the loser said the
+    # directory was in use by another run.
     out = tmp_path / "out"
     proc = subprocess.run(
         script_command(script, ["--out-dir", str(out), "--check"]), cwd=REPO,
@@ -350,6 +345,18 @@ def test_a_rank_set_by_hand_is_refused_in_one_line_by_that_process(tmp_path, scr
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(said) and proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("value", ["x", "1"])
+def test_a_one_process_script_checks_a_rank_left_in_the_environment(
+    monkeypatch, corpus, cache_dir, value
+):
+    # Before: train_dp.py said "invalid literal for int()" for RANK=x, and with a RANK=1 left in
+    # the shell it trained with every rank-0 line silenced.
+    monkeypatch.setenv("RANK", value)
+    with pytest.raises(ValueError, match=f"RANK='{value}' in the environment is not an integer "
+                                         f"from 0 to WORLD_SIZE - 1 = 0"):  # fmt: skip
+        build_args(corpus, cache_dir)
 
 
 def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, corpus, cache_dir):

@@ -8,14 +8,29 @@ train_tp.py and train_pp.py). A fresh start in an out-dir with outputs but no ch
 so, and keeps the old metrics.jsonl as metrics.jsonl.1.
 """
 
+import argparse
 import os
 import shutil
 import signal
 import socket
+from pathlib import Path
 
 import pytest
-from harness import DDP, DP, cmd, read_metrics, run_script, start, stop_group, wait_for_step
+from harness import (
+    DDP,
+    DP,
+    cmd,
+    read_metrics,
+    run_script,
+    snapshot,
+    start,
+    stop_group,
+    wait_for_step,
+)
 from test_bad_input import assert_refused
+
+import checkpoints
+import sharded_checkpoints
 
 FSDP = "train_fsdp.py"
 
@@ -106,9 +121,26 @@ def test_train_fsdp_refuses_an_out_dir_of_pt_checkpoints_even_with_resume_never(
     assert_refused(FSDP, argv, expect, out, cache_dir)
 
 
+def refused_at_resume(out: Path, expect: str, script: str = DP) -> None:
+    """A resume into `out` (the out-dir step of `script`, in this process): ValueError holding
+    `expect`, and `out` unchanged. (The train scripts say a ValueError in one line, exit 2.)"""
+    before = snapshot(out)
+    args = argparse.Namespace(out_dir=str(out), resume="auto")
+    try:
+        with pytest.raises(ValueError) as refusal:
+            if script == DP:
+                checkpoints.prepare_out_dir(args)
+            else:
+                sharded_checkpoints.prepare_out_dir(args, script)
+    finally:
+        checkpoints.release_out_dir()  # (a run's lock, held by this process)
+    assert expect in str(refusal.value) and "\n" not in str(refusal.value), str(refusal.value)
+    assert snapshot(out) == before
+
+
 @pytest.mark.parametrize("script", [DP, FSDP])
 def test_checkpoints_none_of_which_can_be_read_are_refused_not_replaced(
-    trained, fsdp_out_dir, corpus, cache_dir, tmp_path, script
+    trained, fsdp_out_dir, tmp_path, script
 ):
     # Before: a warning per checkpoint, then "no checkpoint: starting at step 0", and the new run
     # pruned and overwrote them (a disk or a mount that comes back would have found them gone).
@@ -120,38 +152,48 @@ def test_checkpoints_none_of_which_can_be_read_are_refused_not_replaced(
             checkpoint.write_bytes(checkpoint.read_bytes()[:50])
     count = len(list((out / "checkpoints").iterdir()))
     expect = f"none of the {count} checkpoints in {out / 'checkpoints'} can be read; move them"
-    assert_refused(script, cmd(corpus, cache_dir, out, max_steps=12), expect, out, cache_dir)
+    refused_at_resume(out, expect, script)
 
 
 @pytest.mark.parametrize(
-    "script, world, line, expect",
-    [(DP, 1, b'{"note": "mine"}\n', "line {n} is not a step's record ({{\"note\": \"mine\"}}): "),
-     (DP, 1, b'{"step": "x"}\n', "line {n} is not a step's record"),
-     (DP, 1, b"\xff\xfe\n", "cannot read {metrics}: 'utf-8' codec can't decode byte 0xff"),
-     (DDP, 2, b"42\n", "line {n} is not a step's record (42)")],
+    "line, expect",
+    [(b'{"note": "mine"}\n', "line {n} is not a step's record ({{\"note\": \"mine\"}}): correct"),
+     (b'{"step": "x"}\n', "line {n} is not a step's record"),
+     (b"\xff\xfe\n", "cannot read {metrics}: 'utf-8' codec can't decode byte 0xff")],
 )  # fmt: skip
 def test_a_resume_over_a_metrics_file_it_cannot_read_is_refused_before_anything_is_written(
-    trained, corpus, cache_dir, tmp_path, script, world, line, expect
+    trained, tmp_path, line, expect
 ):
-    # Before: a KeyError or TypeError traceback, or a line that did not name the file (and under
-    # torchrun the other rank's traceback), after args.jsonl had recorded a start.
+    # Before: a KeyError or TypeError traceback, or a line that did not name the file, after
+    # args.jsonl had recorded a start. (Under torchrun: the next test.)
     out = tmp_path / "out"
     shutil.copytree(trained(DP), out)
     metrics = out / "metrics.jsonl"
     n = len(metrics.read_bytes().splitlines()) + 1  # the line added
     metrics.write_bytes(metrics.read_bytes() + line)
-    expect = expect.format(metrics=metrics, n=n)
+    refused_at_resume(out, expect.format(metrics=metrics, n=n))
+
+
+def test_under_torchrun_a_metrics_file_it_cannot_read_is_said_once(
+    trained, corpus, cache_dir, tmp_path
+):
+    # Before: rank 0 failed alone after the ranks had parted, and rank 1 printed a traceback
+    # ("Connection closed by peer"); now rank 0 reads the file while it chooses the checkpoint.
+    out = tmp_path / "out"
+    shutil.copytree(trained(DP), out)
+    metrics = out / "metrics.jsonl"
+    n = len(metrics.read_bytes().splitlines()) + 1
+    metrics.write_bytes(metrics.read_bytes() + b"42\n")
+    expect = f"{metrics} line {n} is not a step's record (42): correct or delete that line"
     argv = cmd(corpus, cache_dir, out, max_steps=12)
-    proc = assert_refused(script, argv, expect, out, cache_dir, world)
-    # Under torchrun, only its own report follows the line (before: rank 1's traceback too).
-    assert proc.stderr.count("Traceback") == (world > 1), proc.stderr
+    proc = assert_refused(DDP, argv, expect, out, cache_dir, world=2)
+    # Only torchrun's own report follows the line.
+    assert proc.stderr.count("Traceback") == 1, proc.stderr
     assert "RuntimeError" not in proc.stderr and "Connection" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("name", ["checkpoints", ".lock", "metrics.jsonl"])
-def test_a_file_or_folder_in_the_place_of_the_other_is_refused_in_one_line(
-    trained, corpus, cache_dir, tmp_path, name
-):
+def test_a_file_or_folder_in_the_place_of_the_other_is_refused_in_one_line(trained, tmp_path, name):
     # Before: a checkpoints file meant "no checkpoint" (metrics.jsonl moved aside), a step
     # trained, then "could not save ... if the disk is full"; a .lock or metrics.jsonl folder
     # gave an IsADirectoryError traceback.
@@ -164,6 +206,4 @@ def test_a_file_or_folder_in_the_place_of_the_other_is_refused_in_one_line(
                              f"directory: '{path}'",
               ".lock": f"--out-dir {out} cannot be created or written: [Errno 21] Is a directory",
               "metrics.jsonl": f"cannot read {path}: [Errno 21] Is a directory"}[name]  # fmt: skip
-    if name == "metrics.jsonl":  # (a resume: the checkpoints are there; at step 0 it moves aside)
-        assert (out / "checkpoints").is_dir()
-    assert_refused(DP, cmd(corpus, cache_dir, out, max_steps=12), expect, out, cache_dir)
+    refused_at_resume(out, expect)  # (metrics.jsonl: a resume; at step 0 it would move aside)
