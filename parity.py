@@ -28,6 +28,7 @@ tokenizer and data cache (--cache-dir).
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -126,9 +127,17 @@ def launch(name: str, args, work_dir: Path) -> Path:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo everywhere, also on a GPU machine
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    pipe = subprocess.PIPE
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=pipe, stderr=pipe, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate()
+        finally:  # Ctrl-C, or SIGTERM (see the end): stop it with a SIGTERM, which torchrun
+            # passes on to its ranks; a kill (what subprocess.run sends) leaves them running.
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        tail = "\n".join((stdout + stderr).splitlines()[-30:])
         raise SystemExit(
             f"parity.py: {name} failed (exit code {proc.returncode}):\n"
             f"  {' '.join(command)}\n{tail}"
@@ -290,6 +299,11 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the table as JSON to this file")
     p.add_argument("--work-dir", default=None, help="keep the runs here (none: a temp dir)")
     args = p.parse_args()
+    for flag, path in (("--png", args.png), ("--json", args.json)):  # now, not after the runs
+        if path and (
+            os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))
+        ):
+            p.error(f"{flag} {path}: not a file in an existing directory")
     names = list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",")]
     if not all(names):
         p.error(f"--only: a comma-separated list of: {', '.join(STRATEGIES)}")
@@ -350,4 +364,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # launch's cleanup
+    try:
+        main()
+    except KeyboardInterrupt:  # the run under way was stopped (launch); no traceback
+        sys.exit(130)

@@ -5,12 +5,18 @@ Every strategy's own parity is proven by its own test module; here one strategy 
 cheapest launch) stands for all, and the comparison is checked on runs doctored to drift.
 """
 
+import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from harness import BASE, DP, REPO, launch_env
 
@@ -67,6 +73,47 @@ def test_an_unknown_strategy_is_refused_before_any_run(corpus, cache_dir, tmp_pa
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown strategy warp-drive" in proc.stderr, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(
+    corpus, cache_dir, tmp_path
+):
+    # Before: an IsADirectoryError or NotADirectoryError traceback after every run had finished.
+    (tmp_path / "a-file").write_text("")
+    for flag, path in [("--json", tmp_path), ("--png", tmp_path / "a-file" / "x.png")]:
+        command = parity_command(corpus, cache_dir, tmp_path, "--only", "ddp", flag, str(path))
+        proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert f"error: {flag} {path}: not a file in an existing directory" in proc.stderr
+        assert not (tmp_path / "runs").exists()
+
+
+def test_an_interrupted_launch_stops_its_run_with_a_sigterm_not_a_kill(monkeypatch, tmp_path):
+    # torchrun passes a SIGTERM on to its ranks; a SIGKILL (what subprocess.run sends on an
+    # exception) leaves them training with no parent. Here a stand-in for torchrun notes the
+    # signal, and Ctrl-C arrives while launch() waits for it.
+    said, ready = tmp_path / "said", tmp_path / "ready"
+    stand_in = tmp_path / "torchrun.py"
+    stand_in.write_text(
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(said)!r}).write_text("
+        "'SIGTERM'), sys.exit(143)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('')\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setitem(parity.STRATEGIES, "stand-in", (str(stand_in), 1, [], "a stand-in"))
+    args = argparse.Namespace(data="d", cache_dir="c", vocab_size=320, seq_length=32,
+                              batch_size=8, steps=1, seed=0, val_fraction=0.1)  # fmt: skip
+
+    def interrupt_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_ready, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        parity.launch("stand-in", args, tmp_path)
+    assert said.read_text() == "SIGTERM"
 
 
 def test_the_expert_parallel_rows_are_compared_with_the_mixture_of_experts_in_one_process():
