@@ -167,6 +167,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
         )
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json {args.json}: its directory does not exist")
+    if args.json and os.path.isdir(args.json):  # found now, not after the timing
+        parser.error(f"--json {args.json} is a directory: name a file")
     return ["single"] + [name for name in STRATEGIES[1:] if name in chosen]
 
 

@@ -8,13 +8,14 @@ DataLoader over the examples, as the training scripts read them. bench.py report
 loader speed beside each strategy's step time.
 """
 
-import argparse
 import itertools
 import time
 
 import torch
 
+import cli
 import data
+import stopping
 
 
 def benchmark_loader(
@@ -42,7 +43,7 @@ def benchmark_loader(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])  # a bad flag: one line
     parser.add_argument("--bench", action="store_true", help="measure DataLoader tokens/s")
     parser.add_argument(
         "--data", default="stdlib", help="corpus: stdlib, file, glob, dir, hub name"
@@ -56,14 +57,25 @@ def main() -> None:
         default="auto",
         help=".txt documents: see docs/data.md",
     )
-    parser.add_argument("--seq-length", type=int, default=256, help="tokens per example")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per batch")
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument(
+        "--seq-length", type=cli.number_arg(int, 1), default=256, help="tokens per example"
+    )
+    parser.add_argument(
+        "--batch-size", type=cli.number_arg(int, 1), default=32, help="examples per batch"
+    )
+    parser.add_argument(
+        "--num-workers", type=cli.number_arg(int, 0), default=0, help="DataLoader worker processes"
+    )
     parser.add_argument(
         "--data-mode", choices=["pack", "pad"], default="pack", help="example layout"
     )
     parser.add_argument("--cache-dir", default=".cache", help="where datasets and tokenizers cache")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    parser.add_argument(
+        "--vocab-size",
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
+        default=4096,
+        help="BPE vocabulary size",
+    )
     args = parser.parse_args()
     if not args.bench:
         parser.error("nothing to do: pass --bench")
@@ -86,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stopping.run(main)  # bad input (a ValueError): one line, exit 2

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from harness import REPO, run_script
+from harness import REPO, launch_env, run_script
 
 import bench
 
@@ -164,7 +164,8 @@ def test_bad_numbers_are_refused_as_they_are_parsed(corpus, tmp_path, flag, valu
      ("model", "huge", "--model: unknown model preset 'huge'"),
      ("hidden_size", 100, "--hidden-size 100 is not divisible by --num-heads 6 (the tiny "
                           "preset's)"),
-     ("json", "/no/such/dir/bench.json", "its directory does not exist")],
+     ("json", "/no/such/dir/bench.json", "its directory does not exist"),
+     ("json", "/", "--json / is a directory: name a file")],  # before: a traceback at the end
 )  # fmt: skip
 def test_bad_flags_are_refused_before_any_work(corpus, tmp_path, flag, value, message):
     # What the subprocess above shows for one flag, checked in-process for the others.
@@ -328,3 +329,16 @@ def test_timing_nanogpts_step_needs_its_checkout():
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert "--step times nanoGPT's step: pass --nanogpt DIR too" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--batch-size", "0"], "error: argument --batch-size: expected an integer >= 1, got '0'"),
+     (["--data", "/no/such/corpus"], "error: --data '/no/such/corpus': no .txt/.jsonl")],
+)  # fmt: skip
+def test_bench_loader_refuses_bad_input_in_one_line(tmp_path, flags, message):
+    # Before: a traceback for each (its own argparse types, and no stopping.run).
+    command = [sys.executable, "bench_loader.py", "--bench", "--cache-dir", str(tmp_path), *flags]
+    proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
