@@ -36,7 +36,6 @@ with the new ones; it is written under a temporary name beside DST and renamed a
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -51,7 +50,7 @@ import cli
 import model_flags
 import stopping
 from data import load_tokenizer
-from generation import load_model
+from generation import check_config_values, is_number, load_model
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining, count_parameters
 
 # -------------------------------------------------------------------------------------------------
@@ -237,52 +236,6 @@ def config_from_hf(hf: dict) -> LlamaConfig:
             raise ValueError(f"this Llama's llama3 rope scaling has a bad {', '.join(bad)}")
         config["rope_scaling"] = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
     return LlamaConfig(**config)
-
-
-# config.json's fields that our LlamaConfig takes: an integer (True) or any number (False).
-CONFIG_NUMBERS = {
-    "vocab_size": True,
-    "hidden_size": True,
-    "intermediate_size": True,
-    "num_hidden_layers": True,
-    "num_attention_heads": True,
-    "num_key_value_heads": True,
-    "max_position_embeddings": True,
-    "rope_theta": False,
-    "rms_norm_eps": False,
-    "num_local_experts": True,  # a Mixtral's
-    "num_experts_per_tok": True,
-}
-
-
-def is_number(value, integer: bool = False) -> bool:
-    """A positive finite number (an integer if `integer`), not a bool or a string."""
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        return False
-    return value > 0 and (integer or math.isfinite(value))
-
-
-def check_config_values(hf: dict) -> None:
-    """ValueError naming the fields of a HF config.json that are not what LlamaConfig takes (a
-    size that is not a positive integer, ...), before anything computes with them."""
-    bad = [
-        f"{name} {hf[name]!r}"
-        for name, integer in CONFIG_NUMBERS.items()
-        if name in hf and not is_number(hf[name], integer)
-    ]
-    if "tie_word_embeddings" in hf and not isinstance(hf["tie_word_embeddings"], bool):
-        bad.append(f"tie_word_embeddings {hf['tie_word_embeddings']!r}")
-    coef = hf.get("router_aux_loss_coef", 0)  # may be 0: no balance loss
-    if coef != 0 and not is_number(coef):
-        bad.append(f"router_aux_loss_coef {coef!r}")
-    for name in ("rope_scaling", "rope_parameters"):
-        if hf.get(name) is not None and not isinstance(hf[name], dict):
-            bad.append(f"{name} {hf[name]!r}")
-        elif "rope_theta" in (hf.get(name) or {}) and not is_number(hf[name]["rope_theta"]):
-            bad.append(f"{name}.rope_theta {hf[name]['rope_theta']!r}")
-    if bad:
-        raise ValueError(f"bad values: {', '.join(bad)} (sizes are positive integers)")
 
 
 # -------------------------------------------------------------------------------------------------

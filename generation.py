@@ -8,7 +8,9 @@ The train scripts import this only for --init-from (init_from_config, check_init
 """
 
 import json
+import math
 import os
+import pickle
 
 import torch
 
@@ -18,12 +20,61 @@ from model import LlamaConfig, LlamaForPretraining
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # checkpoints.save_final's
 
 
+# config.json's fields that our LlamaConfig takes: an integer (True) or any number (False).
+CONFIG_NUMBERS = {
+    "vocab_size": True,
+    "hidden_size": True,
+    "intermediate_size": True,
+    "num_hidden_layers": True,
+    "num_attention_heads": True,
+    "num_key_value_heads": True,
+    "max_position_embeddings": True,
+    "rope_theta": False,
+    "rms_norm_eps": False,
+    "num_local_experts": True,  # a Mixtral's
+    "num_experts_per_tok": True,
+}
+
+
+def is_number(value, integer: bool = False) -> bool:
+    """A positive finite number (an integer if `integer`), not a bool or a string."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return False
+    return 0 < value < 2**31 if integer else value > 0 and math.isfinite(value)
+
+
+def check_config_values(hf: dict) -> None:
+    """ValueError naming the fields of a config.json (this suite's, or a HF one's: the same names)
+    that are not what LlamaConfig takes (a size that is not a positive integer, ...), before
+    anything computes with them."""
+    bad = [
+        f"{name} {hf[name]!r}"
+        for name, integer in CONFIG_NUMBERS.items()
+        if name in hf and not is_number(hf[name], integer)
+    ]
+    if "tie_word_embeddings" in hf and not isinstance(hf["tie_word_embeddings"], bool):
+        bad.append(f"tie_word_embeddings {hf['tie_word_embeddings']!r}")
+    coef = hf.get("router_aux_loss_coef", 0)  # may be 0: no balance loss
+    if coef != 0 and not is_number(coef):
+        bad.append(f"router_aux_loss_coef {coef!r}")
+    for name in ("rope_scaling", "rope_parameters"):
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            bad.append(f"{name} {hf[name]!r}")
+        elif "rope_theta" in (hf.get(name) or {}) and not is_number(hf[name]["rope_theta"]):
+            bad.append(f"{name}.rope_theta {hf[name]['rope_theta']!r}")
+    if bad:
+        raise ValueError(f"bad values: {', '.join(bad)} (sizes are integers from 1 to 2**31 - 1)")
+
+
 def load_config(out_dir: str) -> LlamaConfig:
     """out_dir/config.json as a LlamaConfig; ValueError if it is not one of this suite's."""
     config_path = os.path.join(out_dir, "config.json")
     try:
         with open(config_path) as f:
-            return LlamaConfig(**json.load(f))
+            fields = json.load(f)
+        check_config_values(fields if isinstance(fields, dict) else {})  # (LlamaConfig(**[]) fails)
+        return LlamaConfig(**fields)
     except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
         raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
 
@@ -99,11 +150,21 @@ def load_model(
         # from someone else cannot execute anything on this machine.
         state_dict = torch.load(model_path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read means "not a model.pt"
-        raise ValueError(f"could not read {model_path} as a model state_dict ({e})") from e
-    model = LlamaForPretraining(config)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, pickle.UnpicklingError):  # (torch's text suggests weights_only=False)
+            reason = "not a file torch.save wrote, or a damaged one"
+        raise ValueError(f"could not read {model_path} as a model state_dict ({reason})") from e
+    if isinstance(state_dict, dict) and {"model", "optimizer"} <= state_dict.keys():
+        raise ValueError(f"{model_path} is a training checkpoint, not the model.pt a run writes at "
+                         f"its end: resume the run to its end, or copy that model.pt")  # fmt: skip
+    try:
+        model = LlamaForPretraining(config)
+    except (RuntimeError, MemoryError) as e:  # sizes too large for this machine's memory
+        raise ValueError(f"{config_path}: a model too large to build here ({e})") from e
     try:
         model.load_state_dict(state_dict)
-    except (RuntimeError, AttributeError) as e:
-        raise ValueError(f"{model_path} does not fit {config_path} ({e})") from e
+    except (RuntimeError, AttributeError, TypeError) as e:  # torch's lines, as one
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{model_path} does not fit {config_path} ({reason[:300]})") from e
     model.to(device=device, dtype=dtype or default_dtype(device))
     return model.eval(), tokenizer

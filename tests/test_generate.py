@@ -4,6 +4,7 @@ The out-dir comes from conftest.py (a tiny random model saved with checkpoints.s
 what the training scripts write); only two tests launch the script itself (~4 s each).
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,46 @@ def test_load_model_refuses_what_is_not_an_out_dir(out_dir, tmp_path):
     (tmp_path / "model.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="model.pt"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name, content, expect",
+    [("model.pt", [1, 2], "model.pt does not fit {out}/config.json (Expected state_dict to be "
+                          "dict-like, got <class 'list'>.)"),
+     ("model.pt", b"\x80\x02\x53" + bytes(range(256)), "could not read {out}/model.pt as a model "
+                                                      "state_dict (not a file torch.save wrote, or "
+                                                      "a damaged one)"),
+     ("model.pt", {"model": {}, "optimizer": {}, "step": 4}, "model.pt is a training checkpoint, "
+                                                           "not the model.pt a run writes"),
+     ("model.pt", {"tok_embeddings.weight": torch.zeros(2)}, "model.pt does not fit "
+                                                           "{out}/config.json (Error(s) in loading "
+                                                           "state_dict for LlamaForPretraining: "
+                                                           "Missing key(s)"),
+     ("config.json", {"vocab_size": 1e30, "num_hidden_layers": "4"}, "bad values: vocab_size "
+                     "1e+30, num_hidden_layers '4' (sizes are integers from 1 to 2**31 - 1)"),
+     ("config.json", {"hidden_size": 2**40}, "bad values: hidden_size 1099511627776")],
+    ids=["a_list", "pickle_bytes", "training_checkpoint", "other_keys", "sizes", "huge"],
+)  # fmt: skip
+def test_a_model_pt_or_config_json_that_is_not_one_is_refused_in_one_line(
+    out_dir, tmp_path, name, content, expect
+):
+    # Before: a TypeError, OverflowError or multi-line torch message (advising weights_only=False
+    # for a damaged file) as a traceback, or a wall of "Missing key(s)" lines.
+    out = tmp_path / "out"
+    out.mkdir()
+    for file in ("model.pt", "config.json", "tokenizer.json"):
+        (out / file).write_bytes((out_dir / file).read_bytes())
+    if name == "config.json":
+        config = {**json.loads((out / name).read_text()), **content}
+        (out / name).write_text(json.dumps(config))
+    elif isinstance(content, bytes):
+        (out / name).write_bytes(content)
+    else:
+        torch.save(content, out / name)
+    with pytest.raises(ValueError) as refusal:  # (generate.py: one line, exit 2; see above)
+        load_model(str(out))
+    assert expect.format(out=out) in str(refusal.value), str(refusal.value)
+    assert "\n" not in str(refusal.value), str(refusal.value)
 
 
 def test_the_training_scripts_sample_is_generate_text_with_seed_0(out_dir):
