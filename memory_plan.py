@@ -36,7 +36,8 @@ from memory_formulas import (
     stage_parameters,
 )
 from model import PRESETS, LlamaConfig, count_active_parameters, count_parameters
-from pipeline import bubble_fraction
+from pipeline import bubble_fraction, split_layers
+from tensor_parallel import check_tensor_parallel
 
 MAX_PARAMS = 1e15  # --params: a quadrillion, 500 times the largest models trained today
 
@@ -98,6 +99,14 @@ def plan(
             f"every data-parallel replica needs tp x pp x cp GPUs"
         )
     dp = world_size // (tp * pp * cp)
+    if config is not None:  # what train_tp.py and train_pp.py refuse, refused here too
+        check_tensor_parallel(config, tp)
+        split_layers(
+            config.num_hidden_layers, pp * (stages_per_rank if schedule == "interleaved" else 1)
+        )
+    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
+        raise ValueError(f"1f1b needs at least as many micro-batches as stages: --micro-batches "
+                         f"{micro_batches} < --pp {pp}")  # fmt: skip
     if sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel splits a layer's activations over --tp: give --tp 2+")
     if cp > 1 and config is not None and seq_length % (2 * cp):

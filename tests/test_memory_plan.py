@@ -5,6 +5,7 @@ Korthikanti et al.'s, checked on a small shape where every term can be computed 
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,22 @@ def test_layouts_that_do_not_divide_are_refused(flags, message):
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "world, layout, message",
+    [(64, dict(tp=64), "--tp 64 does not divide the model's num_attention_heads (32)"),
+     (64, dict(pp=64, micro_batches=64), "the model has 32 layers, fewer than the 64 pipeline"),
+     (2, dict(pp=2, schedule="interleaved", stages_per_rank=1000, micro_batches=4),
+      "fewer than the 2000 pipeline stages"),
+     (8, dict(pp=4), "1f1b needs at least as many micro-batches as stages: --micro-batches 1 < "
+                     "--pp 4")],
+)  # fmt: skip
+def test_a_layout_train_tp_or_train_pp_refuses_is_refused(world, layout, message):
+    # Before: "fits in 80 GB" for --tp 64, a 98% bubble for --pp 64, 0% for 1000 stages a rank.
+    config = LlamaConfig.from_preset("7b")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        memory_plan.plan(count_parameters(config), world, "bf16", config, **layout)
 
 
 def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
