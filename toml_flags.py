@@ -12,7 +12,10 @@ import re
 
 def config_namespace(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | None:
     """The defaults of a parse of argv: the values of the file its last --config names (--config
-    FILE or --config=FILE, before any "--"), or None if it names none."""
+    FILE or --config=FILE, before any "--"), or None if it names none or the parser has no
+    --config (a tool: argparse then refuses the flag, rather than checking a file it ignores)."""
+    if "--config" not in parser._option_string_actions:
+        return None
     path = None
     for i, arg in enumerate(argv):
         if arg == "--":

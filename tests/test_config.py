@@ -82,6 +82,17 @@ def test_a_bad_config_is_refused_naming_the_file_line_and_key(tmp_path, text, me
     assert "\n" not in str(error.value)
 
 
+def test_a_tool_without_config_refuses_the_flag_rather_than_reading_the_file(tmp_path):
+    # Before: memory_plan.py, bench.py and generate.py checked the file against their flags, then
+    # refused a valid one as "unrecognized arguments"; a broken one was named as if it counted.
+    tool = cli.ArgumentParser(description="a tool")
+    tool.add_argument("--seq-length", type=int, default=8)
+    for text in ("seq-length = 64\n", "seq-length = 'x'\n"):
+        config = write(tmp_path / "tool.toml", text)
+        with pytest.raises(ValueError, match=f"^unrecognized arguments: --config {config}"):
+            tool.parse_args(["--config", config])
+
+
 @pytest.mark.parametrize("mistake", ["unknown key", "wrong type", "no file", "not toml"])
 def test_a_lesson_refuses_a_bad_config_in_one_line_before_any_work(tmp_path, mistake):
     config = tmp_path / "run.toml"
