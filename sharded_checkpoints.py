@@ -69,6 +69,13 @@ def prepare_out_dir(args, script: str) -> str | None:
     names the script in the messages (train_fsdp.py, train_tp.py and train_pp.py write the same
     directories).
     """
+    if args.resume not in ("never", "auto") and not os.path.isfile(
+        os.path.join(args.resume, TRAIN_STATE)
+    ):  # (checked before the out-dir is made: a refused run leaves none behind)
+        raise ValueError(
+            f"--resume: {args.resume} is not a {script} checkpoint directory (the .pt "
+            f"checkpoints of train_dp.py/train_ddp.py/train_zero1.py do not resume here)"
+        )
     make_out_dir(args)
     ckpt_dir = os.path.join(args.out_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # directories of a run killed mid-save (never renamed)
@@ -80,11 +87,6 @@ def prepare_out_dir(args, script: str) -> str | None:
             raise resume_never_error(args.out_dir)
         resume = None
     elif args.resume != "auto":
-        if not os.path.isfile(os.path.join(args.resume, TRAIN_STATE)):
-            raise ValueError(
-                f"--resume: {args.resume} is not a {script} checkpoint directory (the .pt "
-                f"checkpoints of train_dp.py/train_ddp.py/train_zero1.py do not resume here)"
-            )
         resume = args.resume
     else:
         found = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)

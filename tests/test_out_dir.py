@@ -207,3 +207,17 @@ def test_a_file_or_folder_in_the_place_of_the_other_is_refused_in_one_line(train
               ".lock": f"--out-dir {out} cannot be created or written: [Errno 21] Is a directory",
               "metrics.jsonl": f"cannot read {path}: [Errno 21] Is a directory"}[name]  # fmt: skip
     refused_at_resume(out, expect)  # (metrics.jsonl: a resume; at step 0 it would move aside)
+
+
+@pytest.mark.parametrize("script", [DP, FSDP])
+def test_a_resume_path_that_holds_no_checkpoint_leaves_no_out_dir_behind(tmp_path, script):
+    # Before: the refusal came after the out-dir had been made, which then held a .lock alone.
+    out = tmp_path / "new"
+    args = argparse.Namespace(out_dir=str(out), resume=str(tmp_path / "nope"))
+    expect = "no checkpoint file at" if script == DP else f"is not a {FSDP} checkpoint directory"
+    with pytest.raises(ValueError, match=expect):
+        if script == DP:
+            checkpoints.prepare_out_dir(args)
+        else:
+            sharded_checkpoints.prepare_out_dir(args, script)
+    assert not out.exists()
