@@ -281,3 +281,22 @@ def test_generate_ids_says_whether_the_context_cut_the_continuation(out_dir):
     # An end of document before the context ends is no cut, whatever was asked.
     to_eot = always_predicts(model, tokenizer.eot_id)
     assert generate_ids(to_eot, tokenizer, PROMPT, 10**8, 0)[1] is False
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_cli_refuses_a_model_with_nan_weights_in_one_line(
+    out_dir, tmp_path, monkeypatch, capsys, temperature
+):
+    # Before: sampling failed in torch.multinomial with a traceback, and greedy printed nothing.
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model.pt", "config.json", "tokenizer.json"):
+        (out / name).write_bytes((out_dir / name).read_bytes())
+    weights = torch.load(out / "model.pt", weights_only=True)
+    weights["norm.weight"] = torch.full_like(weights["norm.weight"], float("nan"))
+    torch.save(weights, out / "model.pt")
+    code, stdout, stderr = run_main(monkeypatch, capsys, "--out-dir", str(out), "--temperature",
+                                    temperature, "--device", "cpu")  # fmt: skip
+    assert code == 2 and stdout == "", stdout
+    assert stderr == (f"error: {out}/model.pt holds NaN or infinite weights: nothing to generate "
+                      f"from (an earlier checkpoint may hold finite ones)\n")  # fmt: skip
