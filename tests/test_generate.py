@@ -139,6 +139,14 @@ def test_load_model_refuses_what_is_not_an_out_dir(out_dir, tmp_path):
         load_model(str(tmp_path))
 
 
+def copy_out_dir(source: Path, out: Path) -> Path:
+    """A copy of a run's final files (model.pt, config.json, tokenizer.json) to spoil."""
+    out.mkdir()
+    for name in ("model.pt", "config.json", "tokenizer.json"):
+        (out / name).write_bytes((source / name).read_bytes())
+    return out
+
+
 @pytest.mark.parametrize(
     "name, content, expect",
     [("model.pt", [1, 2], "model.pt does not fit {out}/config.json (Expected state_dict to be "
@@ -162,10 +170,7 @@ def test_a_model_pt_or_config_json_that_is_not_one_is_refused_in_one_line(
 ):
     # Before: a TypeError, OverflowError or multi-line torch message (advising weights_only=False
     # for a damaged file) as a traceback, or a wall of "Missing key(s)" lines.
-    out = tmp_path / "out"
-    out.mkdir()
-    for file in ("model.pt", "config.json", "tokenizer.json"):
-        (out / file).write_bytes((out_dir / file).read_bytes())
+    out = copy_out_dir(out_dir, tmp_path / "out")
     if name == "config.json":
         config = {**json.loads((out / name).read_text()), **content}
         (out / name).write_text(json.dumps(config))
@@ -288,10 +293,7 @@ def test_cli_refuses_a_model_with_nan_weights_in_one_line(
     out_dir, tmp_path, monkeypatch, capsys, temperature
 ):
     # Before: sampling failed in torch.multinomial with a traceback, and greedy printed nothing.
-    out = tmp_path / "out"
-    out.mkdir()
-    for name in ("model.pt", "config.json", "tokenizer.json"):
-        (out / name).write_bytes((out_dir / name).read_bytes())
+    out = copy_out_dir(out_dir, tmp_path / "out")
     weights = torch.load(out / "model.pt", weights_only=True)
     weights["norm.weight"] = torch.full_like(weights["norm.weight"], float("nan"))
     torch.save(weights, out / "model.pt")
