@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import cli
-from plot_metrics import load_pyplot, read_metrics
+from plot_metrics import check_output_file, load_pyplot, read_metrics
 
 REPO = Path(__file__).resolve().parent
 REFERENCE = "single"
@@ -300,10 +300,11 @@ def main() -> None:
     p.add_argument("--work-dir", default=None, help="keep the runs here (none: a temp dir)")
     args = p.parse_args()
     for flag, path in (("--png", args.png), ("--json", args.json)):  # now, not after the runs
-        if path and (
-            os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))
-        ):
-            p.error(f"{flag} {path}: not a file in an existing directory")
+        try:
+            if path:
+                check_output_file(flag, path)
+        except ValueError as e:
+            p.error(str(e))
     names = list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",")]
     if not all(names):
         p.error(f"--only: a comma-separated list of: {', '.join(STRATEGIES)}")

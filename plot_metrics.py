@@ -92,6 +92,17 @@ def load_pyplot():
     return plt
 
 
+def check_output_file(flag: str, path: str) -> None:
+    """ValueError unless `path` names a file that can be written (parity.py's --png and --json
+    too): not a folder, and in a folder that exists; said before the work, not after it."""
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; name the file to write in it")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: there is no folder {folder}; create it first, or "
+                         f"name a file in a folder that exists")  # fmt: skip
+
+
 def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
     """Draw the four panels for every run in `runs` ({label: (train, evals)}) into `output`."""
     plt = load_pyplot()
@@ -166,13 +177,7 @@ def main() -> None:
     output = args.output or (
         os.path.join(args.out_dirs[0], "metrics.png") if len(args.out_dirs) == 1 else "metrics.png"
     )
-    folder = os.path.dirname(output) or "."
-    if os.path.isdir(output):
-        raise ValueError(f"--output {output} is a folder; name the file to write, e.g. "
-                         f"{os.path.join(output, 'metrics.png')}")  # fmt: skip
-    if not os.path.isdir(folder):
-        raise ValueError(f"--output {output}: there is no folder {folder}; create it first, or "
-                         f"name a file in a folder that exists")  # fmt: skip
+    check_output_file("--output", output)
     plot(runs, output)
     print(f"wrote {output}")
 

@@ -80,11 +80,15 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(
 ):
     # Before: an IsADirectoryError or NotADirectoryError traceback after every run had finished.
     (tmp_path / "a-file").write_text("")
-    for flag, path in [("--json", tmp_path), ("--png", tmp_path / "a-file" / "x.png")]:
+    for flag, path, said in [
+        ("--json", tmp_path, f"--json {tmp_path} is a folder; name the file to write"),
+        ("--png", tmp_path / "a-file" / "x.png", f"--png {tmp_path / 'a-file' / 'x.png'}: there is "
+                                                 f"no folder {tmp_path / 'a-file'}"),
+    ]:  # fmt: skip
         command = parity_command(corpus, cache_dir, tmp_path, "--only", "ddp", flag, str(path))
         proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
         assert proc.returncode == 2, proc.stderr
-        assert f"error: {flag} {path}: not a file in an existing directory" in proc.stderr
+        assert f"error: {said}" in proc.stderr, proc.stderr
         assert not (tmp_path / "runs").exists()
 
 
