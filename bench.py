@@ -58,6 +58,7 @@ import model_flags
 import stopping
 import training
 from model import IGNORE_INDEX, count_parameters
+from plot_metrics import check_output_file
 from replica import Replica
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "fsdp")
@@ -165,10 +166,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
             f"--seq-length {args.seq_length} exceeds the {args.model} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json {args.json}: its directory does not exist")
-    if args.json and os.path.isdir(args.json):  # found now, not after the timing
-        parser.error(f"--json {args.json} is a directory: name a file")
+    try:
+        if args.json:  # found now, not after the timing
+            check_output_file("--json", args.json)
+    except ValueError as e:
+        parser.error(str(e))
     return ["single"] + [name for name in STRATEGIES[1:] if name in chosen]
 
 

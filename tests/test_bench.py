@@ -164,8 +164,9 @@ def test_bad_numbers_are_refused_as_they_are_parsed(corpus, tmp_path, flag, valu
      ("model", "huge", "--model: unknown model preset 'huge'"),
      ("hidden_size", 100, "--hidden-size 100 is not divisible by --num-heads 6 (the tiny "
                           "preset's)"),
-     ("json", "/no/such/dir/bench.json", "its directory does not exist"),
-     ("json", "/", "--json / is a directory: name a file")],  # before: a traceback at the end
+     ("json", "/no/such/dir/bench.json", "--json /no/such/dir/bench.json: there is no folder "
+                                         "/no/such/dir"),
+     ("json", "/", "--json / is a folder; name the file to write in it")],  # (a traceback, late)
 )  # fmt: skip
 def test_bad_flags_are_refused_before_any_work(corpus, tmp_path, flag, value, message):
     # What the subprocess above shows for one flag, checked in-process for the others.
