@@ -7,6 +7,7 @@ tokenizer.json, and `checkpoints.save_final` writes exactly what the training sc
 (`make_out_dir`, `out_dir`, built in-process in well under a second).
 """
 
+import os
 from pathlib import Path
 
 import datasets
@@ -18,6 +19,25 @@ import checkpoints
 import data
 import training
 from model import LlamaConfig, LlamaForPretraining
+
+# -------------------------------------------------------------------------------------------------
+# `-n auto` (pytest-xdist): how many tests run side by side
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """A worker per core this process may use, and no more than memory holds: a test's
+    processes (its worker, torchrun, up to 4 ranks and their DataLoader workers) take up to
+    ~4 GiB together. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides instead."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:  # Linux: the memory available now
+        meminfo = Path("/proc/meminfo").read_text().split()
+        gib = int(meminfo[meminfo.index("MemAvailable:") + 1]) / 2**20  # given in KiB
+    except (OSError, ValueError):
+        return cores or 1
+    return max(1, min(cores or 1, int(gib // 4)))
+
 
 # -------------------------------------------------------------------------------------------------
 # Training runs
