@@ -276,8 +276,9 @@ def new_folder(path: str, flag: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a killed export of the same pid's, long ago
         os.mkdir(tmp)
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot create it ({e.strerror or e})") from e
+    except OSError as e:  # FileExistsError: a file where a folder above `path` should be
+        why = f"{e.filename} is a file" if isinstance(e, FileExistsError) else e.strerror or e
+        raise ValueError(f"{flag} {path}: cannot create it ({why})") from e
     try:
         yield tmp
         try:

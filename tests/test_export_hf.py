@@ -300,6 +300,10 @@ def test_no_direction_writes_into_a_folder_with_files_or_over_a_file(
         code, stdout, err = run_main(monkeypatch, capsys, *flags, str(src), str(dst))
         assert_one_line_error(code, err, expected, "pass a new or empty folder")
         assert stdout == "" and snapshot(tmp_path) == before
+    # A file where a folder above it should be is named (not the "File exists" of its mkdir).
+    code, stdout, err = run_main(monkeypatch, capsys, *flags, str(src), str(tmp_path / "a_file/x"))
+    assert_one_line_error(code, err, f"cannot create it ({tmp_path / 'a_file'} is a file)")
+    assert stdout == "" and snapshot(tmp_path) == before
     # An empty folder, or a new one (with its parents), is written whole.
     (tmp_path / "empty").mkdir()
     for dst in (tmp_path / "empty", tmp_path / "new" / "deeper"):
