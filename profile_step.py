@@ -23,6 +23,7 @@ data is random tokens, the same batch every step: a step's time does not depend 
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -258,7 +259,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument(
         "--threads",
-        type=cli.number_arg(int, 1),
+        type=cli.number_arg(int, 1, os.cpu_count() or 1),  # more only time the waiting for a core
         default=None,
         help="CPU threads (default: torch's)",
     )

@@ -9,6 +9,8 @@ refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, t
 flex_attention path in test_model.py.)
 """
 
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -274,3 +276,13 @@ def test_profile_step_prints_the_profile_and_both_step_times():
     out = run_script("profile_step.py", argv).stdout
     assert "aten::mm" in out  # the profiler's table
     assert "ours" in out and "reference" in out and "x reference" in out, out
+
+
+def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
+    # 100000 threads crashed OpenMP (a segfault); more than the cores only times the waiting.
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--threads", str(cores + 1)])
+    with pytest.raises(SystemExit) as stopped:
+        profile_step.main()
+    assert stopped.value.code == 2
+    assert f"argument --threads: expected an integer in [1, {cores}]" in capsys.readouterr().err
