@@ -167,6 +167,11 @@ def main() -> None:
         help="PNG to write (default: OUT_DIR/metrics.png for one run, metrics.png for several)",
     )
     args = p.parse_args()
+    real = [os.path.realpath(d) for d in args.out_dirs]
+    for i, d in enumerate(args.out_dirs):  # one curve, or two lying on each other: not meant
+        if real[i] in real[:i]:
+            first = args.out_dirs[real.index(real[i])]
+            raise ValueError(f"{first} and {d} are the same run: name each run once")
     runs = {
         label: read_metrics(d)
         for label, d in zip(run_labels(args.out_dirs), args.out_dirs, strict=True)

@@ -7,6 +7,7 @@ matplotlib is installed (`pip install -r requirements-plot.txt`).
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,14 @@ def test_read_metrics_of_a_directory_without_metrics_names_the_file(tmp_path):
 def test_runs_are_labelled_by_directory_name_and_by_path_when_names_clash():
     assert plot_metrics.run_labels(["a/dp", "a/ddp/"]) == ["dp", "ddp"]
     assert plot_metrics.run_labels(["a/out", "b/out"]) == ["a/out", "b/out"]
+
+
+def test_a_run_named_twice_is_refused(tmp_path, monkeypatch):
+    run = write_metrics(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["plot_metrics.py", "run", str(run)])
+    with pytest.raises(ValueError, match=re.escape(f"run and {run} are the same run")):
+        plot_metrics.main()
 
 
 def test_without_matplotlib_plotting_says_what_to_install(monkeypatch):
