@@ -200,6 +200,7 @@ def test_cp2_pads_checkpoints_accumulates_and_replicates_like_one_process(
 # Resuming
 
 
+@pytest.mark.resume
 def test_cp_resume_is_bit_identical(cp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
     argv = cmd(corpus, cache_dir, out) + ["--cp", "2", "--document-mask"]

@@ -184,6 +184,7 @@ def test_train_ep_says_how_it_spreads_the_experts(launched):
 # Checkpoints
 
 
+@pytest.mark.resume
 def test_ep_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path):
     full, out = launched(EP, 2, *EP2).out, tmp_path / "resumed"
     argv = cmd(corpus, cache_dir, out, **MOE) + list(EP2)

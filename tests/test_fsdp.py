@@ -194,6 +194,7 @@ def test_zero1_checkpoint_resumes_in_train_dp(launched, trained, corpus, cache_d
     assert_state_dicts_close(load_weights(out), load_weights(trained(DP)))
 
 
+@pytest.mark.resume
 @pytest.mark.parametrize("flags", [ZERO3, HSDP], ids=["fsdp", "hsdp"])
 def test_fsdp_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path, flags):
     full, out = launched(FSDP, 2, *flags), tmp_path / "resumed"

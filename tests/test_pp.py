@@ -142,6 +142,7 @@ def test_stages_together_hold_exactly_the_full_model():
 # Checkpoints and outputs
 
 
+@pytest.mark.resume
 def test_resume_is_bit_identical(pp_run, corpus, cache_dir, tmp_path):
     full, out = pp_run("1f1b-checkpointing"), tmp_path / "resumed"
     world, flags = LAYOUTS["1f1b-checkpointing"]

@@ -109,6 +109,7 @@ def test_sequence_parallel_trains_like_one_process(trained, corpus, cache_dir, t
 # Resuming
 
 
+@pytest.mark.resume
 def test_tp_resume_is_bit_identical(tp_run, corpus, cache_dir, tmp_path):
     out = tmp_path / "resumed"
     argv = cmd(corpus, cache_dir, out) + ["--tp", "2"]

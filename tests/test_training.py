@@ -301,6 +301,7 @@ def test_only_rank_zero_writes(tmp_path, corpus, cache_dir):
     assert "sample:" in outputs[0] and "sample:" not in outputs[1]
 
 
+@pytest.mark.resume
 @pytest.mark.parametrize("script, world", [(DP, 1), (DDP, 2)])
 @pytest.mark.parametrize("how", ["auto", "path"])
 def test_resume_is_bit_identical(trained, corpus, cache_dir, tmp_path, script, world, how):
