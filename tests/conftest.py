@@ -24,12 +24,13 @@ from model import LlamaConfig, LlamaForPretraining
 # `-n auto` (pytest-xdist): how many tests run side by side
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
+def pytest_xdist_auto_num_workers(config) -> int | None:
     """A worker per core this process may use, and no more than memory holds: a test's
     processes (its worker, torchrun, up to 4 ranks and their DataLoader workers) take up to
-    ~4 GiB together. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides instead."""
+    ~4 GiB together. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides instead (None: xdist's
+    own hook reads it)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+        return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:  # Linux: the memory available now
         meminfo = Path("/proc/meminfo").read_text().split()
