@@ -1,7 +1,8 @@
-"""Shared fixtures.
+"""Shared fixtures, and how many tests `-n auto` runs side by side.
 
 The training tests share one corpus, one cache and the reference runs that several of them
-compare against (`trained`: each run made once per session). The tests of what reads a run's
+compare against (`trained`: each run made once per session; under `-n auto`, once in each
+worker that needs it: a session per worker). The tests of what reads a run's
 outputs (generate.py, export_hf.py) need no training: an out-dir is model.pt + config.json +
 tokenizer.json, and `checkpoints.save_final` writes exactly what the training scripts write
 (`make_out_dir`, `out_dir`, built in-process in well under a second).
