@@ -25,6 +25,7 @@ from model import LlamaConfig, LlamaForPretraining
 # `-n auto` (pytest-xdist): how many tests run side by side
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: no error where it is not installed
 def pytest_xdist_auto_num_workers(config) -> int | None:
     """A worker per core this process may use, and no more than memory holds: a test's
     processes (its worker, torchrun, up to 4 ranks and their DataLoader workers) take up to
