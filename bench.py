@@ -166,6 +166,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
             f"--seq-length {args.seq_length} exceeds the {args.model} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as torchrun_rank's
+    if args.compile and (missing := cli.compiler_missing(device)):
+        parser.error(missing)
     try:
         if args.json:  # found now, not after the timing
             check_output_file("--json", args.json)

@@ -182,6 +182,16 @@ def add_special_token_flags(group) -> None:
         )  # fmt: skip
 
 
+def compiler_missing(device: torch.device) -> str | None:
+    """Why --compile cannot run on `device`, or None. Inductor writes C++ for a CPU and builds it
+    with $CXX (its default: clang++ on macOS, g++ elsewhere); without one, the first step fails,
+    after the data is prepared, with a traceback."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if device.type == "cpu" and not shutil.which(cxx):
+        return f"--compile on a CPU needs a C++ compiler ({cxx}): install one, set CXX or drop it"
+    return None
+
+
 def micro_batch_size_arg(value: str) -> int | str:
     """--micro-batch-size: a positive integer, or 'auto'."""
     if value != "auto" and not (value.strip().isdecimal() and int(value) >= 1):
@@ -279,8 +289,8 @@ def run_settings(
         parser.error("--tensorboard needs the tensorboard package: pip install -r "
                      "requirements-tensorboard.txt (or drop --tensorboard: metrics.jsonl has every "
                      "value)")  # fmt: skip
-    if args.compile and device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
-        parser.error("--compile on a CPU needs a C++ compiler: install g++ or set CXX, or drop it")
+    if args.compile and (missing := compiler_missing(device)):
+        parser.error(missing)
     auto = args.micro_batch_size == "auto"
     if auto and not torch.cuda.is_available():
         # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of

@@ -304,6 +304,8 @@ def main() -> None:
     if args.seq_length > config.max_position_embeddings:
         p.error(f"--seq-length exceeds the model's {config.max_position_embeddings} positions")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if args.compile and (missing := cli.compiler_missing(device)):
+        p.error(missing)
     precision = training.resolve_precision(args.precision, device)
 
     tokens = torch.randint(

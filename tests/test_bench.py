@@ -176,6 +176,19 @@ def test_bad_flags_are_refused_before_any_work(corpus, tmp_path, flag, value, me
         bench.check_args(parser, args)
 
 
+def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_before_any_work(
+    corpus, tmp_path, monkeypatch
+):
+    # Inductor writes C++ for a CPU: without a compiler, the first timed step ended in a traceback.
+    parser = bench.build_parser()
+    args = parser.parse_args(bench_argv(corpus, tmp_path, tmp_path / "b.json") + ["--compile"])
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(ValueError, match=r"--compile on a CPU needs a C\+\+ compiler \(/"):
+        bench.check_args(parser, args)
+    monkeypatch.setenv("CXX", sys.executable)  # an executable that exists stands for one
+    assert bench.check_args(parser, args) == list(bench.STRATEGIES)
+
+
 def test_strategies_run_in_a_fixed_order_with_single_first(corpus, tmp_path):
     parser = bench.build_parser()
     args = parser.parse_args(

@@ -286,3 +286,13 @@ def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
         profile_step.main()
     assert stopped.value.code == 2
     assert f"argument --threads: expected an integer in [1, {cores}]" in capsys.readouterr().err
+
+
+def test_profile_step_refuses_compile_without_a_cpp_compiler(tmp_path, monkeypatch, capsys):
+    # As train_dp.py does (cli.compiler_missing): before the model is built, not in its first step.
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--compile"])
+    with pytest.raises(SystemExit) as stopped:
+        profile_step.main()
+    assert stopped.value.code == 2
+    assert "--compile on a CPU needs a C++ compiler" in capsys.readouterr().err
