@@ -38,11 +38,12 @@ CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
 TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
 
 
-def atomic_save(obj, path: str) -> None:
+def atomic_save(obj, path: str, write=torch.save) -> None:
+    """write(obj, f) into a temporary file beside `path`, flushed to disk, renamed over `path`."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -51,19 +52,13 @@ def atomic_save(obj, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
-            # torch.save's zip writer reports a failed write as a RuntimeError ("unexpected
-            # pos") raised while closing the file: the OSError is the news.
+            # torch.save's zip writer wraps a failed write in a RuntimeError: raise the OSError
             raise e.__context__ from e
         raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_save(text.encode(), path, lambda data, f: f.write(data))
 
 
 def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:

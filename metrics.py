@@ -103,8 +103,7 @@ class NonFiniteGuard:
             raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
                                 f"stopped before saving anything from that state (the checkpoints "
                                 f"in {out_dir} are the last good ones). Try a lower --lr, "
-                                f"--grad-clip, or --skip-nonfinite to skip such "
-                                f"steps.")  # fmt: skip
+                                "--grad-clip, or --skip-nonfinite to skip such steps.")  # fmt: skip
 
 
 class Throughput:

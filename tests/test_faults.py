@@ -7,6 +7,7 @@ and compares with an uninterrupted run made by `trained` (tests/test_training.py
 helpers are reused, so both files speak the same vocabulary).
 """
 
+import errno
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from harness import (
     watch_run,
 )
 
+import checkpoints
 import metrics
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
@@ -180,6 +182,25 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(
     assert "resumed from" in proc.stdout and "step_0000004.pt" in proc.stdout
     assert not stray.exists(), "the stale temporary file was not cleaned up"
     assert_weights_equal(load_weights(out), load_weights(reference))
+
+
+def test_a_text_file_that_cannot_be_written_keeps_the_old_one_and_leaves_no_temporary_file(
+    tmp_path, monkeypatch
+):
+    # metrics.jsonl cut back on a resume, args.jsonl, config.json, tokenizer.json: written as
+    # a checkpoint is (checkpoints.atomic_write_text), in UTF-8 whatever the locale says.
+    path = tmp_path / "tokenizer.json"
+    checkpoints.atomic_write_text(str(path), '{"vocab": {"é": 0, "€": 1}}\n')
+    assert path.read_bytes().decode("utf-8") == '{"vocab": {"é": 0, "€": 1}}\n'
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoints.atomic_write_text(str(path), "new\n")
+    assert path.read_bytes().decode("utf-8") == '{"vocab": {"é": 0, "€": 1}}\n'
+    assert os.listdir(tmp_path) == ["tokenizer.json"]  # the partial file removed
 
 
 def test_a_torn_last_line_in_metrics_jsonl_does_not_stop_the_resume(
