@@ -183,11 +183,8 @@ def add_special_token_flags(group) -> None:
 
 
 def compiler_missing(device: torch.device) -> str | None:
-    """Why --compile cannot run on `device`, or None. Inductor writes C++ for a CPU and builds it
-    with $CXX (its default: clang++ on macOS, g++ elsewhere); without one, the first step fails,
-    after the data is prepared, with a traceback."""
-    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
-    if device.type == "cpu" and not shutil.which(cxx):
+    """Why --compile cannot run on `device`, or None: Inductor builds C++ for a CPU with $CXX."""
+    if device.type == "cpu" and not shutil.which(cxx := os.environ.get("CXX", "g++")):
         return f"--compile on a CPU needs a C++ compiler ({cxx}): install one, set CXX or drop it"
     return None
 
