@@ -1,14 +1,19 @@
 """Shared fixtures, and how many tests `-n auto` runs side by side.
 
-The training tests share one corpus, one cache and the reference runs that several of them
-compare against (`trained`: each run made once per session; under `-n auto`, once in each
-worker that needs it: a session per worker). The tests of what reads a run's
-outputs (generate.py, export_hf.py) need no training: an out-dir is model.pt + config.json +
-tokenizer.json, and `checkpoints.save_final` writes exactly what the training scripts write
-(`make_out_dir`, `out_dir`, built in-process in well under a second).
+The training tests share one corpus, one cache and the runs that several of them compare against
+(`trained`, `shared_run`): each run made once for the whole test run. Under `-n auto` each
+pytest-xdist worker is a session of its own, with a cache of its own; the corpus and the runs
+are made by the first worker that needs them, while any other waits on a lock (`once`). The tests
+of what reads a run's outputs (generate.py, export_hf.py) need no training: an out-dir is
+model.pt + config.json + tokenizer.json, and `checkpoints.save_final` writes exactly what the
+training scripts write (`make_out_dir`, `out_dir`, built in-process in well under a second).
 """
 
+import fcntl
+import hashlib
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -46,14 +51,39 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
 # Training runs
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """A folder that every xdist worker of this test run sees: a worker's basetemp is a folder
+    in the run's (popen-gw0, ...). Without xdist, in the session's basetemp."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def once(root: Path, name: str, build: Callable[[Path], str]) -> tuple[Path, str]:
+    """(root/name, the text build returned): build(root/name) run once for the whole test run.
+    The first worker to get here builds, while any other waits on the lock (flock: released when
+    its file is closed, also by a worker that dies); a build that failed is tried again."""
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            done.write_text(build(folder))
+        return folder, done.read_text()
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
+    return once(shared_root(tmp_path_factory), "corpus", lambda f: str(write_corpus(f)))[0]
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory, corpus) -> Path:
-    """The tokenizer and tokenized-data cache, filled once here for both data modes."""
+    """The tokenizer and tokenized-data cache, filled once here for both data modes. Each xdist
+    worker has its own: a test that checks that a refused run leaves the cache unchanged must
+    not see another worker's temporary files come and go."""
     cache = tmp_path_factory.mktemp("cache")
     for mode in ("pack", "pad"):
         args, plan = build_args(corpus, cache, data_mode=mode)
@@ -62,20 +92,32 @@ def cache_dir(tmp_path_factory, corpus) -> Path:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory, corpus, cache_dir):
-    """trained(script, world=1, **overrides) -> the out-dir of that run, made once per session.
+def shared_run(tmp_path_factory, cache_dir):
+    """shared_run(script, argv, world=1) -> (out-dir, stdout) of `script` run with argv(out-dir),
+    made once for the whole test run (`once`). Callers must not write into the out-dir: copy what
+    they need to change.
 
-    Callers must not write into the returned directory: copy what they need to change.
-    """
-    runs: dict[tuple, Path] = {}
+    The run names the cache of the worker that made it; another worker's cache holds the same
+    tokens (the same corpus, tokenizer and flags), so the key leaves the cache's path out."""
+    root, runs = shared_root(tmp_path_factory), {}
+
+    def get(script: str, argv: Callable[[Path], list[str]], world: int = 1) -> tuple[Path, str]:
+        command = [str(a).replace(str(cache_dir), "CACHE") for a in argv(Path("OUT"))]
+        digest = hashlib.sha256(repr((script, world, command)).encode()).hexdigest()[:16]
+        key = f"{Path(script).stem}_w{world}_{digest}"
+        if key not in runs:
+            runs[key] = once(root, key, lambda out: run_script(script, argv(out), world).stdout)
+        return runs[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def trained(shared_run, corpus, cache_dir):
+    """trained(script, world=1, **overrides) -> the out-dir of that run (shared_run's)."""
 
     def get(script: str, world: int = 1, **overrides) -> Path:
-        key = (script, world, tuple(sorted(overrides.items())))
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{world}")
-            run_script(script, cmd(corpus, cache_dir, out, **overrides), world)
-            runs[key] = out
-        return runs[key]
+        return shared_run(script, lambda out: cmd(corpus, cache_dir, out, **overrides), world)[0]
 
     return get
 

@@ -149,21 +149,18 @@ def test_the_model_on_the_ranks_slices_gives_the_logits_of_the_whole_sequence(cp
 
 
 @pytest.fixture(scope="module")
-def cp_run(tmp_path_factory, corpus, cache_dir):
+def cp_run(shared_run, corpus, cache_dir):
     """--cp 2 on 2 ranks with --document-mask, packed rows (dp 1). Tests must not write into it."""
-    out = tmp_path_factory.mktemp("train_cp")
     flags = ["--cp", "2", "--document-mask", "--plan"]
-    proc = run_script(CP, cmd(corpus, cache_dir, out) + flags, world=2)
-    assert "dp 1 x cp 2" in proc.stdout, proc.stdout
-    assert "memory per GPU" in proc.stdout, proc.stdout  # --plan: memory_plan.py's, with cp
+    out, stdout = shared_run(CP, lambda o: cmd(corpus, cache_dir, o) + flags, world=2)
+    assert "dp 1 x cp 2" in stdout, stdout
+    assert "memory per GPU" in stdout, stdout  # --plan: memory_plan.py's, with cp
     return out
 
 
 @pytest.fixture(scope="module")
-def dp_document_mask_run(tmp_path_factory, corpus, cache_dir):
-    out = tmp_path_factory.mktemp("train_dp_document_mask")
-    run_script(DP, cmd(corpus, cache_dir, out) + ["--document-mask"])
-    return out
+def dp_document_mask_run(shared_run, corpus, cache_dir):
+    return shared_run(DP, lambda out: cmd(corpus, cache_dir, out) + ["--document-mask"])[0]
 
 
 @pytest.mark.one_process

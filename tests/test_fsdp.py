@@ -107,20 +107,14 @@ HSDP = ("--replicate", "2", "--micro-batch-size", "2")
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, corpus, cache_dir):
-    """launched(script, world, *flags) -> the out-dir of that run, made once per module.
+def launched(shared_run, corpus, cache_dir):
+    """launched(script, world, *flags) -> the out-dir of that run, made once (shared_run).
 
     Callers must not write into the returned directory: copy what they need to change.
     """
-    runs: dict[tuple, Path] = {}
 
     def get(script: str, world: int, *flags: str) -> Path:
-        key = (script, world, flags)
-        if key not in runs:
-            out = tmp_path_factory.mktemp(Path(script).stem)
-            run_script(script, cmd(corpus, cache_dir, out) + list(flags), world)
-            runs[key] = out
-        return runs[key]
+        return shared_run(script, lambda out: cmd(corpus, cache_dir, out) + list(flags), world)[0]
 
     return get
 

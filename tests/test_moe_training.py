@@ -69,18 +69,15 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, corpus, cache_dir):
+def launched(shared_run, corpus, cache_dir):
     """launched(script, world, *flags) -> the Run of that script with MOE and flags, made once
-    per module. Callers must not write into its out-dir: copy what they need to change."""
-    runs: dict[tuple, Run] = {}
+    (shared_run). Callers must not write into its out-dir: copy what they need to change."""
 
     def get(script: str, world: int, *flags: str) -> Run:
-        key = (script, world, flags)
-        if key not in runs:
-            out = tmp_path_factory.mktemp(f"moe_{Path(script).stem}")
-            proc = run_script(script, cmd(corpus, cache_dir, out, **MOE) + list(flags), world)
-            runs[key] = Run(out, proc.stdout)
-        return runs[key]
+        def argv(out: Path) -> list[str]:
+            return cmd(corpus, cache_dir, out, **MOE) + list(flags)
+
+        return Run(*shared_run(script, argv, world))
 
     return get
 

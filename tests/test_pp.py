@@ -58,20 +58,15 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, corpus, cache_dir):
-    """launched(layout) -> (out-dir, stdout) of that LAYOUTS run, made once per module.
+def launched(shared_run, corpus, cache_dir):
+    """launched(layout) -> (out-dir, stdout) of that LAYOUTS run, made once (shared_run).
 
     Callers must not write into the returned directory: copy what they need to change.
     """
-    runs: dict[str, tuple[Path, str]] = {}
 
     def get(layout: str) -> tuple[Path, str]:
-        if layout not in runs:
-            world, flags = LAYOUTS[layout]
-            out = tmp_path_factory.mktemp(f"pp_{layout}")
-            proc = run_script(PP, cmd(corpus, cache_dir, out) + list(flags), world)
-            runs[layout] = out, proc.stdout
-        return runs[layout]
+        world, flags = LAYOUTS[layout]
+        return shared_run(PP, lambda out: cmd(corpus, cache_dir, out) + list(flags), world)
 
     return get
 

@@ -54,12 +54,11 @@ TP = "train_tp.py"
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory, corpus, cache_dir) -> Path:
+def tp_run(shared_run, corpus, cache_dir) -> Path:
     """--tp 2 on 2 ranks: one tensor-parallel group (dp 1). Tests must not write into it."""
-    out = tmp_path_factory.mktemp("train_tp")
-    proc = run_script(TP, cmd(corpus, cache_dir, out) + ["--tp", "2", "--plan"], world=2)
+    out, stdout = shared_run(TP, lambda o: cmd(corpus, cache_dir, o) + ["--tp", "2", "--plan"], 2)
     # --plan: memory_plan.py's estimate for this layout, with its tensor-parallel traffic.
-    assert "(dp 1 x tp 2 x pp 1)" in proc.stdout and "tensor parallel" in proc.stdout, proc.stdout
+    assert "(dp 1 x tp 2 x pp 1)" in stdout and "tensor parallel" in stdout, stdout
     return out
 
 
