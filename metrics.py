@@ -53,7 +53,7 @@ class Metrics:
 
     def log_validation(self, step: int, val_loss: float) -> None:
         """An evaluation's record, also printed above the progress bar (where enabled)."""
-        ppl = perplexity(val_loss)
+        ppl = math.exp(min(val_loss, 50.0))  # capped: exp of an early, huge loss is just noise
         self.log(step=step, val_loss=val_loss, val_ppl=ppl)
         if self.enabled:
             tqdm.write(f"step {step}: val loss {val_loss:.4f}, perplexity {ppl:.1f}")
@@ -193,7 +193,3 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devic
 def peak_memory_gb(device: torch.device) -> float | None:
     """The most GPU memory tensors have held so far (GB = 1e9 bytes); None on CPU."""
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))  # capped: exp of an early, huge loss is just noise

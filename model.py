@@ -88,8 +88,7 @@ class LlamaConfig:
         """The fields, so that `LlamaConfig(**config.to_dict())` round-trips; a dense model (the
         MoE fields at their defaults) leaves those out: its files are as before MoE existed."""
         config = {f.name: getattr(self, f.name) for f in fields(self)}
-        defaults = {f.name: f.default for f in fields(self) if f.name in MOE_FIELDS}
-        if all(config[name] == default for name, default in defaults.items()):
+        if all(config[name] == getattr(LlamaConfig, name) for name in MOE_FIELDS):
             for name in MOE_FIELDS:
                 del config[name]
         return config

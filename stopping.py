@@ -219,15 +219,10 @@ def end_with_parent(signum: int, parent: int | None = None) -> None:
             return
     except (OSError, AttributeError):  # no C library to call, or no prctl in it
         return
-    if parent is not None and os.getppid() != parent and not _exists(parent):
-        os.kill(os.getpid(), signum)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # no signal: only whether there is such a process
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # there is, someone else's
-    return True
+    if parent is not None and os.getppid() != parent:
+        try:
+            os.kill(parent, 0)  # no signal: only whether there is such a process
+        except ProcessLookupError:
+            os.kill(os.getpid(), signum)
+        except PermissionError:
+            pass  # there is, someone else's

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
 
@@ -225,20 +226,14 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-def build_scheduler(optimizer, args) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(optimizer, args) -> LRScheduler:
     """Linear warmup to --lr, then cosine decay to lr * --min-lr-ratio at --max-steps."""
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=max(1, args.max_steps - args.warmup_steps),
-        eta_min=args.lr * args.min_lr_ratio,
-    )  # fmt: skip
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, args.max_steps - args.warmup_steps),
+                               eta_min=args.lr * args.min_lr_ratio)  # fmt: skip
     if args.warmup_steps == 0:
         return cosine
-    warmup = torch.optim.lr_scheduler.LinearLR(
-        optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps
-    )
-    return torch.optim.lr_scheduler.SequentialLR(
-        optimizer, [warmup, cosine], milestones=[args.warmup_steps]
-    )
+    warmup = LinearLR(optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps)
+    return SequentialLR(optimizer, [warmup, cosine], milestones=[args.warmup_steps])
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
