@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 import cli
 import metrics
 import model_flags
+import stopping
 import training
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
 from replica import Replica
@@ -348,4 +349,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stopping.run(main)  # sizes that cannot be allocated: one line, exit 1

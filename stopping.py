@@ -1,9 +1,9 @@
 """How a run ends when it does not finish: one line for a known failure, a clean stop on a signal.
 
-`run(main)` wraps every script's main(): bad input (ValueError) or a failed run (TrainingError)
-ends in one line on stderr and an exit code, not a traceback. `StopRequest` turns Ctrl-C
-(SIGINT), SIGTERM and SIGUSR1 into a stop after the step in flight, on every rank at the same
-step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and exits.
+`run(main)` wraps every script's main(): bad input (ValueError), a failed run (TrainingError) or
+too little memory ends in one line on stderr and an exit code, not a traceback. `StopRequest`
+turns Ctrl-C (SIGINT), SIGTERM and SIGUSR1 into a stop after the step in flight, on every rank at
+the same step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and exits.
 """
 
 import atexit
@@ -35,10 +35,10 @@ class Stopped(Exception):
 
 def run(main: Callable[[], None], os_exit: bool = False) -> None:
     """Call a script's main(); a known failure ends in one line on stderr (say_once), not a
-    traceback. Exit codes: 2 for bad input (ValueError), 1 for a failed run (TrainingError) or
-    anything else (a bug: every rank prints its traceback), 128 + the signal's number after a
-    stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell reports that signal's kill):
-    whatever watches the run sees "cut short", not "done".
+    traceback. Exit codes: 2 for bad input (ValueError), 1 for a failed run (TrainingError, out
+    of memory) or anything else (a bug: every rank prints its traceback), 128 + the signal's
+    number after a stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell reports that
+    signal's kill): whatever watches the run sees "cut short", not "done".
     os_exit (the lessons that join a process group): end with end_process."""
     rank = os.environ.get("RANK", "0")  # not a number: this process says so (distributed.py)
     is_main = not rank.strip().isdecimal() or int(rank) == 0
@@ -65,20 +65,32 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         code = 2 if isinstance(e, ValueError) else 1
     except KeyboardInterrupt:  # a Ctrl-C before training, or a second one: stopped at once
         if is_main:
-            print("interrupted: stopped at once, without saving; any checkpoints in --out-dir are "
-                  "intact: run the same command to resume", file=sys.stderr)  # fmt: skip
+            print("interrupted: stopped at once, without saving; what was written is intact (a "
+                  "training run: the same command resumes it)", file=sys.stderr)  # fmt: skip
         code = 128 + signal.SIGINT
     except SystemExit:
         raise  # argparse's usage errors (exit code 2), ...
-    except BaseException:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
+    except BaseException as e:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
         # Caught rather than left to the interpreter, so that under torchrun this process too
-        # ends with end_process.
-        traceback.print_exc()
+        # ends with end_process. Out of memory is no bug: one line, with what to change.
+        if (memory := out_of_memory(e)) is None:
+            traceback.print_exc()
+        else:
+            say_once(f"error: out of memory: {memory} (a smaller --micro-batch-size or model "
+                     f"needs less)", is_main)  # fmt: skip
         code = 1
     if os_exit:
         end_process(code)
     if code:
         sys.exit(code)
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """torch's out-of-memory error in one line (a GPU's, or the CPU allocator's RuntimeError)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return (str(e) or "no details").splitlines()[0]
+    _, found, details = str(e).partition("DefaultCPUAllocator: can't allocate memory: ")
+    return details.split(". Error code")[0] if found and isinstance(e, RuntimeError) else None
 
 
 failure_store: list[dist.Store] = []  # distributed.rendezvous_store's, under torchrun

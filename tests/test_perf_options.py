@@ -278,6 +278,14 @@ def test_profile_step_prints_the_profile_and_both_step_times():
     assert "ours" in out and "reference" in out and "x reference" in out, out
 
 
+def test_profile_step_given_a_model_too_big_for_memory_says_so_in_one_line():
+    # 2**40 x 2**16 fp32 embedding weights: 2**58 bytes, more than any 64-bit address space.
+    argv = "--vocab-size 1099511627776 --hidden-size 65536 --num-heads 512 --num-kv-heads 512"
+    proc = run_script("profile_step.py", argv.split() + ["--num-layers", "1"], expect_rc=1)
+    assert proc.stderr == (f"error: out of memory: you tried to allocate {2**58} bytes (a smaller "
+                           f"--micro-batch-size or model needs less)\n")  # fmt: skip
+
+
 def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
     # 100000 threads crashed OpenMP (a segfault); more than the cores only times the waiting.
     cores = os.cpu_count() or 1

@@ -192,3 +192,28 @@ def test_without_a_store_a_rank_speaks_for_itself_unless_torchrun_runs_it(monkey
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert say_as_rank(1, monkeypatch, capsys, None) == ""
     assert say_as_rank(0, monkeypatch, capsys, None) == "error: bad input\n"
+
+
+def test_out_of_memory_ends_in_one_line_and_any_other_error_in_a_traceback(capsys):
+    def raises(error: BaseException):
+        def main():
+            raise error
+
+        return main
+
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nand more")
+    for main, said in [
+        (raises(gpu), "CUDA out of memory. Tried to allocate 2.00 GiB."),
+        # The CPU allocator's own error: 2**58 bytes, more than any 64-bit address space.
+        (lambda: torch.empty(2**56), f"you tried to allocate {2**58} bytes"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            stopping.run(main)
+        assert exit_.value.code == 1
+        advice = "(a smaller --micro-batch-size or model needs less)"
+        assert capsys.readouterr().err == f"error: out of memory: {said} {advice}\n"
+    with pytest.raises(SystemExit) as exit_:
+        stopping.run(raises(RuntimeError("a bug")))  # which keeps its traceback
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("RuntimeError: a bug\n"), err
