@@ -508,7 +508,11 @@ def main():
     if is_main:
         print(format_report(report))
         if args.json:
-            checkpoints.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+            try:
+                checkpoints.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+            except OSError as e:  # a read-only or full disk: the table above is out already
+                reason = e.strerror or e
+                raise ValueError(f"--json {args.json}: could not write it ({reason})") from e
     dist.barrier()
     dist.destroy_process_group()
 

@@ -317,6 +317,9 @@ def write_export(out_dir: str, hf_dir: str) -> str:
         save_file(tensors, path, metadata={"format": "pt"})
     except SafetensorError as e:  # its I/O errors (a full disk) are not OSErrors
         raise OSError(str(e)) from e
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors writes it private (0600); others may read it
     write_json(os.path.join(hf_dir, "config.json"), hf_config(config, tokenizer))
 
     # Every training document starts with BOT: a post-processor makes HF's tokenizer add it, as

@@ -101,6 +101,10 @@ def main() -> None:
         help="cpu, cuda, cuda:1, ... (default: cuda if available)",
     )
     args = p.parse_args()
+    try:
+        args.prompt.encode("utf-8")  # bytes that are not UTF-8 arrive as lone surrogates
+    except UnicodeEncodeError:
+        p.error("--prompt is not valid UTF-8 text")
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     model, tokenizer = load_model(args.out_dir, device)

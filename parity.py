@@ -355,7 +355,10 @@ def main() -> None:
     )
     if args.json:
         table = {"settings": vars(args), "reference_losses": reference_losses, "results": results}
-        Path(args.json).write_text(json.dumps(table, indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(table, indent=1))
+        except OSError as e:  # a read-only or full disk: the table above is out already
+            raise ValueError(f"--json {args.json}: could not write it ({e.strerror or e})") from e
     if args.png and results:
         draw(results, reference_losses, args.png)
         print(f"wrote {args.png}")

@@ -272,7 +272,7 @@ def main() -> None:
         "machine with --threads 1)",
     )
     p.add_argument(
-        "--warmup", type=cli.number_arg(int, 0), default=3, help="steps before timing (compiling)"
+        "--warmup", type=cli.number_arg(int, 1), default=3, help="steps before timing (compiling)"
     )
     p.add_argument(
         "--rounds", type=cli.number_arg(int, 1), default=5, help="alternating timing rounds"

@@ -189,6 +189,18 @@ def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_before_any_work(
     assert bench.check_args(parser, args) == list(bench.STRATEGIES)
 
 
+def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(corpus, tmp_path):
+    # /proc/x passes the early check (its folder exists) and fails only when written, at the end.
+    argv = bench_argv(corpus, tmp_path / "cache", "/proc/x", strategies="single")
+    proc = run_script(BENCH, argv, expect_rc=2)
+    assert "| single " in proc.stdout  # the results are out
+    assert (
+        proc.stderr.splitlines()[-1]
+        == "error: --json /proc/x: could not write it (No such file or directory)"
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_strategies_run_in_a_fixed_order_with_single_first(corpus, tmp_path):
     parser = bench.build_parser()
     args = parser.parse_args(

@@ -69,6 +69,13 @@ def test_export_writes_the_files_transformers_reads(exported):
     assert {p.name for p in hf_dir.iterdir()} == HF_FILES
 
 
+def test_the_weights_are_as_readable_as_the_other_files(exported):
+    # safetensors writes its file private (0600): on a shared machine no one else could load it.
+    _, hf_dir = exported
+    mode = {p.name: p.stat().st_mode & 0o777 for p in hf_dir.iterdir()}
+    assert mode["model.safetensors"] == mode["config.json"], mode
+
+
 def test_config_json_has_the_fields_transformers_needs(exported):
     out, hf_dir = exported
     ours = json.loads((out / "config.json").read_text())

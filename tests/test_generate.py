@@ -64,6 +64,14 @@ def test_cli_reports_a_missing_model_in_one_line_with_exit_code_2(tmp_path):
     assert "model.pt" in proc.stderr and "tokenizer.json" in proc.stderr
 
 
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    # A byte that is not UTF-8 (here 0xff) reaches Python as a lone surrogate, which the tokenizer
+    # rejected with a traceback.
+    proc = run_generate("--out-dir", str(tmp_path), "--prompt", "ab\udcff")
+    assert proc.returncode == 2
+    assert proc.stderr == "error: --prompt is not valid UTF-8 text (see --help)\n", proc.stderr
+
+
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 3)], ids=["greedy", "sampled"])
 def test_cached_and_uncached_decoding_give_the_same_text(out_dir, temperature, seed):
     model, tokenizer = load_model(str(out_dir))
