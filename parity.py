@@ -255,7 +255,7 @@ def draw(results: dict, reference_losses: dict[str, list[float]], path: str) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(  # a bad flag: one line (below), never read as a longer one
         description="Run every parallel strategy on CPU for a short training on the same data "
         "and seed; print each one's largest loss and weight difference from single-process "
         "training, and draw all loss curves in one PNG.",
@@ -373,3 +373,6 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # the run under way was stopped (launch); no traceback
         sys.exit(130)
+    except ValueError as e:  # bad input (cli.ArgumentParser's too): one line, as stopping.run
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -223,10 +223,9 @@ def profile_table(step, micro_batches, device, steps: int, rows: int) -> str:
 def main() -> None:
     defaults = cli.build_parser("defaults")  # train_dp.py's defaults, kept in step with it
     default = defaults.get_default
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(  # a bad flag: one line (stopping.run), never read as a longer one
         description="Profile train_dp.py's training step and time it against a lean reference.",
         formatter_class=cli.HelpFormatter,
-        allow_abbrev=False,  # a mistyped flag is an error, never read as a longer one
     )
     p.add_argument("--model", default="tiny", help="preset, as in train_dp.py")
     model_flags.add_shape_flags(p, cli.number_arg)
@@ -349,4 +348,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stopping.run(main)  # sizes that cannot be allocated: one line, exit 1
+    stopping.run(main)  # bad flags: one line, exit 2; sizes that cannot be allocated: exit 1

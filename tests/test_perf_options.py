@@ -20,6 +20,7 @@ from harness import DDP, DP, cmd, run_script
 import auto_batch
 import cli
 import profile_step
+import stopping
 import training
 from model import LlamaConfig, LlamaForPretraining
 
@@ -291,7 +292,7 @@ def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
     cores = os.cpu_count() or 1
     monkeypatch.setattr(sys, "argv", ["profile_step.py", "--threads", str(cores + 1)])
     with pytest.raises(SystemExit) as stopped:
-        profile_step.main()
+        stopping.run(profile_step.main)  # as its __main__ does
     assert stopped.value.code == 2
     assert f"argument --threads: expected an integer in [1, {cores}]" in capsys.readouterr().err
 
@@ -301,6 +302,6 @@ def test_profile_step_refuses_compile_without_a_cpp_compiler(tmp_path, monkeypat
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(sys, "argv", ["profile_step.py", "--compile"])
     with pytest.raises(SystemExit) as stopped:
-        profile_step.main()
+        stopping.run(profile_step.main)
     assert stopped.value.code == 2
     assert "--compile on a CPU needs a C++ compiler" in capsys.readouterr().err
