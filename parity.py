@@ -28,6 +28,7 @@ tokenizer and data cache (--cache-dir).
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,7 +138,10 @@ def launch(name: str, args, work_dir: Path) -> Path:
                 proc.terminate()
                 proc.wait()
     if proc.returncode != 0:
-        tail = "\n".join((stdout + stderr).splitlines()[-30:])
+        # The lesson's own one-line error if it said one (torchrun's report follows it), else
+        # the end of its output.
+        said = [line for line in stderr.splitlines() if re.match(r"(rank \d+: )?error: ", line)]
+        tail = "\n".join(said or (stdout + stderr).splitlines()[-30:])
         raise SystemExit(
             f"parity.py: {name} failed (exit code {proc.returncode}):\n"
             f"  {' '.join(command)}\n{tail}"

@@ -75,6 +75,20 @@ def test_an_unknown_strategy_is_refused_before_any_run(corpus, cache_dir, tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_strategy_that_refuses_its_flags_is_reported_with_its_own_line(
+    corpus, cache_dir, tmp_path
+):
+    # Before: torchrun's 30-line report of the failed worker, which hid the lesson's one line.
+    command = parity_command(corpus, cache_dir, tmp_path, "--only", "ddp", "--steps", "1",
+                             "--batch-size", "3", "--png", "")  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "parity.py: ddp failed (exit code 1):", proc.stderr
+    assert len(lines) == 3, proc.stderr  # that line, the command, the lesson's error line
+    assert lines[2].startswith("error: --batch-size 3 must be a multiple"), proc.stderr
+
+
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(
     corpus, cache_dir, tmp_path
 ):
