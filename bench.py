@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None, help="an existing tokenizer.json")
     g.add_argument(
         "--vocab-size",
-        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE, cli.MAX_VOCAB_SIZE),
         default=None,
         help="vocabulary of a trained tokenizer (default: the preset's); the model's is the "
         "tokenizer's, as in training",

@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=".cache", help="where datasets and tokenizers cache")
     parser.add_argument(
         "--vocab-size",
-        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE, cli.MAX_VOCAB_SIZE),
         default=4096,
         help="BPE vocabulary size",
     )

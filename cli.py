@@ -26,6 +26,8 @@ from metrics import NonFiniteGuard
 from model import LlamaConfig, count_active_parameters, count_parameters
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and [PAD], [BOT], [EOT]
+# Past any real tokenizer's (Llama 3: 128,256); tokenizers' trainer allocates for it up front.
+MAX_VOCAB_SIZE = 2**20
 # torch seeds are 64-bit; epoch e of the data order is seeded with --seed + e, which must fit too.
 MAX_SEED = 2**63 - 1
 
@@ -79,8 +81,9 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     g.add_argument("--tokenizer", default=None, help="an existing tokenizer.json (this suite's "
                    "or any Hugging Face one); default: train a byte-level BPE and cache it")
     add_special_token_flags(g)
-    g.add_argument("--vocab-size", type=number_arg(int, MIN_VOCAB_SIZE), default=None,
-                   help="vocabulary of a trained tokenizer, at least 259 (default: the preset's)")
+    g.add_argument("--vocab-size", type=number_arg(int, MIN_VOCAB_SIZE, MAX_VOCAB_SIZE),
+                   default=None, help="vocabulary of a trained tokenizer, 259 to 2^20 (default: "
+                   "the preset's)")
     g.add_argument("--data-mode", choices=["pack", "pad"], default="pack", help="pack: "
                    "documents concatenated into full windows; pad: one document per row")
     g.add_argument("--document-mask", action="store_true", help="pack mode: tokens attend only "

@@ -282,7 +282,7 @@ def main() -> None:
     )
     p.add_argument(
         "--vocab-size",
-        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE),
+        type=cli.number_arg(int, cli.MIN_VOCAB_SIZE, cli.MAX_VOCAB_SIZE),
         default=512,
         help="of the trained tokenizer",
     )

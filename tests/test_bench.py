@@ -149,7 +149,7 @@ def test_bad_input_is_one_message_and_exit_code_2_with_nothing_written(corpus, t
     [("steps", 0, "argument --steps: expected an integer >= 1, got '0'"),
      ("micro_batch_size", -1, "argument --micro-batch-size: expected an integer >= 1, got '-1'"),
      ("warmup", -1, "argument --warmup: expected an integer >= 0, got '-1'"),
-     ("vocab_size", 0, "argument --vocab-size: expected an integer >= 259, got '0'")],
+     ("vocab_size", 0, "argument --vocab-size: expected an integer in [259, 1048576], got '0'")],
 )  # fmt: skip
 def test_bad_numbers_are_refused_as_they_are_parsed(corpus, tmp_path, flag, value, message):
     parser = bench.build_parser()
