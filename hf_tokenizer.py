@@ -31,6 +31,8 @@ def read_tokenizer(path: str, specials: dict | None, hf_names: dict) -> tuple[To
     bos_token, ...; every run's out-dir holds one), or the first of CONVENTIONS in the
     vocabulary. Padding falls back to the end token.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"tokenizer file {path!r} is a folder: name the tokenizer.json in it")
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer file {path!r} does not exist")
     try:

@@ -56,6 +56,13 @@ def test_unknown_or_missing_special_tokens_are_refused_naming_the_flag(tmp_path)
         data.load_tokenizer(path)
 
 
+def test_a_folder_or_a_missing_file_as_the_tokenizer_is_named_for_what_it_is(tmp_path):
+    with pytest.raises(ValueError, match=r"is a folder: name the tokenizer.json in it"):
+        data.load_tokenizer(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'.*nothing.json' does not exist"):
+        data.load_tokenizer(str(tmp_path / "nothing.json"))
+
+
 def test_a_run_refuses_bad_special_tokens_before_reading_data(tmp_path, corpus, cache_dir):
     path = str(write_foreign_tokenizer(tmp_path, ["<unk>"]))
     for flags, message in [
