@@ -419,6 +419,7 @@ def busy_neighbours(n: int) -> list[subprocess.Popen]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, no usage
     p.add_argument("--nanogpt", default=None, help="a checkout of karpathy/nanoGPT: run both")
     p.add_argument("--transformers", action="store_true",
                    help="time the step alone against transformers' LlamaForCausalLM")  # fmt: skip

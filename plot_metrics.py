@@ -160,6 +160,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description="Plot loss, lr, tokens/s and MFU of training runs.", allow_abbrev=False
     )
+    p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, no usage
     p.add_argument("out_dirs", nargs="+", help="one or more runs' --out-dir (with metrics.jsonl)")
     p.add_argument(
         "--output",

@@ -354,7 +354,8 @@ def test_timing_nanogpts_step_needs_its_checkout():
     proc = subprocess.run([sys.executable, str(REPO / "bench_nanogpt.py"), "--step"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
-    assert "--step times nanoGPT's step: pass --nanogpt DIR too" in proc.stderr
+    said = "error: --step times nanoGPT's step: pass --nanogpt DIR too (see --help)\n"
+    assert proc.stderr == said  # one line, no usage block
 
 
 @pytest.mark.parametrize(

@@ -180,3 +180,7 @@ def test_a_failed_write_keeps_the_earlier_plot(tmp_path, monkeypatch):
     assert_one_line_error(run_cli(str(run), "--output", str(run / "x.xyz")),
                           "--output", "Format 'xyz' is not supported")  # fmt: skip
     assert {p.name for p in run.iterdir()} == {"metrics.jsonl", "metrics.png"}
+
+
+def test_an_unknown_flag_is_one_line_without_the_usage_block(tmp_path):
+    assert_one_line_error(run_cli(str(tmp_path), "--out-dir", "x"), "unrecognized arguments")
