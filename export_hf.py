@@ -319,7 +319,8 @@ def write_export(out_dir: str, hf_dir: str) -> str:
         raise OSError(str(e)) from e
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # safetensors writes it private (0600); others may read it
+    with contextlib.suppress(OSError):  # (a filesystem without modes: as safetensors left it)
+        os.chmod(path, 0o666 & ~umask)  # safetensors writes it private (0600); others may read it
     write_json(os.path.join(hf_dir, "config.json"), hf_config(config, tokenizer))
 
     # Every training document starts with BOT: a post-processor makes HF's tokenizer add it, as
