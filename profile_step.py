@@ -287,9 +287,6 @@ def main() -> None:
     )
     args = p.parse_args()
     micro = args.micro_batch_size or args.batch_size
-    counts = (args.warmup, args.rounds, args.steps, args.profile_steps, args.rows)
-    if min(args.batch_size, micro, args.seq_length, *counts) <= 0:
-        p.error("sizes, --warmup, --rounds, --steps, --profile-steps and --rows must be positive")
     if args.batch_size % micro:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size {micro}")
     if args.threads:
