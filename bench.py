@@ -58,7 +58,7 @@ import model_flags
 import stopping
 import training
 from model import IGNORE_INDEX, count_parameters
-from plot_metrics import check_output_file
+from plot_metrics import check_output_file, output_failed
 from replica import Replica
 
 STRATEGIES = ("single", "dp", "ddp", "zero1", "fsdp")
@@ -510,9 +510,8 @@ def main():
         if args.json:
             try:
                 checkpoints.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
-            except OSError as e:  # a read-only or full disk: the table above is out already
-                reason = e.strerror or e
-                raise ValueError(f"--json {args.json}: could not write it ({reason})") from e
+            except OSError as e:  # the table above is out already
+                raise output_failed("--json", args.json, e) from e
     dist.barrier()
     dist.destroy_process_group()
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 import cli
-from plot_metrics import check_output_file, load_pyplot, read_metrics
+from plot_metrics import check_output_file, load_pyplot, output_failed, read_metrics
 
 REPO = Path(__file__).resolve().parent
 REFERENCE = "single"
@@ -361,8 +361,8 @@ def main() -> None:
         table = {"settings": vars(args), "reference_losses": reference_losses, "results": results}
         try:
             Path(args.json).write_text(json.dumps(table, indent=1))
-        except OSError as e:  # a read-only or full disk: the table above is out already
-            raise ValueError(f"--json {args.json}: could not write it ({e.strerror or e})") from e
+        except OSError as e:  # the table above is out already
+            raise output_failed("--json", args.json, e) from e
     if args.png and results:
         draw(results, reference_losses, args.png)
         print(f"wrote {args.png}")

@@ -103,6 +103,12 @@ def check_output_file(flag: str, path: str) -> None:
                          f"name a file in a folder that exists")  # fmt: skip
 
 
+def output_failed(flag: str, path: str, error: OSError) -> ValueError:
+    """The one-line error for an output that check_output_file passed but that could not be
+    written after the work (a read-only or full disk): what was printed stands."""
+    return ValueError(f"{flag} {path}: could not write it ({error.strerror or error})")
+
+
 def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
     """Draw the four panels for every run in `runs` ({label: (train, evals)}) into `output`."""
     plt = load_pyplot()
