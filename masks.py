@@ -100,7 +100,7 @@ def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------
-# --document-mask in a run: which kernel, and the mask of each batch (training.py's, for it)
+# --document-mask in a run: which kernel, and the mask of each batch (lib/training.py's, for it)
 
 
 def resolve_attention(args, device: torch.device, replicas: int = 1, context_parallel=False) -> str:
@@ -109,7 +109,7 @@ def resolve_attention(args, device: torch.device, replicas: int = 1, context_par
     replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py): it splits
     every tensor argument along the batch, but a BlockMask is no tensor, and each GPU would get
     the whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with
-    SDPA and build their own rows of the mask (context_parallel.py).
+    SDPA and build their own rows of the mask (lib/context_parallel.py).
     """
     if args.attention == "auto":
         flex = args.document_mask and device.type == "cuda" and replicas == 1

@@ -2,7 +2,7 @@
 
 Llama 2/3's architecture: token embeddings -> N x [RMSNorm -> grouped-query attention with rotary
 position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. With
-`num_local_experts > 0` the MLP is Mixtral's mixture of experts (moe.py). Parameter names follow
+`num_local_experts > 0` the MLP is Mixtral's mixture of experts (lib/moe.py). Parameter names follow
 Meta's code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`), `LlamaConfig`'s fields
 Hugging Face's `config.json`, and RoPE Hugging Face's `rotate_half` layout: weights map 1:1.
 No training or distributed code: every strategy wraps or shards this module from the outside.
@@ -294,7 +294,7 @@ class DecoderLayer(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.num_local_experts > 0:
-            from moe import MoEFeedForward  # here: a dense model never loads moe.py
+            from lib.moe import MoEFeedForward  # here: a dense model never loads lib/moe.py
 
             self.feed_forward = MoEFeedForward(config)
         else:
@@ -354,7 +354,7 @@ class LlamaForPretraining(nn.Module):
         attn_mask: None (plain causal attention, the fast path); a mask from masks.py for SDPA
         (causal included, broadcasting to (B, heads, T, T)); a FlexAttention BlockMask (CUDA);
         or attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim) from each layer's rotated q and
-        k, v (context_parallel.py's). position_ids: each token's position for RoPE, (T,) or (B,
+        k, v (lib/context_parallel.py's). position_ids: each token's position for RoPE, (T,) or (B,
         T); None: 0..T-1 after a KV cache's tokens (context parallelism passes its slice's).
         """
         B, T = input_ids.shape
@@ -383,7 +383,7 @@ class LlamaForPretraining(nn.Module):
             return self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum, num_tokens = self.loss(x, targets)
         if balance:
-            from moe import balance_loss_sum
+            from lib.moe import balance_loss_sum
 
             aux_sum = balance_loss_sum(experts, targets != IGNORE_INDEX)
             loss_sum = loss_sum + self.config.router_aux_loss_coef * aux_sum
@@ -454,7 +454,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> t
 
 
 # -------------------------------------------------------------------------------------------------
-# Text in, text out: what generate.py prints and every train script's sample at the end
+# Text in, text out: what tools/generate.py prints and every train script's sample at the end
 
 
 def generate_text(model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,

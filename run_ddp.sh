@@ -74,7 +74,7 @@ env -u RANK -u LOCAL_RANK WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \
 # checkpoint and exit; it SIGKILLs them after --shutdown-timeout, so that must cover a step and a
 # save. (It also gives the survivors of a failed worker that long to stop before a restart.)
 # torchrun's --shutdown-timeout came with torch 2.13 (the suite's other version checks are in
-# distributed.py); before it the time is fixed at 30 s.
+# lib/distributed.py); before it the time is fixed at 30 s.
 shutdown_timeout=(--shutdown-timeout="$SHUTDOWN_TIMEOUT")
 if [[ "$(torchrun --help 2>/dev/null || true)" != *--shutdown-timeout* ]]; then
   echo "note: this torchrun (torch before 2.13) gives its workers a fixed 30 s to stop, not" \

@@ -13,7 +13,7 @@ Only attention needs the rest of the sequence; it gets each layer's keys and val
 other ranks of the group.
 
 What this changes in train_fsdp.py (`diff train_fsdp.py train_cp.py` shows each change; the
-split and the attention of point 2 are context_parallel.py, part of this lesson):
+split and the attention of point 2 are lib/context_parallel.py, part of this lesson):
   1. A DeviceMesh (dp, cp) instead of one flat group of ranks: world_size = dp x cp, cp the inner
      dimension (cp consecutive ranks, one node's GPUs when cp <= GPUs per node). The cp ranks of
      a group read the same sequences; the data is split over the dp groups only, exactly as
@@ -60,9 +60,9 @@ layer's for backward. Cost: per layer, an all-gather of K and V in forward (and 
 and a reduce-scatter of their gradients in backward, which nothing overlaps with compute here.
 --compile compiles each layer around the gather (one graph break per layer).
 
-Files: to run it, copy it with context_parallel.py, masks.py, sharded_checkpoints.py and the
-library every lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
-model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+Files: to run it, copy it with lib/context_parallel.py, masks.py, lib/sharded_checkpoints.py and the
+library every lesson shares: lib/checkpoints.py, lib/flags.py, data.py, lib/distributed.py, lib/metrics.py, model.py,
+lib/model_config.py, lib/exits.py, lib/training.py. A module that only an optional feature needs
 (--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
 train_fsdp.py: `diff train_fsdp.py train_cp.py`.
 """
@@ -79,34 +79,29 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import model_flags
-import stopping
-import training
-from context_parallel import ContextParallel, data_parallel_size, zigzag_slice
-from distributed import divide_ranks, from_rank0
-from masks import document_ids
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
-from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import (
+from lib import checkpoints, distributed, exits, flags, model_config, training
+from lib.context_parallel import ContextParallel, data_parallel_size, zigzag_slice
+from lib.distributed import divide_ranks, from_rank0
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from lib.sharded_checkpoints import (
     load_sharded_checkpoint,
     prepare_out_dir,
     safe_load_options,
     save_sharded_checkpoint,
 )
+from masks import document_ids
+from model import IGNORE_INDEX, LlamaForPretraining
 
 
 def main():
-    parser = cli.build_parser(
+    parser = flags.build_parser(
         "Pretrain a Llama with torchrun + context parallelism (every sequence split over cp "
         "ranks), FSDP2 over all ranks.",
         distributed=True,
     )
     parser.add_argument(
         "--cp",
-        type=cli.number_arg(int, 1),
+        type=flags.number_arg(int, 1),
         default=None,
         help="context-parallel ranks per group: each holds 1/cp of every sequence. It must divide "
         "the number of ranks (dp = world_size / cp groups split the batch) and --seq-length must "
@@ -128,7 +123,7 @@ def main():
     )
     parser.add_argument(
         "--replicate",
-        type=cli.number_arg(int, 1),
+        type=flags.number_arg(int, 1),
         default=1,
         help="HSDP: shard within groups of world_size / R ranks (say, one node each) and keep R "
         "replicas of the shards; 1: plain FSDP over all ranks",
@@ -145,8 +140,8 @@ def main():
     cp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.cp is None else args.cp
     dp = data_parallel_size(world_size, cp, args.seq_length)  # or ValueError, before any work
     # Only the dp groups split the batch: the cp ranks of a group work on the same sequences.
-    run = cli.run_settings(parser, args, dp, device, context_parallel=True)  # per dp group
-    model_flags.refuse_experts(parser, args, "train_cp.py")  # MoE: not here (NO_EXPERTS says why)
+    run = flags.run_settings(parser, args, dp, device, context_parallel=True)  # per dp group
+    model_config.refuse_experts(parser, args, "train_cp.py")  # MoE: not here (NO_EXPERTS says why)
     if run.precision == "fp16":
         raise ValueError(
             "train_cp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
@@ -225,7 +220,7 @@ def main():
         fully_shard(layer, **shard_options)
     fully_shard(model, **shard_options)
     # cp_model(x, y, doc_ids(x)) takes whole sequences and runs this rank's slice of them through
-    # `model` (context_parallel.py). Checkpoints and model.pt are taken from `model` itself.
+    # `model` (lib/context_parallel.py). Checkpoints and model.pt are taken from `model` itself.
     cp_model = ContextParallel(model, cp_mesh["cp"])
     # Built after sharding, on the shards: AdamW's state is sharded like them. With offload,
     # the shards live in CPU memory and so does the update.
@@ -243,7 +238,7 @@ def main():
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the sharded model
-        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
 
         run = auto_micro_batch_size(
             args, run, cp_model, doc_ids, optimizer, config.vocab_size, device
@@ -259,7 +254,7 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
         if args.replicate > 1:
@@ -271,11 +266,11 @@ def main():
             f"tokens of each sequence per rank); sharding: {sharding}, cpu offload "
             f"{args.cpu_offload}, activation checkpointing {args.activation_checkpointing}"
         )
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
             print(
-                memory_plan.estimate_for_run(
+                memory.estimate_for_run(
                     args, run, config, world_size, cp=cp, replicate=args.replicate
                 )
             )
@@ -283,7 +278,7 @@ def main():
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train", disable=not is_main)  # fmt: skip
     for step in bar:
@@ -372,7 +367,7 @@ def main():
                 dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # Gather the full weights: a collective, so every rank calls it; with cpu_offload=True only
@@ -392,5 +387,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

@@ -9,15 +9,15 @@
 What this adds to train_dp.py (`diff train_dp.py train_ddp.py` shows exactly this):
   1. torchrun starts N copies of this script and tells each its RANK, LOCAL_RANK and
      WORLD_SIZE; each takes the GPU of its local rank and joins the process group with
-     dist.init_process_group (distributed.py: reading torchrun's environment, the store).
+     dist.init_process_group (lib/distributed.py: reading torchrun's environment, the store).
   2. A DistributedSampler gives each rank its own 1/N of every global batch; set_epoch reshuffles.
   3. DDP wraps the model and all-reduces (averages) gradients during backward; no_sync() skips
      that on all but the last micro-step of gradient accumulation.
   4. Losses and evaluation sums are all-reduced, so logs show the global batch, not one rank's.
   5. Only global rank 0 writes files; every collective is called by every rank.
 
-Files: to run it, copy it with the library every lesson shares: checkpoints.py, cli.py, data.py,
-distributed.py, metrics.py, model.py, model_flags.py, stopping.py, training.py. A module that only
+Files: to run it, copy it with the library every lesson shares: lib/checkpoints.py, lib/flags.py, data.py,
+lib/distributed.py, lib/metrics.py, model.py, lib/model_config.py, lib/exits.py, lib/training.py. A module that only
 an optional feature needs (--streaming, --plan, another --data, ...) is imported where that feature
 is used. Its neighbour is train_dp.py: `diff train_dp.py train_ddp.py`.
 """
@@ -31,17 +31,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import stopping
-import training
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib import checkpoints, distributed, exits, flags, training
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX
 
 
 def main():
-    parser = cli.build_parser("Pretrain a Llama with torchrun + DDP.", distributed=True)
+    parser = flags.build_parser("Pretrain a Llama with torchrun + DDP.", distributed=True)
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
@@ -56,7 +52,7 @@ def main():
             rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    run = flags.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
@@ -101,11 +97,11 @@ def main():
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
     # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
     # are constants, so re-broadcasting them before every forward would be wasted traffic
-    # (distributed.py: torch before 2.13 calls it broadcast_buffers=False).
+    # (lib/distributed.py: torch before 2.13 calls it broadcast_buffers=False).
     device_ids = [local_rank] if device.type == "cuda" else None
     ddp_model = DDP(model, device_ids=device_ids, **distributed.NO_FORWARD_BUFFER_SYNC)
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
 
         run = auto_micro_batch_size(
             args, run, ddp_model, attn_mask, optimizer, config.vocab_size, device
@@ -121,17 +117,17 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
-            print(memory_plan.estimate_for_run(args, run, config, world_size))
+            print(memory.estimate_for_run(args, run, config, world_size))
 
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train", disable=not is_main)  # fmt: skip
     for step in bar:
@@ -218,7 +214,7 @@ def main():
             )  # fmt: skip
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     if is_main:
@@ -236,5 +232,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

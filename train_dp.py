@@ -10,8 +10,8 @@ weights are copied to every GPU on every step, and Python's GIL serialises the t
 why train_ddp.py (one process per GPU) is the recipe for real runs. Compare the two with
 `diff train_dp.py train_ddp.py`.
 
-Files: to run it, copy it with replica.py and the library every lesson shares: checkpoints.py,
-cli.py, data.py, distributed.py, metrics.py, model.py, model_flags.py, stopping.py, training.py. A
+Files: to run it, copy it with lib/replica.py and the library every lesson shares: lib/checkpoints.py,
+lib/flags.py, data.py, lib/distributed.py, lib/metrics.py, model.py, lib/model_config.py, lib/exits.py, lib/training.py. A
 module that only an optional feature needs (--streaming, --plan, another --data, ...) is imported
 where that feature is used.
 """
@@ -23,22 +23,19 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import stopping
-import training
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib import checkpoints, exits, flags, training
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib.replica import Replica
 from model import IGNORE_INDEX
-from replica import Replica
 
 
 def main():
-    parser = cli.build_parser("Pretrain a Llama in one process with nn.DataParallel.")
+    parser = flags.build_parser("Pretrain a Llama in one process with nn.DataParallel.")
     args = parser.parse_args()
     num_gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if num_gpus else torch.device("cpu")
     devices = max(num_gpus, 1)  # how many devices share each batch
-    run = cli.run_settings(parser, args, devices, device, replicas=devices)  # micro-batch, ...
+    run = flags.run_settings(parser, args, devices, device, replicas=devices)  # micro-batch, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
@@ -78,7 +75,7 @@ def main():
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.
     dp_model = nn.DataParallel(Replica(model, device, run.precision))
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
 
         run = auto_micro_batch_size(
             args, run, dp_model, attn_mask, optimizer, config.vocab_size, device, devices
@@ -91,17 +88,17 @@ def main():
         data_position=data_position,  # --streaming: where to go on reading it
     )  # fmt: skip
     metrics = Metrics(args.out_dir, True, start_step, args.tensorboard)
-    print(cli.describe_run(args, run, config, device))
+    print(flags.describe_run(args, run, config, device))
     checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
-    if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-        import memory_plan
+    if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+        from lib import memory
 
-        print(memory_plan.estimate_for_run(args, run, config, devices))
+        print(memory.estimate_for_run(args, run, config, devices))
 
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train")  # fmt: skip
     for step in bar:
@@ -171,7 +168,7 @@ def main():
             )  # fmt: skip
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # model, not dp_model: the plain weights, with no `module.model.` prefix on every name.
@@ -179,4 +176,4 @@ def main():
 
 
 if __name__ == "__main__":
-    stopping.run(main)
+    exits.run(main)

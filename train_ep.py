@@ -8,13 +8,13 @@
         # 4 nodes x 8 GPUs, the same command on every node (NODE_RANK 0..3): each layer's 64
         # experts over the 8 GPUs of a node (8 each), 4 copies of that across the nodes
 
-A mixture of experts (--num-experts E, moe.py) has E SwiGLU MLPs per layer where a dense model
+A mixture of experts (--num-experts E, lib/moe.py) has E SwiGLU MLPs per layer where a dense model
 has one, and each token uses only k of them: E times the MLP weights for the compute of k.
 Expert parallelism spreads each layer's experts over ep ranks instead of copying them all to
 every rank, and sends each token to the rank that holds its experts.
 
 What this changes in train_fsdp.py (`diff train_fsdp.py train_ep.py` shows each change; the
-dispatch of point 2 and the clipping of point 4 are expert_parallel.py, part of this lesson):
+dispatch of point 2 and the clipping of point 4 are lib/expert_parallel.py, part of this lesson):
   1. A DeviceMesh (dp, ep): world_size = dp x ep, ep the inner dimension (ep consecutive
      ranks, one node's GPUs when ep <= GPUs per node, where the all-to-alls are fastest). Every
      rank reads its own share of the batch, as in train_fsdp.py: all ranks are data-parallel
@@ -45,11 +45,11 @@ dispatch of point 2 and the clipping of point 4 are expert_parallel.py, part of 
 Cost: per MoE layer and micro-batch, the all-to-alls carry k x d values per token each way,
 forward and backward, and the host waits for the counts before each dispatch. Memory: the
 experts' weights, gradients and optimizer state split ep ways, then FSDP's dp ways: 1/world_size
-per rank, like the rest; docs/expert-parallel.md and memory_plan.py --num-experts --ep.
+per rank, like the rest; docs/expert-parallel.md and tools/memory_plan.py --num-experts --ep.
 
-Files: to run it, copy it with expert_parallel.py, moe.py, sharded_checkpoints.py and the library
-every lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
-model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+Files: to run it, copy it with lib/expert_parallel.py, lib/moe.py, lib/sharded_checkpoints.py and the library
+every lesson shares: lib/checkpoints.py, lib/flags.py, data.py, lib/distributed.py, lib/metrics.py, model.py,
+lib/model_config.py, lib/exits.py, lib/training.py. A module that only an optional feature needs
 (--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
 train_fsdp.py: `diff train_fsdp.py train_ep.py`.
 """
@@ -65,26 +65,21 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import model_flags
-import stopping
-import training
-from distributed import divide_ranks, from_rank0
-from expert_parallel import clip_grad_norm_, data_parallel_size, shard_experts
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
-from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import (
+from lib import checkpoints, distributed, exits, flags, model_config, training
+from lib.distributed import divide_ranks, from_rank0
+from lib.expert_parallel import clip_grad_norm_, data_parallel_size, shard_experts
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib.sharded_checkpoints import (
     load_sharded_checkpoint,
     prepare_out_dir,
     safe_load_options,
     save_sharded_checkpoint,
 )
+from model import IGNORE_INDEX, LlamaForPretraining
 
 
 def main():
-    parser = cli.build_parser(
+    parser = flags.build_parser(
         "Pretrain a mixture-of-experts Llama with torchrun + expert parallelism over FSDP2.",
         distributed=True,
     )
@@ -104,14 +99,14 @@ def main():
     )
     parser.add_argument(
         "--replicate",
-        type=cli.number_arg(int, 1),
+        type=flags.number_arg(int, 1),
         default=1,
         help="HSDP: shard within groups of world_size / R ranks (say, one node each) and keep R "
         "replicas of the shards; 1: plain FSDP over all ranks",
     )
     parser.add_argument(
         "--ep",
-        type=cli.number_arg(int, 1),
+        type=flags.number_arg(int, 1),
         default=1,
         help="expert-parallel ranks per group: each holds 1/ep of every layer's experts. It must "
         "divide the number of ranks and --num-experts",
@@ -124,7 +119,7 @@ def main():
             rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    run = flags.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if run.precision == "fp16":
         raise ValueError(
             "train_ep.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
@@ -133,7 +128,7 @@ def main():
     # HSDP's grid: --replicate replicas of shard groups of `shards` ranks (or ValueError).
     shards = divide_ranks(world_size, "--replicate", args.replicate, "replicas x shards")
     # The EP grid: dp groups of ep ranks (or ValueError: --ep must divide the ranks and experts).
-    dp = data_parallel_size(world_size, args.ep, model_flags.model_shape(args).num_local_experts)
+    dp = data_parallel_size(world_size, args.ep, model_config.model_shape(args).num_local_experts)
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
@@ -169,7 +164,7 @@ def main():
     # The EP grid: rank = dp_rank * ep + ep_rank. ep_mesh["ep"] is this rank's EP group (ep
     # consecutive ranks), which shares out the experts; ep_mesh["dp"] the ranks that hold the
     # same experts in the other groups. Each rank keeps its E / ep experts of every layer, and
-    # each MoE layer dispatches its tokens over the group (expert_parallel.py).
+    # each MoE layer dispatches its tokens over the group (lib/expert_parallel.py).
     ep_mesh = init_device_mesh(device.type, (dp, args.ep), mesh_dim_names=("dp", "ep"))
     shard_experts(model, ep_mesh["ep"])
     # bf16: weights are all-gathered in bf16 (half the traffic and memory of fp32) and gradients
@@ -228,7 +223,7 @@ def main():
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the sharded model
-        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
 
         run = auto_micro_batch_size(
             args, run, model, attn_mask, optimizer, config.vocab_size, device
@@ -244,7 +239,7 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
         if args.replicate > 1:
@@ -261,11 +256,11 @@ def main():
             f"EP group ({E // args.ep} each), {dp} group{'s' if dp > 1 else ''}; the experts' FSDP "
             f"over {dp} rank{'s' if dp > 1 else ''}"
         )
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
             print(
-                memory_plan.estimate_for_run(
+                memory.estimate_for_run(
                     args, run, config, world_size, replicate=args.replicate, ep=args.ep
                 )
             )
@@ -273,7 +268,7 @@ def main():
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train", disable=not is_main)  # fmt: skip
     for step in bar:
@@ -360,7 +355,7 @@ def main():
                 dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # Gather the full weights: a collective, so every rank calls it; with cpu_offload=True only
@@ -380,5 +375,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

@@ -7,10 +7,10 @@
     NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 SCRIPT=train_fsdp.py ./run_ddp.sh --replicate 4
         # HSDP on 4 nodes x 8 GPUs (the same command on every node, NODE_RANK 0..3): ZeRO-3
         # inside each node, 4 replicas of it across the nodes
-    python memory_plan.py --model 1b --world-size 8                         # which one fits?
+    python -m tools.memory_plan --model 1b --world-size 8                         # which one fits?
 
 What this changes in train_zero1.py (`diff train_zero1.py train_fsdp.py` shows each change; the
-sharded checkpoints of point 5 are calls into sharded_checkpoints.py, part of this lesson):
+sharded checkpoints of point 5 are calls into lib/sharded_checkpoints.py, part of this lesson):
   1. fully_shard() instead of DDP and ZeroRedundancyOptimizer: every parameter is split into
      world_size pieces (along dim 0), one per rank. Applied to each decoder layer and then to
      the root (embeddings, final norm, lm_head), it makes each layer a unit whose full weights
@@ -30,7 +30,7 @@ sharded checkpoints of point 5 are calls into sharded_checkpoints.py, part of th
      their gradients and AdamW's state in CPU memory, and runs the optimizer step there (the
      idea of ZeRO-Offload).
   5. Checkpoints: every rank writes its own shards with torch.distributed.checkpoint (DCP), into
-     a directory per step (sharded_checkpoints.py); model.pt gathers the full weights onto rank
+     a directory per step (lib/sharded_checkpoints.py); model.pt gathers the full weights onto rank
      0, plain as ever.
   6. --replicate R (HSDP, hybrid sharding): the ranks form an R x S grid (S = world_size / R).
      Each parameter is sharded over the S ranks of a row (a shard group, say one node) and the
@@ -41,9 +41,9 @@ sharded checkpoints of point 5 are calls into sharded_checkpoints.py, part of th
      instead of every layer's all-gathers and reduce-scatters; the price is the memory of FSDP
      over S ranks, not over all of them. --replicate world_size shards nothing (S = 1): DDP.
 
-Files: to run it, copy it with sharded_checkpoints.py and the library every lesson shares:
-checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py, model_flags.py, stopping.py,
-training.py. A module that only an optional feature needs (--streaming, --plan, another --data,
+Files: to run it, copy it with lib/sharded_checkpoints.py and the library every lesson shares:
+lib/checkpoints.py, lib/flags.py, data.py, lib/distributed.py, lib/metrics.py, model.py, lib/model_config.py, lib/exits.py,
+lib/training.py. A module that only an optional feature needs (--streaming, --plan, another --data,
 ...) is imported where that feature is used. Its neighbour is train_zero1.py: `diff train_zero1.py
 train_fsdp.py`.
 """
@@ -59,24 +59,20 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import stopping
-import training
-from distributed import divide_ranks, from_rank0
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
-from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import (
+from lib import checkpoints, distributed, exits, flags, training
+from lib.distributed import divide_ranks, from_rank0
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib.sharded_checkpoints import (
     load_sharded_checkpoint,
     prepare_out_dir,
     safe_load_options,
     save_sharded_checkpoint,
 )
+from model import IGNORE_INDEX, LlamaForPretraining
 
 
 def main():
-    parser = cli.build_parser(
+    parser = flags.build_parser(
         "Pretrain a Llama with torchrun + FSDP2 (ZeRO-2/3 sharding, optional CPU offload).",
         distributed=True,
     )
@@ -96,7 +92,7 @@ def main():
     )
     parser.add_argument(
         "--replicate",
-        type=cli.number_arg(int, 1),
+        type=flags.number_arg(int, 1),
         default=1,
         help="HSDP: shard within groups of world_size / R ranks (say, one node each) and keep R "
         "replicas of the shards; 1: plain FSDP over all ranks",
@@ -109,7 +105,7 @@ def main():
             rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    run = flags.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if run.precision == "fp16":
         raise ValueError(
             "train_fsdp.py supports --precision bf16 or fp32: fp16 needs loss scaling of sharded "
@@ -193,7 +189,7 @@ def main():
         if is_main:
             print(f"resumed from {resume_path} at step {start_step}")
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the sharded model
-        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
 
         run = auto_micro_batch_size(
             args, run, model, attn_mask, optimizer, config.vocab_size, device
@@ -209,7 +205,7 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         sharding = f"FSDP ZeRO-{args.zero_stage} over {world_size} ranks"
         if args.replicate > 1:
@@ -220,11 +216,11 @@ def main():
             f"sharding: {sharding}, cpu offload {args.cpu_offload}, activation checkpointing "
             f"{args.activation_checkpointing}"
         )
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
             print(
-                memory_plan.estimate_for_run(
+                memory.estimate_for_run(
                     args, run, config, world_size, replicate=args.replicate
                 )
             )
@@ -232,7 +228,7 @@ def main():
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train", disable=not is_main)  # fmt: skip
     for step in bar:
@@ -318,7 +314,7 @@ def main():
                 dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # Gather the full weights: a collective, so every rank calls it; with cpu_offload=True only
@@ -338,5 +334,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

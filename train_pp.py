@@ -12,15 +12,15 @@ only and passes activations forward (and their gradients backward) to its neighb
 point-to-point sends. torch.distributed.pipelining does the scheduling and the sends.
 
 What this changes in train_tp.py, its neighbour (`diff train_tp.py train_pp.py` shows each
-change; the flags and their checks, the stages and the last stage's loss are pipeline.py, part
+change; the flags and their checks, the stages and the last stage's loss are lib/pipeline.py, part
 of this lesson):
   1. A DeviceMesh (pp, dp, tp) instead of (dp, tp): dp = world_size / (pp x tp) pipelines each
      train on their own 1/dp of the global batch. With --tp > 1 every stage's matrices are split
      over tp ranks exactly as train_tp.py splits the model's (apply_tensor_parallel,
-     tensor_parallel.py; here --tp defaults to 1), and with dp > 1 every stage is sharded over
+     lib/tensor_parallel.py; here --tp defaults to 1), and with dp > 1 every stage is sharded over
      its dp group with FSDP2 (fully_shard), as train_tp.py shards the whole model: 3D
      parallelism, as used for BLOOM-176B.
-  2. No rank holds the whole model: build_stages() (pipeline.py) keeps this rank's layers, under
+  2. No rank holds the whole model: build_stages() (lib/pipeline.py) keeps this rank's layers, under
      the full model's parameter names (layers.<original index>), so the stages' state dicts
      together are exactly the full model's, and checkpoints are the same DCP directories as
      train_tp.py's and train_fsdp.py's. model.pt is read back from the last of them on rank 0.
@@ -61,9 +61,9 @@ are refused with --pp > 1. --precision fp16 is refused (a grad scaler across sta
 implemented); bf16 autocast works as everywhere else. With --tp, lm_head's logits are gathered
 on the last stage (train_tp.py's vocabulary-parallel loss is not used across the pipeline).
 
-Files: to run it, copy it with pipeline.py, sharded_checkpoints.py, tensor_parallel.py and the
-library every lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
-model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+Files: to run it, copy it with lib/pipeline.py, lib/sharded_checkpoints.py, lib/tensor_parallel.py and the
+library every lesson shares: lib/checkpoints.py, lib/flags.py, data.py, lib/distributed.py, lib/metrics.py, model.py,
+lib/model_config.py, lib/exits.py, lib/training.py. A module that only an optional feature needs
 (--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
 train_tp.py: `diff train_tp.py train_pp.py`.
 """
@@ -81,15 +81,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import stopping
-import training
-from distributed import from_rank0
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
-from model import IGNORE_INDEX, LlamaForPretraining
-from pipeline import (
+from lib import checkpoints, distributed, exits, flags, training
+from lib.distributed import from_rank0
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from lib.pipeline import (
     SCHEDULES,
     PipelineLoss,
     RankModel,
@@ -102,17 +97,18 @@ from pipeline import (
     split_layers,
     stage_ids_of_rank,
 )
-from sharded_checkpoints import (
+from lib.sharded_checkpoints import (
     load_sharded_checkpoint,
     prepare_out_dir,
     safe_load_options,
     save_sharded_checkpoint,
 )
-from tensor_parallel import apply_tensor_parallel, layer_plan
+from lib.tensor_parallel import apply_tensor_parallel, layer_plan
+from model import IGNORE_INDEX, LlamaForPretraining
 
 
 def main():
-    parser = build_parser()  # pipeline.py: every script's flags, and --pp, --tp, --schedule, ...
+    parser = build_parser()  # lib/pipeline.py: every script's flags, and --pp, --tp, --schedule, ...
     args = parser.parse_args()
     rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     if not args.check:  # the process group, as in train_ddp.py
@@ -232,7 +228,7 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         layers = [len(r) for r in split_layers(config.num_hidden_layers, num_stages)]
         bubble = bubble_fraction(args.schedule, pp, microbatches, v)
@@ -244,11 +240,11 @@ def main():
             f"tensor parallel {tp} inside each stage; "
             f"bubble {formula} = {bubble:.1%}"
         )
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
             print(
-                memory_plan.estimate_for_run(
+                memory.estimate_for_run(
                     args, run, config, world_size, tp, pp, args.schedule, v
                 )
             )
@@ -256,7 +252,7 @@ def main():
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     final_checkpoint = resume_path  # model.pt is read back from the last checkpoint
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train", disable=not is_main)  # fmt: skip
@@ -365,7 +361,7 @@ def main():
             final_checkpoint = os.path.join(args.out_dir, "checkpoints", f"step_{done:07d}")
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # The last checkpoint already holds every tensor of the model, under its full name, whatever
@@ -383,5 +379,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

@@ -16,11 +16,11 @@ every layer, twice per forward and twice per backward, and only NVLink is fast e
 FSDP communicates once per layer per pass and overlaps it with compute: it crosses nodes.
 
 What this changes in train_fsdp.py, its neighbour (`diff train_fsdp.py train_tp.py` shows each
-change; the run of point 2 is tensor_parallel.py, part of this lesson):
+change; the run of point 2 is lib/tensor_parallel.py, part of this lesson):
   1. A DeviceMesh (dp, tp) instead of one flat group of ranks. The tp ranks of a group read the
      same samples; the data is split over the dp groups only, exactly as train_fsdp.py splits it
      over ranks, so every global batch is the same as in train_dp.py.
-  2. apply_tensor_parallel() (tensor_parallel.py holds the run): every matrix is split over the
+  2. apply_tensor_parallel() (lib/tensor_parallel.py holds the run): every matrix is split over the
      tp ranks of a group, with torch.distributed.tensor.parallel (parallelize_module,
      ColwiseParallel, RowwiseParallel).
      In attention and in the MLP the first projections are split by columns (each rank computes
@@ -44,13 +44,13 @@ change; the run of point 2 is tensor_parallel.py, part of this lesson):
   4. The loss, the target count and the validation sums are all-reduced over the dp group, not
      over every rank: the tp ranks of a group hold the same (replicated) loss.
   Checkpoints (DCP directories, model.pt gathered on rank 0) are train_fsdp.py's, from
-  sharded_checkpoints.py: DCP saves DTensors of any layout, and reshards on load, so a run can
+  lib/sharded_checkpoints.py: DCP saves DTensors of any layout, and reshards on load, so a run can
   resume with another --tp.
   Not here: --zero-stage (FSDP is ZeRO-3), --cpu-offload, fp16.
 
-Files: to run it, copy it with sharded_checkpoints.py, tensor_parallel.py and the library every
-lesson shares: checkpoints.py, cli.py, data.py, distributed.py, metrics.py, model.py,
-model_flags.py, stopping.py, training.py. A module that only an optional feature needs
+Files: to run it, copy it with lib/sharded_checkpoints.py, lib/tensor_parallel.py and the library every
+lesson shares: lib/checkpoints.py, lib/flags.py, data.py, lib/distributed.py, lib/metrics.py, model.py,
+lib/model_config.py, lib/exits.py, lib/training.py. A module that only an optional feature needs
 (--streaming, --plan, another --data, ...) is imported where that feature is used. Its neighbour is
 train_fsdp.py: `diff train_fsdp.py train_tp.py`.
 """
@@ -70,22 +70,16 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import model_flags
-import stopping
-import training
-from distributed import from_rank0
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
-from model import IGNORE_INDEX, LlamaForPretraining
-from sharded_checkpoints import (
+from lib import checkpoints, distributed, exits, flags, model_config, training
+from lib.distributed import from_rank0
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix
+from lib.sharded_checkpoints import (
     load_sharded_checkpoint,
     prepare_out_dir,
     safe_load_options,
     save_sharded_checkpoint,
 )
-from tensor_parallel import (
+from lib.tensor_parallel import (
     apply_tensor_parallel,
     check_sequence_parallel,
     check_tensor_parallel,
@@ -94,17 +88,18 @@ from tensor_parallel import (
     local_outputs,
     replicate_partial_grads,
 )
+from model import IGNORE_INDEX, LlamaForPretraining
 
 
 def main():
-    parser = cli.build_parser(
+    parser = flags.build_parser(
         "Pretrain a Llama with torchrun + tensor parallelism (Megatron-style), FSDP2 across "
         "tensor-parallel groups.",
         distributed=True,
     )
     parser.add_argument(
         "--tp",
-        type=cli.number_arg(int, 1),
+        type=flags.number_arg(int, 1),
         default=None,
         help="tensor-parallel ranks per group, at most the GPUs of one node; it must divide the "
         "number of ranks, and FSDP shards over the dp = world_size / tp groups (default: the "
@@ -134,11 +129,11 @@ def main():
         # vocabulary-sharded loss needs.
         parser.error(
             "--micro-batch-size auto is not supported by train_tp.py; give a number "
-            "(python memory_plan.py --tp N estimates what fits)"
+            "(python -m tools.memory_plan --tp N estimates what fits)"
         )
-    run = cli.run_settings(parser, args, dp, device)  # micro-batch, accumulation, ... per dp group
-    model_flags.refuse_experts(parser, args, "train_tp.py")  # MoE: not here (NO_EXPERTS says why)
-    check_tensor_parallel(model_flags.model_shape(args), tp)  # before any data work
+    run = flags.run_settings(parser, args, dp, device)  # micro-batch, accumulation, ... per dp group
+    model_config.refuse_experts(parser, args, "train_tp.py")  # MoE: not here (NO_EXPERTS says why)
+    check_tensor_parallel(model_config.model_shape(args), tp)  # before any data work
     if args.sequence_parallel:
         check_sequence_parallel(tp, args.seq_length)
     if run.precision == "fp16":
@@ -235,18 +230,18 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
         print(
             f"parallelism: {world_size} ranks = dp {dp} x tp {tp} (tensor parallel "
             f"{tp > 1}, sequence parallel {args.sequence_parallel}, FSDP {dp > 1}), activation "
             f"checkpointing {args.activation_checkpointing}"
         )
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
             print(
-                memory_plan.estimate_for_run(
+                memory.estimate_for_run(
                     args, run, config, world_size, tp=tp, sequence_parallel=args.sequence_parallel
                 )
             )
@@ -254,7 +249,7 @@ def main():
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     # The cross-entropy of vocab-sharded logits, forward and backward, runs under loss_parallel.
     vocab_parallel = loss_parallel if tp > 1 else contextlib.nullcontext
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
@@ -346,7 +341,7 @@ def main():
                 dcp.save(state, checkpoint_id=path)  # each rank its own shards, no gather
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     # Gather the full weights from their TP (and FSDP) shards: a collective, so every rank calls
@@ -366,5 +361,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

@@ -16,10 +16,10 @@ What this changes in train_ddp.py (`diff train_ddp.py train_zero1.py` shows exac
      optimizer state on rank 0 first, so the checkpoint holds the full state, as train_ddp.py's
      does: checkpoints resume in train_dp.py, train_ddp.py and here, at any world size.
 Per-GPU memory for AdamW in fp32: 16 bytes per parameter under DDP, 8 + 8/N here (weights and
-gradients stay replicated; train_fsdp.py shards those too). `python memory_plan.py` compares.
+gradients stay replicated; train_fsdp.py shards those too). `python -m tools.memory_plan` compares.
 
-Files: to run it, copy it with the library every lesson shares: checkpoints.py, cli.py, data.py,
-distributed.py, metrics.py, model.py, model_flags.py, stopping.py, training.py. A module that only
+Files: to run it, copy it with the library every lesson shares: lib/checkpoints.py, lib/flags.py, data.py,
+lib/distributed.py, lib/metrics.py, model.py, lib/model_config.py, lib/exits.py, lib/training.py. A module that only
 an optional feature needs (--streaming, --plan, another --data, ...) is imported where that feature
 is used. Its neighbour is train_ddp.py: `diff train_ddp.py train_zero1.py`.
 """
@@ -34,17 +34,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
-import checkpoints
-import cli
-import distributed
-import stopping
-import training
-from metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib import checkpoints, distributed, exits, flags, training
+from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
 from model import IGNORE_INDEX
 
 
 def main():
-    parser = cli.build_parser("Pretrain a Llama with torchrun + DDP + ZeRO-1.", distributed=True)
+    parser = flags.build_parser("Pretrain a Llama with torchrun + DDP + ZeRO-1.", distributed=True)
     args = parser.parse_args()
     rank, local_rank, world_size, device = distributed.torchrun_rank()  # as in train_ddp.py
     if not args.check:  # the process group, as in train_ddp.py
@@ -53,7 +49,7 @@ def main():
             rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    run = cli.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
+    run = flags.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
     if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
         print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
         return
@@ -105,11 +101,11 @@ def main():
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
     # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
     # are constants, so re-broadcasting them before every forward would be wasted traffic
-    # (distributed.py: torch before 2.13 calls it broadcast_buffers=False).
+    # (lib/distributed.py: torch before 2.13 calls it broadcast_buffers=False).
     device_ids = [local_rank] if device.type == "cuda" else None
     ddp_model = DDP(model, device_ids=device_ids, **distributed.NO_FORWARD_BUFFER_SYNC)
     if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        from auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
+        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
 
         run = auto_micro_batch_size(
             args, run, ddp_model, attn_mask, optimizer, config.vocab_size, device
@@ -125,17 +121,17 @@ def main():
     )  # fmt: skip
     metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
     if is_main:
-        print(cli.describe_run(args, run, config, device))
+        print(flags.describe_run(args, run, config, device))
         checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
-        if args.plan:  # memory_plan.py's estimate (a tool: imported only for --plan)
-            import memory_plan
+        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
+            from lib import memory
 
-            print(memory_plan.estimate_for_run(args, run, config, world_size))
+            print(memory.estimate_for_run(args, run, config, world_size))
 
     # ---- training loop -------------------------------------------------------------------------
     guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
     throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = stopping.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
+    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                desc="train", disable=not is_main)  # fmt: skip
     for step in bar:
@@ -226,7 +222,7 @@ def main():
             )  # fmt: skip
             throughput.restart()
         if stop:
-            raise stopping.Stopped(done, stop_request.signal)  # stopping.run says so and exits
+            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
 
     # ---- outputs -------------------------------------------------------------------------------
     if is_main:
@@ -244,5 +240,5 @@ def main():
 
 if __name__ == "__main__":
     # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (stopping.end_process: torch.distributed's C++ teardown can abort a finished run).
-    stopping.run(main, os_exit=True)
+    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    exits.run(main, os_exit=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import build_parser, run_settings
+from lib.flags import build_parser, run_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,7 +141,9 @@ def script_command(
 ) -> list[str]:
     """`python script` for world 1, torchrun for more ranks (or for one, with torchrun=True).
     nonfinite: the steps whose loss tests/nonfinite.py makes NaN ("2", or "2-": 2 and later)."""
-    program = [str(REPO / script), *argv]
+    # A tool (tools/NAME.py) runs as a module from the repository root, as the README says.
+    tool = script.startswith("tools/")
+    program = ["-m", f"tools.{Path(script).stem}", *argv] if tool else [str(REPO / script), *argv]
     if nonfinite is not None:
         program = [str(REPO / "tests" / "nonfinite.py"), nonfinite, *program]
     if not (world > 1 if torchrun is None else torchrun):

@@ -32,12 +32,8 @@ from harness import (
     snapshot,
 )
 
-import checkpoints
-import cli
 import data
-import distributed
-import model_flags
-import training
+from lib import checkpoints, distributed, flags, model_config, training
 from model import LlamaConfig
 
 
@@ -175,9 +171,9 @@ def test_init_from_the_out_dir_itself_is_refused_however_it_is_spelled(out_dir, 
     # It would resume from that run's checkpoints and ignore --init-from, or start fresh and
     # write its model.pt over the one it starts from: neither is what was asked.
     def plan(out: str):
-        parser = cli.build_parser("test")
+        parser = flags.build_parser("test")
         argv = cmd(corpus, cache_dir, out, model=None, vocab_size=None, init_from=out_dir)
-        return cli.run_settings(parser, parser.parse_args(argv), 1, torch.device("cpu"))
+        return flags.run_settings(parser, parser.parse_args(argv), 1, torch.device("cpu"))
 
     for spelled in (out_dir, f"{out_dir}/", f"{out_dir}/../{out_dir.name}"):
         with pytest.raises(ValueError, match=f"--init-from {out_dir} is also the --out-dir"):
@@ -226,7 +222,7 @@ def test_a_model_shape_that_cannot_be_built_is_refused_naming_the_flags(
         build_args(corpus, cache_dir, **shape)
 
 
-@pytest.mark.parametrize("flag", ["vocab_size", *model_flags.SHAPE_FLAGS])
+@pytest.mark.parametrize("flag", ["vocab_size", *model_config.SHAPE_FLAGS])
 def test_init_from_with_a_vocab_size_or_a_shape_flag_is_refused(corpus, cache_dir, tmp_path, flag):
     # The finished run's config.json and tokenizer.json fix both: a flag as well would contradict.
     settings = {"model": None, "vocab_size": None, "init_from": tmp_path, flag: 300}
@@ -260,14 +256,14 @@ def test_init_from_with_a_vocab_size_or_a_shape_flag_is_refused(corpus, cache_di
      ("router_aux_loss_coef", "-0.5", "expected a number >= 0, got '-0.5'")],
 )  # fmt: skip
 def test_a_number_out_of_range_or_not_finite_is_refused_as_it_is_parsed(flag, value, expect):
-    # In argparse itself (cli.number_arg), so --check refuses it too, and a --config file's value.
+    # In argparse itself (flags.number_arg), so --check refuses it too, and a --config file's value.
     name = f"--{flag.replace('_', '-')}"
     with pytest.raises(ValueError, match=re.escape(f"argument {name}: {expect}")):
-        cli.build_parser("test").parse_args([f"{name}={value}"])
+        flags.build_parser("test").parse_args([f"{name}={value}"])
 
 
 def test_every_number_flag_of_the_shared_parser_refuses_nan_and_inf():
-    parser = cli.build_parser("test", distributed=True)
+    parser = flags.build_parser("test", distributed=True)
     typed = [action for action in parser._actions if action.type is not None]
     assert len(typed) >= 20  # every number flag has a type= that checks it
     for action in typed:
@@ -596,7 +592,7 @@ def test_a_checkpoint_of_the_old_vocab_size_default_resumes_with_the_new_one(
     ckpt = load_checkpoint(trained(DP), 8)
     ckpt["args"]["vocab_size"] = 4096
     args, _ = build_args(corpus, cache_dir, vocab_size=None)
-    assert model_flags.vocab_size(args) == ckpt["args"]["vocab_size"]
+    assert model_config.vocab_size(args) == ckpt["args"]["vocab_size"]
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     checkpoints.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
 

@@ -1,8 +1,8 @@
-"""Specification of bench.py: one row per strategy with its tokens/s, step time, MFU, memory and
+"""Specification of tools/bench.py: one row per strategy with its tokens/s, step time, MFU, memory and
 ratio to the plain single-process step, a line on the data pipeline, the same figures in --json,
 and a clean refusal of bad input.
 
-bench.py is launched as a user would (`python bench.py`, and torchrun with 2 gloo ranks) on the
+tools/bench.py is launched as a user would (`python -m tools.bench`, and torchrun with 2 gloo ranks) on the
 training tests' corpus, with the tiny preset and a few steps: these tests hold what it reports
 and that the figures agree with each other, not how fast this machine is.
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 from harness import REPO, launch_env, run_script
 
-import bench
+from tools import bench
 
-BENCH = "bench.py"
+BENCH = "tools/bench.py"
 TINY = {"model": "tiny", "seq_length": 32, "micro_batch_size": 4, "steps": 3, "warmup": 1,
         "vocab_size": 320, "num_workers": 0}  # fmt: skip
 MEASURED = [s for s in bench.STRATEGIES if s != "dp"]  # no GPU here: dp is skipped
@@ -33,7 +33,7 @@ def bench_argv(corpus, cache, json_path, **overrides) -> list[str]:
 
 @pytest.fixture(scope="module")
 def benched(tmp_path_factory, corpus):
-    """benched(world) -> (stdout, report of --json) of bench.py with every strategy, run once."""
+    """benched(world) -> (stdout, report of --json) of tools/bench.py with every strategy, run once."""
     cache = tmp_path_factory.mktemp("bench_cache")
     runs = {}
 
@@ -107,7 +107,7 @@ def test_the_output_names_torch_the_device_the_date_and_the_command(benched):
     stdout, report = benched(1)
     assert report["torch"] in stdout and report["device"] in stdout and report["date"] in stdout
     # The tests' launcher sets OMP_NUM_THREADS=1 (harness.launch_env): a CPU figure depends on it.
-    command = r"^command: OMP_NUM_THREADS=1 python bench\.py --data .* --steps 3 --warmup 1 "
+    command = r"^command: OMP_NUM_THREADS=1 python -m tools\.bench --data .* --steps 3 --warmup 1 "
     assert re.search(command, stdout, re.M)
     assert report["world_size"] == 1 and report["settings"]["precision"] == "fp32"
 
@@ -119,7 +119,7 @@ def test_the_output_names_torch_the_device_the_date_and_the_command(benched):
 def test_under_torchrun_every_rank_measures_and_ratios_are_scaling_efficiency(benched):
     stdout, report = benched(2)
     assert report["world_size"] == 2
-    assert report["command"].startswith("torchrun --standalone --nproc_per_node=2 bench.py ")
+    assert report["command"].startswith("torchrun --standalone --nproc_per_node=2 -m tools.bench ")
     results = {r["strategy"]: r for r in report["results"]}
     for strategy in MEASURED:
         r = results[strategy]
@@ -220,7 +220,7 @@ def test_bf16_on_a_cpu_that_cannot_run_it_is_refused(monkeypatch):
 
 
 # -------------------------------------------------------------------------------------------------
-# bench_nanogpt.py: its preparation and parsing (the runs themselves need nanoGPT: not a test)
+# tools/bench_nanogpt.py: its preparation and parsing (the runs themselves need nanoGPT: not a test)
 
 
 def test_the_character_corpus_is_written_in_nanogpts_format_and_as_a_one_char_tokenizer(tmp_path):
@@ -228,8 +228,8 @@ def test_the_character_corpus_is_written_in_nanogpts_format_and_as_a_one_char_to
 
     import numpy as np
 
-    import bench_nanogpt
     from data import load_tokenizer
+    from tools import bench_nanogpt
 
     train, val = "def f(x):\n    return x\n", "print('hi')\n"
     chars = sorted(set(train + val))
@@ -247,7 +247,7 @@ def test_the_character_corpus_is_written_in_nanogpts_format_and_as_a_one_char_to
 
 
 def test_the_stdlib_corpus_is_ascii_and_stops_at_its_size():
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     docs = bench_nanogpt.stdlib_documents(200_000)
     assert docs and all(doc.isascii() for doc in docs)
@@ -255,7 +255,7 @@ def test_the_stdlib_corpus_is_ascii_and_stops_at_its_size():
 
 
 def test_nanogpts_step_times_leave_out_its_evaluation_iterations():
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     output = "\n".join([
         "step 0: train loss 4.3000, val loss 4.4000",
@@ -273,7 +273,7 @@ def test_nanogpts_step_times_leave_out_its_evaluation_iterations():
 def test_the_suites_figures_come_from_metrics_jsonl(tmp_path):
     import json
 
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     records = [{"step": 10, "loss": 3.0, "step_ms": 30.0}, {"step": 20, "step_ms": 50.0},
                {"step": 20, "val_loss": 2.5}, {"step": 30, "step_ms": 40.0},
@@ -283,7 +283,7 @@ def test_the_suites_figures_come_from_metrics_jsonl(tmp_path):
 
 
 def test_the_printed_command_keeps_every_setting_that_steers_the_cpu_runtime():
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     environ = {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "10000", "MALLOC_ARENA_MAX": "2",
                "ATEN_CPU_CAPABILITY": "avx2", "KMP_BLOCKTIME": "0", "HOME": "/root",
@@ -295,7 +295,7 @@ def test_the_printed_command_keeps_every_setting_that_steers_the_cpu_runtime():
 
 
 def test_compile_flags_reach_the_runs_and_nanogpts_comes_after_its_recipes_false(tmp_path):
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     prep = {"suite_argv": ["--data", "c.jsonl"]}
     plain = bench_nanogpt.suite_command(prep, tmp_path, 5)
@@ -309,7 +309,7 @@ def test_compile_flags_reach_the_runs_and_nanogpts_comes_after_its_recipes_false
 
 
 def test_held_out_windows_cover_the_text_once_as_targets():
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     x, y = bench_nanogpt.held_out_windows(list(range(10)), 4)  # two whole windows of 5
     assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -317,14 +317,14 @@ def test_held_out_windows_cover_the_text_once_as_targets():
 
 
 def test_bench_nanogpt_refuses_a_directory_without_nanogpt(tmp_path):
-    proc = run_script("bench_nanogpt.py", ["--nanogpt", str(tmp_path)], expect_rc=2)
+    proc = run_script("tools/bench_nanogpt.py", ["--nanogpt", str(tmp_path)], expect_rc=2)
     assert "no train.py and model.py there" in proc.stderr
 
 
 def test_the_step_alone_is_timed_against_nanogpts_model_from_its_checkout(tmp_path):
     # A stand-in for nanoGPT's model.py, with its interface: GPTConfig, GPT(config),
     # model(idx, targets) -> (logits, loss) and configure_optimizers(...).
-    import bench_nanogpt
+    from tools import bench_nanogpt
 
     (tmp_path / "model.py").write_text(
         "import dataclasses, torch\n"
@@ -351,7 +351,7 @@ def test_the_step_alone_is_timed_against_nanogpts_model_from_its_checkout(tmp_pa
 
 
 def test_timing_nanogpts_step_needs_its_checkout():
-    proc = subprocess.run([sys.executable, str(REPO / "bench_nanogpt.py"), "--step"],
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_nanogpt", "--step"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     said = "error: --step times nanoGPT's step: pass --nanogpt DIR too (see --help)\n"
@@ -365,7 +365,7 @@ def test_timing_nanogpts_step_needs_its_checkout():
 )  # fmt: skip
 def test_bench_loader_refuses_bad_input_in_one_line(tmp_path, flags, message):
     # Before: a traceback for each (its own argparse types, and no stopping.run).
-    command = [sys.executable, "bench_loader.py", "--bench", "--cache-dir", str(tmp_path), *flags]
+    command = [sys.executable, "-m", "tools.bench_loader", "--bench", "--cache-dir", str(tmp_path), *flags]
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr

@@ -1,5 +1,5 @@
 """--config FILE.toml, the settings record OUT_DIR/args.jsonl, and extending a run with a larger
---max-steps (cli.py, checkpoints.resume_schedule).
+--max-steps (lib/flags.py, checkpoints.resume_schedule).
 
 The parsing tests run in-process or with --check (no training); three train_dp.py launches
 make one run of 4 steps from a config file, extend it to 8 and refuse to shorten it.
@@ -12,8 +12,7 @@ import pytest
 import torch
 from harness import DP, cmd, read_metrics, run_script, snapshot
 
-import cli
-import training
+from lib import flags, training
 
 
 def write(path, text: str):
@@ -31,7 +30,7 @@ def test_config_values_are_used_and_the_command_line_wins(tmp_path):
         '# a run\nseq-length = 64\nbatch_size = 4\nlr = 1\ndata-mode = "pad"\n'
         'document_mask = true\ncompile = true\nmicro-batch-size = "2"\n',
     )
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     args = parser.parse_args(["--config", config, "--batch-size", "8", "--no-compile"])
     assert (args.seq_length, args.data_mode, args.document_mask) == (64, "pad", True)
     assert args.lr == 1.0 and isinstance(args.lr, float)  # through the flag's type: float
@@ -39,7 +38,7 @@ def test_config_values_are_used_and_the_command_line_wins(tmp_path):
     assert args.batch_size == 8 and args.compile is False  # the command line wins
     assert args.config == config and args.max_steps == 200  # the rest: the defaults
     # The parser is not changed: without --config, the defaults again.
-    assert vars(parser.parse_args([])) == vars(cli.build_parser("test").parse_args([]))
+    assert vars(parser.parse_args([])) == vars(flags.build_parser("test").parse_args([]))
     assert parser.parse_args([f"--config={config}"]).seq_length == 64
 
 
@@ -76,16 +75,16 @@ def test_a_lesson_s_own_flags_come_from_the_file_too(tmp_path):
 def test_a_bad_config_is_refused_naming_the_file_line_and_key(tmp_path, text, message):
     config = write(tmp_path / "bad.toml", text)
     with pytest.raises(ValueError, match="^--config ") as error:
-        cli.build_parser("test").parse_args(["--config", config])
+        flags.build_parser("test").parse_args(["--config", config])
     assert str(error.value).startswith(f"--config {config}"), error.value
     assert message in str(error.value), error.value
     assert "\n" not in str(error.value)
 
 
 def test_a_tool_without_config_refuses_the_flag_rather_than_reading_the_file(tmp_path):
-    # Before: memory_plan.py, bench.py and generate.py checked the file against their flags, then
+    # Before: tools/memory_plan.py, tools/bench.py and tools/generate.py checked the file against their flags, then
     # refused a valid one as "unrecognized arguments"; a broken one was named as if it counted.
-    tool = cli.ArgumentParser(description="a tool")
+    tool = flags.ArgumentParser(description="a tool")
     tool.add_argument("--seq-length", type=int, default=8)
     for text in ("seq-length = 64\n", "seq-length = 'x'\n"):
         config = write(tmp_path / "tool.toml", text)
@@ -152,7 +151,7 @@ def test_a_run_records_its_settings_and_extends_with_a_larger_max_steps(
     resolved = first["args"]
     assert (resolved["max_steps"], resolved["seq_length"], resolved["save_interval"]) == (4, 32, 2)
     assert resolved["config"] == config and resolved["lr"] == 1e-3  # every flag is there
-    assert set(resolved) == set(vars(cli.build_parser("test").parse_args([])))
+    assert set(resolved) == set(vars(flags.build_parser("test").parse_args([])))
     assert first["plan"] == {
         "model": "tiny", "tokenizer": None, "devices": 1, "micro_batch_size": 8,
         "accumulation": 1, "precision": "fp32", "attention": "sdpa",

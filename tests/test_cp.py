@@ -1,4 +1,4 @@
-"""Specification of context parallelism (train_cp.py, context_parallel.py): splitting every
+"""Specification of context parallelism (train_cp.py, lib/context_parallel.py): splitting every
 sequence over 2 ranks trains exactly like one process on the same global batch, with document
 masks and padding, resumes bit for bit, and writes the same sharded checkpoints as train_fsdp.py.
 
@@ -36,9 +36,8 @@ from test_fsdp import (
     copy_sharded_checkpoint,
 )
 
-import cli
-import training
-from context_parallel import (
+from lib import flags, training
+from lib.context_parallel import (
     attend_to_sequence,
     chunk_masks,
     in_sequence_order,
@@ -154,7 +153,7 @@ def cp_run(shared_run, corpus, cache_dir):
     flags = ["--cp", "2", "--document-mask", "--plan"]
     out, stdout = shared_run(CP, lambda o: cmd(corpus, cache_dir, o) + flags, world=2)
     assert "dp 1 x cp 2" in stdout, stdout
-    assert "memory per GPU" in stdout, stdout  # --plan: memory_plan.py's, with cp
+    assert "memory per GPU" in stdout, stdout  # --plan: tools/memory_plan.py's, with cp
     return out
 
 
@@ -181,7 +180,7 @@ def test_cp2_pads_checkpoints_accumulates_and_replicates_like_one_process(
     # --activation-checkpointing gathers the keys and values again in backward; 4 micro-batches
     # per step accumulate the gradients of the gathered keys and values too. --replicate 2: the
     # FSDP side as HSDP (2 replicas of shard groups of 1 on 2 ranks; 2 x 2 with cp 2 on 4 ranks
-    # is parity.py's cp-hsdp, checked by hand: weights within 9.7e-6, losses 1.6e-7).
+    # is tools/parity.py's cp-hsdp, checked by hand: weights within 9.7e-6, losses 1.6e-7).
     out = tmp_path / "out"
     flags = ["--cp", "2", "--activation-checkpointing", "--micro-batch-size", "2"]
     proc = run_script(
@@ -245,7 +244,7 @@ def test_a_sequence_that_does_not_split_into_2_cp_chunks_is_refused(corpus, cach
 def test_flex_attention_is_refused_and_auto_chooses_sdpa_under_context_parallelism(
     corpus, cache_dir
 ):
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     flex = parser.parse_args(
         cmd(corpus, cache_dir, "unused") + ["--document-mask", "--attention", "flex"]
     )

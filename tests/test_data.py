@@ -15,12 +15,10 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-import bench_loader
-import corpus
 import data
-import distributed
-import streaming
 from data import BOT, EOT, IGNORE_INDEX, PAD
+from lib import corpus, distributed, streaming
+from tools import bench_loader
 
 VOCAB = 300  # small: trains in well under a second
 
@@ -475,10 +473,10 @@ def test_a_streams_fingerprint_is_its_first_documents_and_its_files_sizes(tmp_pa
 def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, streaming):
     from harness import STREAMING, build_args
 
-    import training
-    from streaming import stream_fingerprint  # (the parameter `streaming` hides the module)
+    from lib import training
+    from lib.streaming import stream_fingerprint  # (the parameter `streaming` hides the module)
 
-    # The session's corpus and cache (conftest.py); "corpus" is this module's name for corpus.py.
+    # The session's corpus and cache (conftest.py); "corpus" is this module's name for lib/corpus.py.
     docs, cache = request.getfixturevalue("corpus"), request.getfixturevalue("cache_dir")
     args, plan = build_args(docs, cache, **(STREAMING if streaming else {}))
     *_, tokenizer = training.build_datasets(args, plan.tokenizer)
@@ -655,7 +653,7 @@ def test_build_datasets_prints_the_corpus_in_tokens_and_the_share_of_an_epoch(
 ):
     from harness import build_args, write_corpus
 
-    import training
+    from lib import training
 
     monkeypatch.delenv("RANK", raising=False)
     docs = write_corpus(tmp_path / "docs")

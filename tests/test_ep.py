@@ -1,4 +1,4 @@
-"""Specification of expert parallelism (train_ep.py, expert_parallel.py): the experts of every
+"""Specification of expert parallelism (train_ep.py, lib/expert_parallel.py): the experts of every
 MoE layer split over the ep ranks of a group, the tokens sent to them and back with all-to-alls,
 train exactly like one process on the same global batch, resume bit for bit, and write the
 sharded checkpoints of train_fsdp.py.
@@ -41,10 +41,9 @@ from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically, copy_sharded_checkpoint
 from test_moe_training import MOE
 
-import expert_parallel
-import stopping
+from lib import exits, expert_parallel
+from lib.moe import MoEFeedForward
 from model import LlamaConfig
-from moe import MoEFeedForward
 
 EP, FSDP = "train_ep.py", "train_fsdp.py"
 E, K = 4, 2
@@ -77,7 +76,7 @@ def moe_layer(seed: int = 0) -> MoEFeedForward:
 
 def dispatch_worker(rank: int, world: int, port: int) -> None:
     """One rank, for both routings: see check_dispatch. A rank that passed ends as the lessons
-    do (stopping.end_process: os._exit), not through the interpreter's teardown, which the gloo
+    do (exits.end_process: os._exit), not through the interpreter's teardown, which the gloo
     group that DTensor keeps alive can abort (SIGABRT, seen about once in ten runs)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -86,7 +85,7 @@ def dispatch_worker(rank: int, world: int, port: int) -> None:
             check_dispatch(rank, world, skewed)
     finally:
         dist.destroy_process_group()
-    stopping.end_process(0)  # only after every check passed: a failure raises above
+    exits.end_process(0)  # only after every check passed: a failure raises above
 
 
 def check_dispatch(rank: int, world: int, skewed: bool) -> None:

@@ -1,4 +1,4 @@
-"""Specification of export_hf.py: our out-dir <-> a Hugging Face Llama directory.
+"""Specification of tools/export_hf.py: our out-dir <-> a Hugging Face Llama directory.
 
 Without `transformers` these tests still prove the files: every tensor gets its Hugging Face
 name, config.json has the fields transformers reads, and export followed by --from-hf gives back
@@ -20,12 +20,11 @@ from harness import DP, cmd, run_script, snapshot, write_foreign_tokenizer
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-import checkpoints
 import data
-import export_hf
-import stopping
-from generation import load_model
+from lib import checkpoints, exits
+from lib.finished_run import load_model
 from model import generate_text
+from tools import export_hf
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "def add(x, y):\n    return x + y"
@@ -46,7 +45,7 @@ def hf_names(num_layers: int, tied: bool) -> set[str]:
 
 
 def run_export(*argv: str) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "export_hf.py"), *argv], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tools.export_hf", *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
 
@@ -238,12 +237,12 @@ def test_from_hf_imports_a_sharded_llama3_and_training_continues_from_it(
 
 
 def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    """export_hf.py's main() with argv, as `python export_hf.py` runs it (stopping.run):
+    """tools/export_hf.py's main() with argv, as `python -m tools.export_hf` runs it (exits.run):
     (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["export_hf.py", *argv])
+    monkeypatch.setattr(sys, "argv", ["tools/export_hf.py", *argv])
     code = 0
     try:
-        stopping.run(export_hf.main)
+        exits.run(export_hf.main)
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -283,7 +282,7 @@ def test_export_into_a_folder_holding_a_sharded_model_is_refused_and_leaves_it(e
     out, hf_dir = exported
     sharded = write_sharded(hf_dir, tmp_path / "sharded")
     before, beside = snapshot(sharded), siblings(sharded)
-    proc = subprocess.run([sys.executable, str(REPO / "export_hf.py"), str(out), str(sharded)],
+    proc = subprocess.run([sys.executable, "-m", "tools.export_hf", str(out), str(sharded)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert_one_line_error(proc.returncode, proc.stderr, f"{sharded} is not empty",
                           "pass a new or empty folder")  # fmt: skip
@@ -378,7 +377,7 @@ def test_from_hf_names_the_file_it_cannot_read(
 
 
 def test_an_export_source_that_is_not_a_folder_is_named_as_given(tmp_path, monkeypatch, capsys):
-    # The message named --out-dir, a flag export_hf.py does not have (its source is positional).
+    # The message named --out-dir, a flag tools/export_hf.py does not have (its source is positional).
     (tmp_path / "a_file").write_text("not a run\n")
     for src in (tmp_path / "missing", tmp_path / "a_file"):
         code, stdout, err = run_main(monkeypatch, capsys, str(src), str(tmp_path / "hf"))

@@ -43,8 +43,7 @@ from harness import (
     watch_run,
 )
 
-import checkpoints
-import metrics
+from lib import checkpoints, metrics
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
@@ -382,7 +381,7 @@ def test_ranks_and_their_workers_stop_with_a_checkpoint_when_torchrun_is_killed(
     corpus, cache_dir, tmp_path
 ):
     # torchrun SIGKILLed (an OOM killer, a node agent) cannot pass anything on to its ranks:
-    # each rank asked the kernel for SIGTERM at its launcher's death (distributed.py), and
+    # each rank asked the kernel for SIGTERM at its launcher's death (lib/distributed.py), and
     # stops as it would on torchrun's own SIGTERM, its DataLoader worker with it.
     out = tmp_path / "out"
     argv = cmd(corpus, cache_dir, out, **FAULT_RUN, num_workers=1)

@@ -1,4 +1,4 @@
-"""Specification of generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
+"""Specification of tools/generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
 
 The out-dir comes from conftest.py (a tiny random model saved with checkpoints.save_final, exactly
 what the training scripts write); only two tests launch the script itself (~4 s each).
@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import generate
-import stopping
-import training
-from generation import load_model
+from lib import exits, training
+from lib.finished_run import load_model
 from model import generate_ids, generate_text
+from tools import generate
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def add(x"
@@ -24,7 +23,7 @@ PROMPT = "def add(x"
 
 def run_generate(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "generate.py"), *argv],
+        [sys.executable, "-m", "tools.generate", *argv],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -186,7 +185,7 @@ def test_a_model_pt_or_config_json_that_is_not_one_is_refused_in_one_line(
         (out / name).write_bytes(content)
     else:
         torch.save(content, out / name)
-    with pytest.raises(ValueError) as refusal:  # (generate.py: one line, exit 2; see above)
+    with pytest.raises(ValueError) as refusal:  # (tools/generate.py: one line, exit 2; see above)
         load_model(str(out))
     assert expect.format(out=out) in str(refusal.value), str(refusal.value)
     assert "\n" not in str(refusal.value), str(refusal.value)
@@ -217,12 +216,12 @@ def test_the_sample_of_a_compiled_run_is_generated_eagerly(out_dir):
 
 
 def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    """generate.py's main() with argv, as `python generate.py` runs it (stopping.run):
+    """tools/generate.py's main() with argv, as `python -m tools.generate` runs it (exits.run):
     (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    monkeypatch.setattr(sys, "argv", ["tools/generate.py", *argv])
     code = 0
     try:
-        stopping.run(generate.main)
+        exits.run(generate.main)
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()

@@ -1,7 +1,7 @@
 """The layout the lessons rely on: every train_*.py is a lesson that stands alone, over library
 modules, so that copying a lesson never means copying another lesson.
 
-    a lesson (train_*.py) or a tool (bench.py, profile_step.py) imports no lesson;
+    a lesson (train_*.py) or a tool (tools/bench.py, tools/profile_step.py) imports no lesson;
     the modules of the repository root import each other without a cycle.
 """
 
@@ -94,7 +94,7 @@ def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
 
 def test_importing_train_dp_or_generate_does_not_load_torch_dynamo():
     # torch._dynamo takes ~1.2 s to import: a run pays it at AdamW's first step (torch.optim
-    # imports it) or at --compile, but not generate.py, nor a refused flag, at import time
+    # imports it) or at --compile, but not tools/generate.py, nor a refused flag, at import time
     # (torch.compiler.set_stance, for one, imports it when called: training.sample_text).
     probe = "import sys, train_dp, generate; print('torch._dynamo' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=launch_env(),
@@ -137,7 +137,7 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     lesson, tmp_path, stdlib_cache
 ):
     # Only the run's size is changed from the defaults (train_ep.py's needs experts): the default
-    # corpus (so no corpus.py), the default tokenizer training, evaluation, checkpoints, a resume,
+    # corpus (so no lib/corpus.py), the default tokenizer training, evaluation, checkpoints, a resume,
     # the sample at the end and every figure logged each step (a mixture of experts' routing).
     folder = tmp_path / "copy"
     folder.mkdir()

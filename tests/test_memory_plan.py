@@ -1,4 +1,4 @@
-"""Specification of memory_plan.py: its formulas against numbers worked out by hand.
+"""Specification of tools/memory_plan.py: its formulas against numbers worked out by hand.
 
 The model-state formulas must reproduce the ZeRO paper's own figures; the activation formula is
 Korthikanti et al.'s, checked on a small shape where every term can be computed on paper.
@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import memory_formulas
-import memory_plan
-import pipeline
-import stopping
+from lib import exits, memory, pipeline
 from model import LlamaConfig, count_parameters
+from tools import memory_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,14 +33,14 @@ B, S = 2, 128
 )
 def test_paper_precision_reproduces_the_zero_papers_figure_1(strategy, published_gb):
     # Rajbhandari et al. 2019, Figure 1: Psi = 7.5B parameters, N_d = 64 GPUs, K = 12.
-    p = memory_plan.plan(int(7.5e9), 64, "paper")
+    p = memory.plan(int(7.5e9), 64, "paper")
     assert round(p["strategies"][strategy]["model_states_gb"], 1) == published_gb
 
 
 def test_model_states_follow_the_zero_stages_in_fp32():
     # fp32: 4 bytes of weights, 4 of gradients, 8 of AdamW moments per parameter; 4 ranks.
     n, world = 1_000_000, 4
-    s = memory_plan.plan(n, world, "fp32")["strategies"]
+    s = memory.plan(n, world, "fp32")["strategies"]
     gb = 1e9
     assert s["ddp"]["model_states_gb"] == pytest.approx(16 * n / gb)
     assert s["zero1"]["optimizer_gb"] == pytest.approx(8 * n / world / gb)
@@ -55,8 +53,8 @@ def test_model_states_follow_the_zero_stages_in_fp32():
 
 
 def test_bf16_autocast_keeps_fp32_model_states_and_halves_activations():
-    fp32 = memory_plan.plan(10**6, 2, "fp32", SHAPE, B, S)["strategies"]["zero2"]
-    bf16 = memory_plan.plan(10**6, 2, "bf16", SHAPE, B, S)["strategies"]["zero2"]
+    fp32 = memory.plan(10**6, 2, "fp32", SHAPE, B, S)["strategies"]["zero2"]
+    bf16 = memory.plan(10**6, 2, "bf16", SHAPE, B, S)["strategies"]["zero2"]
     assert bf16["model_states_gb"] == fp32["model_states_gb"]
     # The layers halve; cross-entropy's fp32 log-probabilities (4 * s * b * V) do not.
     logprobs = 4 * S * B * 1000 / 1e9
@@ -69,7 +67,7 @@ def test_activations_match_korthikanti_by_hand():
     # Per layer, 16-bit: s*b*h*34 = 16384 * 34 = 557,056 bytes with fused attention; math
     # attention adds s*b*h * 5*a*s/h = 16384 * 40 = 655,360 bytes of (s, s) scores. Cross-entropy
     # keeps 4*s*b*V = 1,024,000 bytes.
-    f = memory_formulas.activation_bytes
+    f = memory.activation_bytes
     assert f(SHAPE, B, S, "bf16", "flash") == 3 * 557_056 + 1_024_000
     assert f(SHAPE, B, S, "bf16", "math") == 3 * (557_056 + 655_360) + 1_024_000
     assert f(SHAPE, B, S, "fp32", "flash") == 3 * 2 * 557_056 + 1_024_000
@@ -78,7 +76,7 @@ def test_activations_match_korthikanti_by_hand():
 
 
 def test_totals_and_fits_add_model_states_and_activations():
-    p = memory_plan.plan(count_parameters(SHAPE), 2, "bf16", SHAPE, B, S, gpu_memory_gb=0.005)
+    p = memory.plan(count_parameters(SHAPE), 2, "bf16", SHAPE, B, S, gpu_memory_gb=0.005)
     for row in p["strategies"].values():
         assert row["total_gb"] == pytest.approx(row["model_states_gb"] + row["activations_gb"])
         assert row["total_checkpointed_gb"] < row["total_gb"]
@@ -89,7 +87,7 @@ def test_totals_and_fits_add_model_states_and_activations():
 
 def test_cli_json_output_has_the_documented_fields():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", "--world-size", "8",
+        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "8",
          "--json"],
         capture_output=True, text=True, check=True, cwd=REPO,
     )  # fmt: skip
@@ -104,14 +102,14 @@ def test_cli_json_output_has_the_documented_fields():
 def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
     # The train scripts' own shape flags (model_flags.add_shape_flags), in-process.
     argv = ["--model", "1b", "--num-layers", "8", "--ffn-size", "4096", "--vocab-size", "4096"]
-    monkeypatch.setattr(sys, "argv", ["memory_plan.py", *argv, "--json"])
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv, "--json"])
     memory_plan.main()
     shape = dict(num_hidden_layers=8, intermediate_size=4096, vocab_size=4096)
     expected = count_parameters(LlamaConfig.from_preset("1b", **shape))
     assert json.loads(capsys.readouterr().out)["num_params"] == expected
-    monkeypatch.setattr(sys, "argv", ["memory_plan.py", "--num-heads", "7"])
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", "--num-heads", "7"])
     with pytest.raises(SystemExit) as exit:  # exit code 2, after one line naming the flags
-        stopping.run(memory_plan.main)  # as `python memory_plan.py` runs it
+        exits.run(memory_plan.main)  # as `python -m tools.memory_plan` runs it
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1, err
     assert "--hidden-size 4096 (the 7b preset's) is not divisible by --num-heads 7" in err
@@ -119,7 +117,7 @@ def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
 
 def test_cli_table_says_what_fits():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", "--world-size", "8",
+        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "8",
          "--gpu-memory", "40"],
         capture_output=True, text=True, check=True, cwd=REPO,
     )  # fmt: skip
@@ -133,17 +131,17 @@ def test_cli_table_says_what_fits():
 def test_stage_parameters_split_matrices_by_tp_and_layers_by_pp():
     # SHAPE by hand: per layer 40,960 matrix weights + 128 norm gains; embedding and lm_head
     # 64,000 each; final norm 64. count_parameters = 3 * 41,088 + 128,064 = 251,328.
-    assert memory_formulas.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
+    assert memory.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
     # tp 2: matrices and tables halve, the norm gains stay whole.
-    assert memory_formulas.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
+    assert memory.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
     # pp 3: one layer per stage; the embedding on the first, final norm + lm_head on the last.
-    assert memory_formulas.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
+    assert memory.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
 
 
 def test_tensor_parallel_splits_matmul_activations_but_not_norms():
     # Korthikanti: s*b*h * (10 + 24/t): 16384 * 22 bytes per layer at t = 2 (bf16), and the
     # vocabulary-parallel loss keeps half of the 1,024,000 bytes of log-probabilities.
-    got = memory_formulas.activation_bytes(SHAPE, B, S, "bf16", "flash", tp=2)
+    got = memory.activation_bytes(SHAPE, B, S, "bf16", "flash", tp=2)
     assert got == 3 * 16384 * 22 + 512_000
 
 
@@ -156,7 +154,7 @@ def test_pipeline_first_stage_holds_the_micro_batches_in_flight(
 ):
     # pp 3, one layer per stage. 1F1B: min(m, p) micro-batches in flight on the first stage,
     # i.e. all L layers' worth when m >= p; GPipe: all m before the first backward.
-    got = memory_formulas.pipeline_in_flight(schedule, 3, micro_batches, 2)
+    got = memory.pipeline_in_flight(schedule, 3, micro_batches, 2)
     assert got == (first_layers / 3, last_micro_batches)
 
 
@@ -170,7 +168,7 @@ def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
 def test_communication_per_step_follows_the_ring_formulas():
     # 1e6 parameters on 4 data-parallel ranks in bf16, 2 micro-batches: DDP all-reduces 4-byte
     # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
-    c = memory_formulas.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
+    c = memory.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
     assert c["data_parallel"]["ddp"] == 2 * 0.75 * 4e6
     # ZeRO-1 (ZeroRedundancyOptimizer): DDP's all-reduce, then the fp32 weights broadcast.
     assert c["data_parallel"]["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
@@ -182,7 +180,7 @@ def test_communication_per_step_follows_the_ring_formulas():
 
 def test_world_size_must_be_a_multiple_of_tp_times_pp():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", "--world-size", "6",
+        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "6",
          "--tp", "4"],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
@@ -194,8 +192,8 @@ def test_3d_layout_fits_70b_where_data_parallelism_alone_cannot():
     # still holds all 80 layers' activations (~90 GB); tp 8 x pp 4 (dp 2) divides those too.
     config = LlamaConfig.from_preset("70b")
     n = count_parameters(config)
-    flat = memory_plan.plan(n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80)
-    three_d = memory_plan.plan(
+    flat = memory.plan(n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80)
+    three_d = memory.plan(
         n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80, tp=8, pp=4, micro_batches=16
     )
     assert three_d["dp"] == 2 and three_d["bubble_fraction"] == pytest.approx(3 / 19)
@@ -213,7 +211,7 @@ def test_sequence_parallel_splits_the_norms_and_residuals_too():
     # 4 of the all-gathered matmul inputs, which ColwiseParallel stores whole, do not:
     # s*b*h * (4 + 6/2 + 24/2) = 16384 * 19 bytes per layer at t = 2 (TP alone: 22). With
     # checkpointing, each kept layer input (s*b*h*2 bytes) is split t ways too.
-    f = memory_formulas.activation_bytes
+    f = memory.activation_bytes
     assert f(SHAPE, B, S, "bf16", "flash", tp=2, sequence_parallel=True) == (
         3 * 16384 * 19 + 512_000
     )
@@ -226,10 +224,10 @@ def test_context_parallel_splits_every_activation_and_keeps_the_gathered_keys_an
     # cp 2: 34/2 s*b*h bytes per layer, plus the other rank's half of K and V (two bf16 tensors
     # of s*b*kv_dim values, kv_dim = h here: 4 s*b*h bytes, half of them gathered); the
     # log-probabilities of half the tokens.
-    got = memory_formulas.activation_bytes(SHAPE, B, S, "bf16", "flash", cp=2)
+    got = memory.activation_bytes(SHAPE, B, S, "bf16", "flash", cp=2)
     assert got == 3 * 16384 * (17 + 2) + 512_000
     # The (s, s) scores: each rank's queries (s/2) against all s keys, half of the 5as/h term.
-    math_attention = memory_formulas.activation_bytes(SHAPE, B, S, "bf16", "math", cp=2)
+    math_attention = memory.activation_bytes(SHAPE, B, S, "bf16", "math", cp=2)
     assert math_attention - got == 3 * 655_360 / 2
 
 
@@ -237,26 +235,26 @@ def test_context_parallel_traffic_is_the_keys_and_values_gathered_and_reduced():
     # cp 2 on 4 ranks (dp 2): K and V of the whole sequence (s*b*kv_dim = 16384 bf16 values each)
     # all-gathered forward and reduce-scattered backward, half of them sent, per layer and
     # micro-batch (2). The ZeRO strategies shard over all 4 ranks that hold the same weights.
-    c = memory_formulas.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", cp=2)
+    c = memory.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", cp=2)
     assert c["context_parallel"] == 4 * 0.5 * 16384 * 2 * 3 * 2
-    p = memory_plan.plan(1_000_000, 4, "fp32", SHAPE, B, S, cp=2)
+    p = memory.plan(1_000_000, 4, "fp32", SHAPE, B, S, cp=2)
     assert p["dp"] == 2 and p["strategies"]["zero3"]["params_gb"] == 4e6 / 4 / 1e9
 
 
 def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     # 8 ranks as 2 replicas of 4: ZeRO-3's states over 4, not 8.
-    p = memory_plan.plan(1_000_000, 8, "fp32", replicate=2)
+    p = memory.plan(1_000_000, 8, "fp32", replicate=2)
     assert p["strategies"]["hsdp"]["params_gb"] == 4e6 / 4 / 1e9
     assert p["strategies"]["zero3"]["params_gb"] == 4e6 / 8 / 1e9
     # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
     # 1/2 gradient shard across the 2 groups: the only bytes between groups.
-    c = memory_formulas.communication_bytes(
+    c = memory.communication_bytes(
         SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", replicate=2
     )
     across = 2 * 0.5 * 4e6 / 2
     assert c["hsdp_across_groups"] == across
     assert c["data_parallel"]["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
-    assert "hsdp" not in memory_plan.plan(1_000_000, 8, "fp32")["strategies"]
+    assert "hsdp" not in memory.plan(1_000_000, 8, "fp32")["strategies"]
 
 
 @pytest.mark.parametrize(
@@ -270,7 +268,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
 )
 def test_layouts_that_do_not_divide_are_refused(flags, message):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "memory_plan.py"), "--model", "7b", *flags],
+        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", *flags],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -289,7 +287,7 @@ def test_a_layout_train_tp_or_train_pp_refuses_is_refused(world, layout, message
     # Before: "fits in 80 GB" for --tp 64, a 98% bubble for --pp 64, 0% for 1000 stages a rank.
     config = LlamaConfig.from_preset("7b")
     with pytest.raises(ValueError, match=re.escape(message)):
-        memory_plan.plan(count_parameters(config), world, "bf16", config, **layout)
+        memory.plan(count_parameters(config), world, "bf16", config, **layout)
 
 
 def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
@@ -298,8 +296,8 @@ def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
     config = LlamaConfig.from_preset("7b")
     n = count_parameters(config)
     kw = dict(gpu_memory_gb=80, seq_length=131_072, micro_batch_size=1)
-    alone = memory_plan.plan(n, 8, "bf16", config, **kw)
-    split = memory_plan.plan(n, 8, "bf16", config, cp=8, **kw)
+    alone = memory.plan(n, 8, "bf16", config, **kw)
+    split = memory.plan(n, 8, "bf16", config, cp=8, **kw)
     assert not alone["strategies"]["zero3"]["fits_checkpointed"]
     assert split["strategies"]["zero3"]["fits_checkpointed"]
 
@@ -309,12 +307,12 @@ def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
 
 
 def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    """memory_plan.py's main() with argv, as `python memory_plan.py` runs it (stopping.run):
+    """tools/memory_plan.py's main() with argv, as `python -m tools.memory_plan` runs it (exits.run):
     (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["memory_plan.py", *argv])
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
     code = 0
     try:
-        stopping.run(memory_plan.main)
+        exits.run(memory_plan.main)
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -322,7 +320,7 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_cli_refuses_a_nan_parameter_count_in_one_line():
-    proc = subprocess.run([sys.executable, str(REPO / "memory_plan.py"), "--params", "nan"],
+    proc = subprocess.run([sys.executable, "-m", "tools.memory_plan", "--params", "nan"],
                           capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
@@ -402,27 +400,27 @@ EXPERTS, REST = 294_912, 178_368
 
 
 def test_a_mixture_of_experts_counts_its_experts_router_and_active_parameters():
-    assert memory_formulas.expert_parameters(MOE_SHAPE) == EXPERTS
+    assert memory.expert_parameters(MOE_SHAPE) == EXPERTS
     assert count_parameters(MOE_SHAPE) == EXPERTS + REST == 473_280
-    assert memory_formulas.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
-    p = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
+    assert memory.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
+    p = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
     assert (p["num_params"], p["active_params"]) == (473_280, 325_824)
     assert p["expert_params_per_gpu"] == EXPERTS / 4
-    assert memory_formulas.expert_parameters(SHAPE) == 0
+    assert memory.expert_parameters(SHAPE) == 0
 
 
 def test_expert_parallelism_splits_the_experts_then_the_zero_stage_shards_them():
     # 8 GPUs, ep 4: each holds 1/4 of the experts, and the 2 GPUs holding the same quarter
     # shard it as the stage says; the rest shards over all 8. fp32: 4 bytes per weight.
-    s = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
+    s = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
     s = s["strategies"]
     assert s["ddp"]["params_gb"] == pytest.approx(4 * (REST + EXPERTS / 4) / 1e9)
     assert s["zero3"]["params_gb"] == pytest.approx(4 * (REST / 8 + EXPERTS / 4 / 2) / 1e9)
     assert s["zero1"]["optimizer_gb"] == pytest.approx(8 * (REST / 8 + EXPERTS / 4 / 2) / 1e9)
     # ep 1: every GPU holds every expert, and the stage shards them over all 8, as a dense
     # model of the same size.
-    one = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S)
-    dense = memory_plan.plan(count_parameters(MOE_SHAPE), 8, "fp32")
+    one = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S)
+    dense = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32")
     for name in ("ddp", "zero3"):
         got, want = one["strategies"][name], dense["strategies"][name]
         assert got["model_states_gb"] == pytest.approx(want["model_states_gb"])
@@ -433,9 +431,9 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
     # for the second expert of each token, and 2k = 4 for each copy of the pairs: sorted and
     # outputs (ep 1), and received too (ep > 1).
     sbh = S * B * 64
-    dense = memory_formulas.layer_activation_bytes(SHAPE, B, S, "bf16", "flash")
-    moe = memory_formulas.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash")
-    ep = memory_formulas.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash", ep=2)
+    dense = memory.layer_activation_bytes(SHAPE, B, S, "bf16", "flash")
+    moe = memory.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash")
+    ep = memory.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash", ep=2)
     assert moe - dense == sbh * (19 + 2 * 4)
     assert ep - moe == sbh * 4
 
@@ -443,10 +441,10 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
 def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_rank():
     # 2 x 128 tokens, 2 experts each: 512 pairs of 64 values; 3 of 4 leave the rank at ep 4;
     # dispatch and combine, forward and backward, in bf16 (2 bytes), 3 layers, 2 micro-batches.
-    got = memory_formulas.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=4)
+    got = memory.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=4)
     assert got == 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
-    assert memory_formulas.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=1) == 0
-    p = memory_plan.plan(
+    assert memory.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=1) == 0
+    p = memory.plan(
         count_parameters(MOE_SHAPE), 8, "bf16", MOE_SHAPE, B, S, micro_batches=2, ep=4
     )
     assert p["ep_comm_gb"] == got / 1e9 and p["micro_batches"] == 2
@@ -464,7 +462,7 @@ def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_ra
 )
 def test_expert_layouts_that_cannot_be_trained_are_refused(flags, message):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "memory_plan.py"), "--model", "1b", *flags],
+        [sys.executable, "-m", "tools.memory_plan", "--model", "1b", *flags],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -472,7 +470,7 @@ def test_expert_layouts_that_cannot_be_trained_are_refused(flags, message):
 
 def test_cli_plans_a_mixture_of_experts_over_expert_parallel_gpus(monkeypatch, capsys):
     argv = ["--model", "1b", "--num-experts", "8", "--world-size", "16", "--ep", "8"]
-    monkeypatch.setattr(sys, "argv", ["memory_plan.py", *argv])
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
     memory_plan.main()
     out = capsys.readouterr().out
     config = LlamaConfig.from_preset("1b", num_local_experts=8)

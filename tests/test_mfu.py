@@ -5,7 +5,7 @@ import pytest
 import torch
 from harness import DP, read_metrics
 
-import metrics
+from lib import metrics
 from model import LlamaConfig, count_parameters
 
 

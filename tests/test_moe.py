@@ -1,4 +1,4 @@
-"""Specification of the mixture of experts in moe.py (MoEFeedForward), and its Mixtral export.
+"""Specification of the mixture of experts in lib/moe.py (MoEFeedForward), and its Mixtral export.
 
 A config with num_local_experts > 0 replaces every layer's SwiGLU MLP by Mixtral's sparse MoE:
 a router sends each token to num_experts_per_tok experts, dropless (no token is ever dropped),
@@ -19,13 +19,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import checkpoints
 import data
-import export_hf
-import generate
-import stopping
-import training
-from generation import load_model
+from lib import checkpoints, exits, training
+from lib.finished_run import load_model
+from lib.moe import MoEFeedForward, router_stats, sequence_balance_loss
 from model import (
     IGNORE_INDEX,
     LlamaConfig,
@@ -34,7 +31,7 @@ from model import (
     count_parameters,
     generate_text,
 )
-from moe import MoEFeedForward, router_stats, sequence_balance_loss
+from tools import export_hf, generate
 
 VOCAB = 97
 E, K = 4, 2  # experts, experts per token
@@ -476,7 +473,7 @@ def test_activation_checkpointing_gives_the_same_loss_gradients_and_counts():
 
 
 # -------------------------------------------------------------------------------------------------
-# Out-dir, generate.py and the Mixtral export
+# Out-dir, tools/generate.py and the Mixtral export
 
 
 @pytest.fixture(scope="module")
@@ -506,8 +503,8 @@ def test_generate_samples_from_a_moe_out_dir(moe_out_dir, monkeypatch, capsys):
     uncached = generate_text(model, tokenizer, "def ", 12, temperature=0, use_cache=False)
     assert cached == uncached and len(cached) > len("def ")
     argv = ["--out-dir", str(moe_out_dir), "--prompt", "def ", "--max-new-tokens", "12"]
-    monkeypatch.setattr("sys.argv", ["generate.py", *argv, "--temperature", "0"])
-    stopping.run(generate.main)
+    monkeypatch.setattr("sys.argv", ["tools/generate.py", *argv, "--temperature", "0"])
+    exits.run(generate.main)
     assert capsys.readouterr().out == cached + "\n"
 
 

@@ -39,20 +39,15 @@ from harness import (
 )
 from test_bad_input import assert_refused
 
-import checkpoints
 import data
-import generation
-import memory_plan
-import metrics
-import model_flags
-import training
+from lib import checkpoints, finished_run, memory, metrics, model_config, training
+from lib.moe import router_stats
 from model import (
     LlamaConfig,
     LlamaForPretraining,
     count_active_parameters,
     count_parameters,
 )
-from moe import router_stats
 
 FSDP = "train_fsdp.py"
 E, K = 4, 2
@@ -119,7 +114,7 @@ def test_the_logged_routing_is_the_global_batchs(launched, script, world, flags)
 
 
 def test_train_dp_says_how_many_experts_and_active_parameters(launched):
-    config = generation.load_config(launched(DP, 1).out)
+    config = finished_run.load_config(launched(DP, 1).out)
     assert (config.num_local_experts, config.num_experts_per_tok) == (E, K)
     line = next(s for s in launched(DP, 1).stdout.splitlines() if s.startswith("model: "))
     total, active = count_parameters(config) / 1e6, count_active_parameters(config) / 1e6
@@ -258,11 +253,11 @@ def test_expert_flags_that_do_not_fit_are_refused_naming_them(corpus, cache_dir,
 def test_the_expert_flags_set_the_config_and_zero_experts_is_the_dense_model(corpus, cache_dir):
     args, _ = build_args(corpus, cache_dir, num_experts=8, experts_per_token=1,
                          router_aux_loss_coef=0.0)  # fmt: skip
-    config = model_flags.model_shape(args)
+    config = model_config.model_shape(args)
     assert (config.num_local_experts, config.num_experts_per_tok) == (8, 1)
     assert config.router_aux_loss_coef == 0.0
     args, _ = build_args(corpus, cache_dir, num_experts=0)
-    shape = model_flags.model_shape
+    shape = model_config.model_shape
     assert shape(args) == shape(build_args(corpus, cache_dir)[0])
 
 
@@ -276,12 +271,12 @@ def test_init_from_with_an_expert_flag_is_refused(corpus, cache_dir, tmp_path, f
 def test_the_memory_plan_counts_the_experts_rather_than_plan_them_as_a_dense_model(
     corpus, cache_dir
 ):
-    # memory_plan.py plans a mixture of experts (tests/test_memory_plan.py), and so does the
+    # tools/memory_plan.py plans a mixture of experts (tests/test_memory_plan.py), and so does the
     # lessons' --plan: train_ep.py's layout, each GPU of an ep group with its share of the experts.
     config = LlamaConfig.from_preset("tiny", num_local_experts=E)
-    p = memory_plan.plan(count_parameters(config), 8, "bf16", config)
+    p = memory.plan(count_parameters(config), 8, "bf16", config)
     assert p["active_params"] == count_active_parameters(config) < p["num_params"]
     args, run = build_args(corpus, cache_dir, num_experts=E, plan=True)  # not refused
-    estimate = memory_plan.estimate_for_run(args, run, config, 2, ep=2)
+    estimate = memory.estimate_for_run(args, run, config, 2, ep=2)
     assert "ep 2: each GPU of a group of 2 holds 1/2 of the experts" in estimate
     assert "mixture of experts:" in estimate and "all-to-alls send" in estimate

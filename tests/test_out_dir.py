@@ -29,8 +29,7 @@ from harness import (
 )
 from test_bad_input import assert_refused
 
-import checkpoints
-import sharded_checkpoints
+from lib import checkpoints, sharded_checkpoints
 
 FSDP = "train_fsdp.py"
 

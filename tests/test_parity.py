@@ -1,4 +1,4 @@
-"""Specification of parity.py: it runs strategies as a user would, measures each one's distance
+"""Specification of tools/parity.py: it runs strategies as a user would, measures each one's distance
 from single-process training, and fails when a run drifts outside the tests' bounds.
 
 Every strategy's own parity is proven by its own test module; here one strategy (DDP, the
@@ -20,13 +20,13 @@ import pytest
 import torch
 from harness import BASE, DP, REPO, launch_env
 
-import parity
+from tools import parity
 
 
 def parity_command(corpus, cache_dir, tmp_path, *flags) -> list[str]:
     settings = ("seq_length", "batch_size", "vocab_size", "val_fraction", "seed")
     argv = [f"--{name.replace('_', '-')}={BASE[name]}" for name in settings]
-    return [sys.executable, str(REPO / "parity.py"), "--data", str(corpus), "--cache-dir",
+    return [sys.executable, "-m", "tools.parity", "--data", str(corpus), "--cache-dir",
             str(cache_dir), "--work-dir", str(tmp_path / "runs"), *argv, *flags]  # fmt: skip
 
 
@@ -84,7 +84,7 @@ def test_a_strategy_that_refuses_its_flags_is_reported_with_its_own_line(
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[0] == "parity.py: ddp failed (exit code 1):", proc.stderr
+    assert lines[0] == "tools/parity.py: ddp failed (exit code 1):", proc.stderr
     assert len(lines) == 3, proc.stderr  # that line, the command, the lesson's error line
     assert lines[2].startswith("error: --batch-size 3 must be a multiple"), proc.stderr
 

@@ -1,6 +1,6 @@
 """Specification of two choices a run makes for speed and memory: which kernel runs the
 --document-mask (--attention), and how --micro-batch-size auto searches for the largest
-micro-batch that fits; and of profile_step.py's reference, the yardstick of our training step.
+micro-batch that fits; and of tools/profile_step.py's reference, the yardstick of our training step.
 
 Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
 What is held here: the decisions around them; the search on an injected memory model, and
@@ -17,12 +17,9 @@ import pytest
 import torch
 from harness import DDP, DP, cmd, run_script
 
-import auto_batch
-import cli
-import profile_step
-import stopping
-import training
+from lib import auto_batch, exits, flags, training
 from model import LlamaConfig, LlamaForPretraining
+from tools import profile_step
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)  # only compared, never used
 
@@ -162,8 +159,8 @@ def simulated_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: model.peak)
         argv = f"--batch-size {batch_size} --seq-length 16 --micro-batch-size auto".split()
-        args = cli.build_parser("test").parse_args(argv)
-        plan = cli.RunSettings(
+        args = flags.build_parser("test").parse_args(argv)
+        plan = flags.RunSettings(
             model="tiny", tokenizer=None, devices=devices, micro_batch_size=None,
             accumulation=1, precision="fp32", attention="sdpa",
         )  # fmt: skip
@@ -206,18 +203,18 @@ def test_the_plan_leaves_auto_to_be_measured_but_checks_the_devices_divide_the_b
     monkeypatch,
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     argv = ["--batch-size", "12", "--micro-batch-size", "auto"]
     args = parser.parse_args(argv)
-    plan = cli.run_settings(parser, args, 4, CPU)
+    plan = flags.run_settings(parser, args, 4, CPU)
     assert (plan.micro_batch_size, plan.accumulation) == (None, 1)  # until measured
     assert args.micro_batch_size == "auto"
     with pytest.raises(ValueError, match="--batch-size 12 must be a multiple"):
-        cli.run_settings(parser, parser.parse_args(argv), 5, CPU)
+        flags.run_settings(parser, parser.parse_args(argv), 5, CPU)
 
 
 def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     assert parser.parse_args(["--micro-batch-size", "4"]).micro_batch_size == 4
     assert parser.parse_args(["--micro-batch-size", "auto"]).micro_batch_size == "auto"
     for bad in ["max", "0", "-1", "1.5", ""]:
@@ -247,7 +244,7 @@ def test_gpu_only_choices_on_cpu_exit_with_a_usage_error(corpus, cache_dir, tmp_
 
 
 # -------------------------------------------------------------------------------------------------
-# profile_step.py: the reference it times our step against is the same model
+# tools/profile_step.py: the reference it times our step against is the same model
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -274,7 +271,7 @@ def test_profile_step_reference_computes_our_models_loss_and_gradients(tie):
 def test_profile_step_prints_the_profile_and_both_step_times():
     argv = "--seq-length 16 --batch-size 4 --micro-batch-size 2 --warmup 1 --rounds 1 --steps 1"
     argv = argv.split() + ["--profile-steps", "1", "--rows", "5"]
-    out = run_script("profile_step.py", argv).stdout
+    out = run_script("tools/profile_step.py", argv).stdout
     assert "aten::mm" in out  # the profiler's table
     assert "ours" in out and "reference" in out and "x reference" in out, out
 
@@ -282,7 +279,7 @@ def test_profile_step_prints_the_profile_and_both_step_times():
 def test_profile_step_given_a_model_too_big_for_memory_says_so_in_one_line():
     # 2**40 x 2**16 fp32 embedding weights: 2**58 bytes, more than any 64-bit address space.
     argv = "--vocab-size 1099511627776 --hidden-size 65536 --num-heads 512 --num-kv-heads 512"
-    proc = run_script("profile_step.py", argv.split() + ["--num-layers", "1"], expect_rc=1)
+    proc = run_script("tools/profile_step.py", argv.split() + ["--num-layers", "1"], expect_rc=1)
     assert proc.stderr == (f"error: out of memory: you tried to allocate {2**58} bytes (a smaller "
                            f"--micro-batch-size or model needs less)\n")  # fmt: skip
 
@@ -290,18 +287,18 @@ def test_profile_step_given_a_model_too_big_for_memory_says_so_in_one_line():
 def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
     # 100000 threads crashed OpenMP (a segfault); more than the cores only times the waiting.
     cores = os.cpu_count() or 1
-    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--threads", str(cores + 1)])
+    monkeypatch.setattr(sys, "argv", ["tools/profile_step.py", "--threads", str(cores + 1)])
     with pytest.raises(SystemExit) as stopped:
-        stopping.run(profile_step.main)  # as its __main__ does
+        exits.run(profile_step.main)  # as its __main__ does
     assert stopped.value.code == 2
     assert f"argument --threads: expected an integer in [1, {cores}]" in capsys.readouterr().err
 
 
 def test_profile_step_refuses_compile_without_a_cpp_compiler(tmp_path, monkeypatch, capsys):
-    # As train_dp.py does (cli.compiler_missing): before the model is built, not in its first step.
+    # As train_dp.py does (flags.compiler_missing): before the model is built, not in its first step.
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--compile"])
+    monkeypatch.setattr(sys, "argv", ["tools/profile_step.py", "--compile"])
     with pytest.raises(SystemExit) as stopped:
-        stopping.run(profile_step.main)
+        exits.run(profile_step.main)
     assert stopped.value.code == 2
     assert "--compile on a CPU needs a C++ compiler" in capsys.readouterr().err

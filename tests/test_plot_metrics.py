@@ -1,4 +1,4 @@
-"""Specification of plot_metrics.py: read metrics.jsonl as the training scripts write it, plot it.
+"""Specification of tools/plot_metrics.py: read metrics.jsonl as the training scripts write it, plot it.
 
 Reading needs only the standard library and is always tested; drawing is tested where
 matplotlib is installed (`pip install -r requirements-plot.txt`).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import plot_metrics
+from tools import plot_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_runs_are_labelled_by_directory_name_and_by_path_when_names_clash():
 def test_a_run_named_twice_is_refused(tmp_path, monkeypatch):
     run = write_metrics(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["plot_metrics.py", "run", str(run)])
+    monkeypatch.setattr(sys, "argv", ["tools/plot_metrics.py", "run", str(run)])
     with pytest.raises(ValueError, match=re.escape(f"run and {run} are the same run")):
         plot_metrics.main()
 
@@ -84,28 +84,28 @@ def test_cli_overlays_runs_into_a_png_even_when_no_mfu_was_logged(tmp_path):
     ddp = write_metrics(tmp_path / "ddp", steps=30, mfu=True)
     output = tmp_path / "both.png"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "plot_metrics.py"), str(dp), str(ddp), "--output", str(output)],
+        [sys.executable, "-m", "tools.plot_metrics", str(dp), str(ddp), "--output", str(output)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert output.read_bytes().startswith(b"\x89PNG") and output.stat().st_size > 10_000
 
     # One run, no MFU anywhere: the default output lands in its out-dir.
-    proc = subprocess.run([sys.executable, str(REPO / "plot_metrics.py"), str(dp)],
+    proc = subprocess.run([sys.executable, "-m", "tools.plot_metrics", str(dp)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert (dp / "metrics.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_cli_reports_a_missing_run_in_one_line_with_exit_code_2(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "plot_metrics.py"), str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "tools.plot_metrics", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "plot_metrics.py"), *argv],
+    return subprocess.run([sys.executable, "-m", "tools.plot_metrics", *argv],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
@@ -149,7 +149,7 @@ def test_a_metrics_line_that_no_training_script_writes_is_named(tmp_path, line, 
 
 
 def test_null_values_are_gaps_not_errors(tmp_path):
-    # metrics.py writes a NaN or infinite value as null.
+    # lib/metrics.py writes a NaN or infinite value as null.
     run = write_metrics(tmp_path / "run", steps=2)
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "loss": None, "lr": 1e-3, "mfu": None}) + "\n")

@@ -34,7 +34,7 @@ from test_fsdp import (
 )
 
 import train_pp
-from generation import load_model
+from lib.finished_run import load_model
 from model import LlamaConfig, LlamaForPretraining, generate_text
 
 PP = "train_pp.py"
@@ -98,7 +98,7 @@ def test_start_up_reports_the_schedule_and_its_bubble(launched):
     assert "m = 2 micro-batches of 2 sequences per pipeline, 2 data-parallel pipelines" in stdout
     # p = 2 ranks, v = 2 stages per rank, m = 2: (p-1)/(v*m+p-1) = 1/5.
     assert "bubble (p-1)/(v*m+p-1) = 20.0%" in stdout, stdout
-    # --plan: memory_plan.py's estimate for this very layout, the same bubble included.
+    # --plan: tools/memory_plan.py's estimate for this very layout, the same bubble included.
     assert "memory per GPU" in stdout and "(dp 2 x tp 1 x pp 2, interleaved schedule" in stdout
     assert "2 micro-batches: bubble 20% of a step" in stdout, stdout
 

@@ -26,7 +26,7 @@ from harness import (
 )
 from test_faults import FAULT_RUN, assert_weights_equal, finish
 
-import stopping
+from lib import exits
 
 FSDP = "train_fsdp.py"
 STOPPED = re.compile(r"stopped at step (\d+), checkpoint saved; run the same command to resume")
@@ -113,13 +113,13 @@ def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_re
 
 
 def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeypatch):
-    handlers = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
+    handlers = {signum: signal.getsignal(signum) for signum in exits.STOP_SIGNALS}
     try:
-        request = stopping.StopRequest(torch.device("cpu"))
+        request = exits.StopRequest(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
         assert request.all_reduce() == signal.SIGUSR1
         os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's echo, milliseconds later: ignored
-        monkeypatch.setattr(stopping, "ECHO_SECONDS", 0.0)  # as if seconds had passed
+        monkeypatch.setattr(exits, "ECHO_SECONDS", 0.0)  # as if seconds had passed
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(1)  # (the handler interrupts this)
@@ -131,31 +131,31 @@ def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeyp
 def test_a_process_that_joined_a_process_group_ends_with_os_exit_after_its_atexit_handlers(
     monkeypatch,
 ):
-    # stopping.end_process: no interpreter teardown for C++ objects of torch.distributed to abort.
+    # exits.end_process: no interpreter teardown for C++ objects of torch.distributed to abort.
     calls = []
-    monkeypatch.setattr(stopping.atexit, "_run_exitfuncs", lambda: calls.append("atexit"))
-    monkeypatch.setattr(stopping.os, "_exit", calls.append)
-    stopping.run(lambda: None, os_exit=True)  # as every lesson that joins a process group
+    monkeypatch.setattr(exits.atexit, "_run_exitfuncs", lambda: calls.append("atexit"))
+    monkeypatch.setattr(exits.os, "_exit", calls.append)
+    exits.run(lambda: None, os_exit=True)  # as every lesson that joins a process group
 
     def refused():
         raise ValueError("bad input")
 
     with pytest.raises(SystemExit):  # (os._exit is a stand-in here, so run() goes on)
-        stopping.run(refused, os_exit=True)
+        exits.run(refused, os_exit=True)
     assert calls == ["atexit", 0, "atexit", 2]
 
 
 def say_as_rank(rank: int, monkeypatch, capsys, store) -> str:
-    """stopping.run of a main() that meets bad input, as global rank `rank` of a torchrun run
+    """exits.run of a main() that meets bad input, as global rank `rank` of a torchrun run
     whose store is `store` (None: none yet); its stderr."""
     monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setattr(stopping, "failure_store", [] if store is None else [store])
+    monkeypatch.setattr(exits, "failure_store", [] if store is None else [store])
 
     def fails():
         raise ValueError("bad input")
 
     with pytest.raises(SystemExit) as exit_:
-        stopping.run(fails)
+        exits.run(fails)
     assert exit_.value.code == 2
     return capsys.readouterr().err
 
@@ -179,7 +179,7 @@ def test_a_failure_every_rank_meets_is_said_once_by_rank_0_and_no_rank_exits_bef
 
 
 def test_a_failure_rank_0_does_not_meet_is_said_by_the_rank_that_met_it(monkeypatch, capsys):
-    monkeypatch.setattr(stopping, "FAILURE_WAIT", 0.5)
+    monkeypatch.setattr(exits, "FAILURE_WAIT", 0.5)
     err = say_as_rank(3, monkeypatch, capsys, torch.distributed.HashStore())
     assert err == "rank 3: error: bad input\n"
 
@@ -208,12 +208,12 @@ def test_out_of_memory_ends_in_one_line_and_any_other_error_in_a_traceback(capsy
         (lambda: torch.empty(2**56), f"you tried to allocate {2**58} bytes"),
     ]:
         with pytest.raises(SystemExit) as exit_:
-            stopping.run(main)
+            exits.run(main)
         assert exit_.value.code == 1
         advice = "(a smaller --micro-batch-size or model needs less)"
         assert capsys.readouterr().err == f"error: out of memory: {said} {advice}\n"
     with pytest.raises(SystemExit) as exit_:
-        stopping.run(raises(RuntimeError("a bug")))  # which keeps its traceback
+        exits.run(raises(RuntimeError("a bug")))  # which keeps its traceback
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("RuntimeError: a bug\n"), err

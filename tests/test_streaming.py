@@ -1,4 +1,4 @@
-"""Specification of streaming.py (--streaming): exact resume, one shard per rank, held-out
+"""Specification of lib/streaming.py (--streaming): exact resume, one shard per rank, held-out
 validation, and the same windows as the cached path, in-process on corpora made in tmp_path;
 then the train scripts' side: the position each checkpoint saves, and a run under torchrun
 resumed from one. (A killed streaming job: tests/test_faults.py.)"""
@@ -16,11 +16,8 @@ from harness import STREAMING, build_args, cmd, run_script
 from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically
 
-import checkpoints
-import cli
 import data
-import streaming
-import training
+from lib import checkpoints, flags, streaming, training
 
 TP = "train_tp.py"
 
@@ -69,7 +66,7 @@ def corpus_texts(root: Path) -> list[str]:
 def open_stream(root: Path, tmp_path: Path, *flags: str) -> streaming.Stream:
     argv = ["--data", str(root), "--text-column", "body", "--cache-dir", str(tmp_path / "cache")]
     argv += ["--vocab-size", "300", "--seq-length", "16", "--batch-size", "4"]
-    args = cli.build_parser("test").parse_args([*argv, "--eval-batches", "1", *flags])
+    args = flags.build_parser("test").parse_args([*argv, "--eval-batches", "1", *flags])
     return streaming.open_stream(args, None)
 
 
@@ -222,7 +219,7 @@ def test_a_hub_name_with_a_config_is_streamed(tmp_path, monkeypatch):
     monkeypatch.setattr(data.datasets, "load_dataset", hub)
     argv = ["--data", "org/corpus:en", "--text-column", "content", "--cache-dir", str(tmp_path)]
     argv += ["--vocab-size", "300", "--seq-length", "8", "--batch-size", "2", "--eval-batches"]
-    args = cli.build_parser("test").parse_args([*argv, "1", "--data-mode", "pad", "--streaming"])
+    args = flags.build_parser("test").parse_args([*argv, "1", "--data-mode", "pad", "--streaming"])
     stream = streaming.open_stream(args, None)
     assert calls == [("org/corpus", "en", True)]
     steps = take(streaming.StreamingBatches(stream, 2, 1, 1, 2), 10)  # rank 1 of 2: 1 of 4 shards
@@ -252,10 +249,10 @@ def test_a_corpus_that_validation_uses_up_is_refused(tmp_path):
     ],
 )
 def test_streaming_refuses_flags_of_a_corpus_cached_whole(flags, message):
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     args = parser.parse_args(["--streaming", *flags])
     with pytest.raises(ValueError, match=message):
-        cli.run_settings(parser, args, 1, torch.device("cpu"))
+        flags.run_settings(parser, args, 1, torch.device("cpu"))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -266,7 +263,7 @@ def test_step_batches_goes_on_from_the_saved_position_of_its_own_data_parallel_r
     root = write_corpus(tmp_path / "docs", 4)
     argv = ["--data", str(root), "--text-column", "body", "--cache-dir", str(tmp_path / "cache")]
     argv += ["--vocab-size", "300", "--seq-length", "16", "--batch-size", "4", "--streaming"]
-    args = cli.build_parser("test").parse_args([*argv, "--eval-batches", "1"])
+    args = flags.build_parser("test").parse_args([*argv, "--eval-batches", "1"])
     stream, val, tokenizer = training.build_datasets(args, None)
     assert isinstance(stream, streaming.Stream) and training.steps_per_epoch(stream, args) is None
     assert val is stream.val_set and tokenizer is stream.tokenizer

@@ -9,7 +9,7 @@ import torch
 from harness import DP, cmd, read_metrics, run_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import cli
+from lib import flags
 
 
 def scalars(out_dir, tag: str) -> dict[int, float]:
@@ -30,15 +30,15 @@ def test_tensorboard_gets_every_logged_value(corpus, cache_dir, tmp_path):
 
 
 def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_dir, monkeypatch):
-    # cli.run_settings's errors are ValueErrors that stopping.run prints in one line (exit code 2)
+    # flags.run_settings's errors are ValueErrors that stopping.run prints in one line (exit code 2)
     # (tests/test_bad_input.py holds that for every such error).
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
     )
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     args = parser.parse_args(cmd(corpus, cache_dir, "unused") + ["--tensorboard"])
     with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package: pip"):
-        cli.run_settings(parser, args, 1, torch.device("cpu"))
+        flags.run_settings(parser, args, 1, torch.device("cpu"))
     args = parser.parse_args(cmd(corpus, cache_dir, "unused"))
-    cli.run_settings(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error
+    flags.run_settings(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error

@@ -46,9 +46,9 @@ from test_fsdp import (
     copy_sharded_checkpoint,
 )
 
-from generation import load_model
+from lib.finished_run import load_model
+from lib.tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
 from model import LlamaConfig, LlamaForPretraining, generate_text
-from tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
 
 TP = "train_tp.py"
 
@@ -57,7 +57,7 @@ TP = "train_tp.py"
 def tp_run(shared_run, corpus, cache_dir) -> Path:
     """--tp 2 on 2 ranks: one tensor-parallel group (dp 1). Tests must not write into it."""
     out, stdout = shared_run(TP, lambda o: cmd(corpus, cache_dir, o) + ["--tp", "2", "--plan"], 2)
-    # --plan: memory_plan.py's estimate for this layout, with its tensor-parallel traffic.
+    # --plan: tools/memory_plan.py's estimate for this layout, with its tensor-parallel traffic.
     assert "(dp 1 x tp 2 x pp 1)" in stdout and "tensor parallel" in stdout, stdout
     return out
 
@@ -150,7 +150,7 @@ def test_model_pt_loads_in_a_plain_model_and_generate_runs_on_the_out_dir(tp_run
     config = LlamaConfig(**json.loads((tp_run / "config.json").read_text()))
     LlamaForPretraining(config).load_state_dict(weights, strict=True)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "generate.py"), "--out-dir", str(tp_run), "--prompt", "def ",
+        [sys.executable, "-m", "tools.generate", "--out-dir", str(tp_run), "--prompt", "def ",
          "--max-new-tokens", "8", "--temperature", "0"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

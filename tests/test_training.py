@@ -59,9 +59,7 @@ from harness import (
 )
 from torch.utils.data import DistributedSampler
 
-import cli
-import model_flags
-import training
+from lib import flags, model_config, training
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
@@ -415,10 +413,10 @@ def test_help_lists_the_command_line_contract(script):
 def test_the_flags_are_checked_without_changing_them(corpus, cache_dir):
     # The run plan holds what the flags imply; args stays what was parsed (a checkpoint
     # records it), even where the plan fills in defaults.
-    parser = cli.build_parser("test")
+    parser = flags.build_parser("test")
     argv = cmd(corpus, cache_dir, "unused", batch_size=8, model=None)
     args = parser.parse_args(argv)
-    plan = cli.run_settings(parser, args, 2, torch.device("cpu"))
+    plan = flags.run_settings(parser, args, 2, torch.device("cpu"))
     assert vars(args) == vars(parser.parse_args(argv))
     assert (plan.model, plan.micro_batch_size, plan.accumulation) == ("tiny", 4, 1)
     assert args.model is None and args.micro_batch_size is None
@@ -433,11 +431,11 @@ def test_shape_flags_override_the_preset_in_the_plan_the_model_and_the_summary(c
         "vocab_size": 321, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 8,
         "num_key_value_heads": 4, "intermediate_size": 320,
     }  # fmt: skip
-    checked = model_flags.model_shape(args).to_dict()
+    checked = model_config.model_shape(args).to_dict()
     assert checked == {**config.to_dict(), "vocab_size": 320}  # checked
     assert len(model.layers) == 3 and model.layers[0].feed_forward.w1.weight.shape == (320, 128)
     assert plan.model == "tiny"  # the preset's name: the flags are recorded as flags
-    summary = cli.describe_run(args, plan, config, torch.device("cpu"))
+    summary = flags.describe_run(args, plan, config, torch.device("cpu"))
     assert summary.startswith(
         "model: tiny with --num-layers 3 --hidden-size 128 --num-heads 8 --num-kv-heads 4 "
         "--ffn-size 320, "
@@ -449,9 +447,9 @@ def test_a_trained_tokenizer_gets_the_presets_vocabulary_unless_vocab_size_is_gi
     corpus, cache_dir, preset, vocab
 ):
     args, _ = build_args(corpus, cache_dir, model=preset, vocab_size=None)
-    assert model_flags.vocab_size(args) == vocab
+    assert model_config.vocab_size(args) == vocab
     args, _ = build_args(corpus, cache_dir, model=preset, vocab_size=500, num_layers=2)
-    assert model_flags.vocab_size(args) == 500
+    assert model_config.vocab_size(args) == 500
 
 
 def test_build_datasets_trains_the_tokenizer_with_the_resolved_vocabulary(

@@ -1,0 +1,1 @@
+"""The library every lesson shares (see README.md, "The files")."""

@@ -1,0 +1,476 @@
+"""A run's --out-dir: checkpoints and final files, written so that a kill at any moment loses
+nothing; one live run per directory (a lock); the checkpoint to resume from, checked to be this
+run's; the record of each start's settings (args.jsonl). A `.pt` checkpoint (train_dp.py,
+train_ddp.py, train_zero1.py) holds all a resumed run needs to go on exactly; the DCP
+checkpoints of train_fsdp.py and its successors are lib/sharded_checkpoints.py's.
+"""
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from lib.distributed import world_size_from_env
+from lib.exits import TrainingError
+from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
+
+# -------------------------------------------------------------------------------------------------
+# Every file is written atomically: to a temporary name beside it, flushed to disk, then renamed
+# over it (os.replace is atomic on POSIX): a kill leaves the old file or the new, never half.
+
+CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
+# train_fsdp.py's (and train_tp.py's, train_pp.py's): a DCP directory per step, step_0000100/
+CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
+TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
+
+
+def atomic_save(obj, path: str, write=torch.save) -> None:
+    """write(obj, f) into a temporary file beside `path`, flushed to disk, renamed over `path`."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        # A full disk, say: remove the partial file (its space is needed); `path` is untouched.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
+            # torch.save's zip writer wraps a failed write in a RuntimeError: raise the OSError
+            raise e.__context__ from e
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_save(text.encode(), path, lambda data, f: f.write(data))
+
+
+def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
+    """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
+    whole, its first group the step."""
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    found = [(int(m.group(1)), name) for name in names if (m := pattern.fullmatch(name))]
+    return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
+
+
+def save_checkpoint(
+    args, step, model, optimizer, scheduler, scaler, config, tokenizer, data_position=None
+) -> str:
+    """Write checkpoints/step_NNNNNNN.pt (checkpoint_state) atomically and keep the newest
+    --keep-checkpoints; TrainingError in one line if it cannot be written (a full disk)."""
+    state = checkpoint_state(
+        model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position
+    )
+    out_dir, keep = args.out_dir, args.keep_checkpoints
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_save(state, path)
+    except OSError as e:  # the disk is full, ...: say so in one line, not a traceback
+        raise save_failed(path, e) from e
+    for old in list_checkpoints(out_dir)[:-keep]:
+        os.remove(old)
+    return path
+
+
+def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -> TrainingError:
+    """The error for a checkpoint (or `what` else) that could not be written."""
+    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
+        reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
+    return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it are "
+                         f"intact: if the disk is full, make room, then run the same command "
+                         f"again to resume")  # fmt: skip
+
+
+def load_checkpoint(path: str) -> dict:
+    """Load a checkpoint file; ValueError (with the reason) if it cannot be read."""
+    try:
+        # weights_only=True: unpickling may only rebuild tensors and plain containers, never run
+        # code, so a checkpoint from someone else cannot execute anything on this machine.
+        # mmap=True: tensors are paged in from the file as they are used, not read up front.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+
+
+# -------------------------------------------------------------------------------------------------
+# Resumable state
+
+
+def rng_state() -> dict:
+    """Every random generator training uses: torch's CPU generator and each CUDA device's (the
+    data order is derived from --seed and the epoch; Python's and NumPy's are never used)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
+# a resumed run must use the same, or it is not the run an uninterrupted one gives. The others
+# (micro-batch size, precision, intervals, workers, kernel, ...) may change, and so may --max-steps
+# (a larger one extends even a finished run: resume_schedule; one below the checkpoint's is
+# refused). Not listed: the model's flags and --data: check_resumable compares what they make
+# (the config; the documents, corpus_sha256), not how they were spelled.
+RESUME_MUST_MATCH = (
+    "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
+    "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
+    "document_mask",
+)  # fmt: skip
+# Flags newer than some checkpoints, and the value those checkpoints were made with.
+ADDED_SINCE = {
+    "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
+    "streaming": False, "document_mask": False,
+}  # fmt: skip
+
+
+def tokenizer_digest(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def corpus_digest(tokenizer) -> str | None:
+    """The fingerprint of the documents the run reads; None for a tokenizer loaded alone."""
+    return getattr(tokenizer, "corpus_sha256", None)
+
+
+def checkpoint_state(
+    model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position=None
+) -> dict:
+    """Everything a resumed run needs to continue exactly as if it had never stopped. step: the
+    optimizer steps done, also the position in a cached dataset; data_position: a stream's."""
+    return {
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
+        "step": step, "config": config.to_dict(), "tokenizer_sha256": tokenizer_digest(tokenizer),
+        "corpus_sha256": corpus_digest(tokenizer), "args": vars(args), "data": data_position,
+    }  # fmt: skip
+
+
+def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
+    """ValueError if the checkpoint belongs to another run (model, tokenizer, data, data order,
+    schedule) or is past --max-steps; on every rank, before anything is loaded."""
+    if ckpt["step"] > args.max_steps:
+        raise ValueError(f"the checkpoint is at step {ckpt['step']}, past --max-steps "
+                         f"{args.max_steps}: a run cannot be shortened below what it has trained; "
+                         f"give --max-steps {ckpt['step']} or more, or start a new run in another "
+                         f"--out-dir")  # fmt: skip
+    recorded = {**ADDED_SINCE, **ckpt["args"]}
+    # A stream's validation is its first documents, as many as --eval-batches x --batch-size
+    # sequences need: another --eval-batches holds out others (say which flag changed them).
+    must_match = RESUME_MUST_MATCH + (("eval_batches",) if recorded["streaming"] else ())
+    changed = [
+        f"--{name.replace('_', '-')} {recorded.get(name)!r} (now {getattr(args, name)!r})"
+        for name in must_match
+        if recorded.get(name) != getattr(args, name)
+    ]
+    if changed:
+        raise ValueError(f"the checkpoint was made with {', '.join(changed)}; resume with the "
+                         f"same values, or start a new run in another --out-dir")  # fmt: skip
+    # Fields newer than some checkpoints, or that a dense model leaves out: missing, the default.
+    absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
+    saved, now = ckpt["config"], config.to_dict()
+    changed = [
+        f"{name} {saved.get(name, absent.get(name))} (now {now.get(name, absent.get(name))})"
+        for name in {**saved, **now}  # the union of both sides' fields, in order
+        if saved.get(name, absent.get(name)) != now.get(name, absent.get(name))
+    ]
+    if changed:
+        raise ValueError(f"the checkpoint holds a model with config {', '.join(changed)}; resume "
+                         f"with that run's --model, shape flags (--num-layers, ...), expert flags "
+                         f"(--num-experts, ...) and --vocab-size or --tokenizer, or start a new "
+                         f"run in another --out-dir")  # fmt: skip
+    # The data before the tokenizer, which changes with it when trained: the data is the news.
+    check_same_data(ckpt, args, tokenizer)
+    if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
+        raise ValueError("the checkpoint was trained with a different tokenizer than this run's; "
+                         "use the same --data, --vocab-size and --tokenizer as that run, or "
+                         "another --out-dir")  # fmt: skip
+    if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
+        # Not refused: a run started with --init-from and restarted with the same command must
+        # resume, not start over.
+        print(f"note: --init-from {args.init_from} is not used: the run resumes from its own "
+              f"checkpoint (at step {ckpt['step']}), which holds its weights")  # fmt: skip
+
+
+def check_same_data(ckpt: dict, args, tokenizer) -> None:
+    """ValueError if this run reads other documents than the checkpoint's run did (their digest,
+    not how --data spells them: an edit would change the split and the order). A checkpoint
+    from before the digest has only --data to go by: compared as a normalised path."""
+    saved, now = ckpt.get("corpus_sha256"), corpus_digest(tokenizer)
+    if saved is not None and now is not None:
+        if saved != now:
+            what = "its documents"
+            if args.streaming:
+                what = "its first documents (held out for validation) or its files' sizes"
+            raise ValueError(f"--data {args.data} is not the data the checkpoint was trained on: "
+                             f"{what} differ (fingerprint {saved[:12]}, now {now[:12]}); resume "
+                             f"with that data as it was, or start a new run in another "
+                             f"--out-dir")  # fmt: skip
+        return
+    recorded = ckpt["args"].get("data")
+    if recorded is not None and _normalised_spec(recorded) != _normalised_spec(args.data):
+        raise ValueError(f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); "
+                         f"resume with the same data, or start a new run in another "
+                         f"--out-dir")  # fmt: skip
+
+
+def _normalised_spec(spec: str) -> str:
+    """--data as one absolute path: dir//file, ./dir/file and /abs/dir/file compare equal."""
+    return os.path.abspath(os.path.expanduser(spec))
+
+
+def restore_checkpoint(
+    ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
+) -> tuple[int, list[dict] | None]:
+    """Load a checkpoint's state into fresh objects (ValueError, changing nothing, for another
+    run's); returns the step to go on from, and a stream's position in the data."""
+    check_resumable(ckpt, config, args, tokenizer)
+    fresh_lrs = [group["lr"] for group in optimizer.param_groups]
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    resume_schedule(scheduler, optimizer, fresh_lrs, ckpt["step"])
+    scaler.load_state_dict(ckpt["scaler"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["step"], ckpt.get("data")
+
+
+def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:
+    """Bring the fresh scheduler of this run's flags (a larger --max-steps extends the run) to
+    `step`: from fresh_lrs, the learning rates it set before optimizer.load_state_dict, stepped
+    `step` times as an uninterrupted run did: the same floats, bit for bit (unlike a formula)."""
+    for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
+        group["lr"] = lr
+    with warnings.catch_warnings():
+        # Stepping the schedule before any optimizer.step() is the point here, not a mistake.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(step):
+            scheduler.step()
+
+
+def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
+    """model.pt (a plain state_dict), config.json and tokenizer.json: all tools/generate.py
+    needs; and tokenizer_config.json, naming the special tokens as Hugging Face does
+    (lib/hf_tokenizer.py)."""
+    atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
+    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+    special = json.dumps(tokenizer.config(), indent=2)
+    atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
+
+
+# -------------------------------------------------------------------------------------------------
+# The out-dir itself: one live run per directory, a killed run's debris cleared, and the
+# checkpoint to resume from chosen (lib/sharded_checkpoints.py chooses among DCP directories
+# likewise)
+
+# One run per --out-dir (two would mix their files): the process that writes files holds a lock
+# on this file for its whole life, and writes who it is into it, for a run it keeps out.
+LOCK_FILE = ".lock"
+_held_locks: dict[str, object] = {}  # out-dir -> its open lock file, in the process holding it
+
+
+def lock_out_dir(out_dir: str) -> None:
+    """Take --out-dir for this process (ValueError naming a live run that holds it): a record
+    lock, which the kernel releases however the process ends (not flock(), which children share)."""
+    path = os.path.join(out_dir, LOCK_FILE)
+    if path in _held_locks:
+        return
+    f = open(path, "a+")  # never truncated before the lock is ours: it names the holder
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        f.seek(0)
+        holder = f.read()
+        f.close()
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
+            print(f"warning: cannot lock {path} ({e.strerror}): nothing keeps a second run out "
+                  f"of this --out-dir", file=sys.stderr)  # fmt: skip
+            return
+        try:
+            h = json.loads(holder)
+            who = f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+        except (ValueError, KeyError, TypeError):
+            who = "it is starting"
+        raise ValueError(f"--out-dir {out_dir} is in use by another run ({who}); wait for it to "
+                         f"end or stop it, or choose another --out-dir") from None  # fmt: skip
+    f.seek(0)
+    f.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started,
+          "command": shlex.join(sys.argv)}  # fmt: skip
+    f.write(json.dumps(me) + "\n")
+    f.flush()
+    if not _held_locks:
+        atexit.register(release_out_dir)  # however the process exits (but for a kill)
+    _held_locks[path] = f
+
+
+def release_out_dir() -> None:
+    """At exit: empty the lock file, then release it (not deleted: two runs could then lock two
+    files of that name)."""
+    for f in _held_locks.values():
+        f.truncate(0)
+        f.close()
+    _held_locks.clear()
+
+
+def make_out_dir(args) -> None:
+    """Create --out-dir, take its lock (ValueError if either fails) and clear a killed run's
+    temporary files, which never replaced a real file. Called by the process that writes."""
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        probe = os.path.join(args.out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+        lock_out_dir(args.out_dir)  # (ValueError if another run holds it)
+        if os.path.lexists(folder := os.path.join(args.out_dir, "checkpoints")):
+            os.listdir(folder)  # NotADirectoryError if a file took its name
+    except OSError as e:
+        raise ValueError(f"--out-dir {args.out_dir} cannot be created or written: {e}") from e
+    for folder in (args.out_dir, os.path.join(args.out_dir, "checkpoints")):
+        if os.path.isdir(folder):
+            for name in os.listdir(folder):
+                if TEMP_RE.search(name):
+                    os.remove(os.path.join(folder, name))
+
+
+def resume_never_error(out_dir: str) -> ValueError:
+    return ValueError(f"--resume never, but {out_dir} has checkpoints (nothing was overwritten): "
+                      f"--resume auto goes on, or choose another --out-dir")  # fmt: skip
+
+
+def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
+    """The newest of `paths` (oldest first) whose state file loads: an unreadable newest one (a
+    disk error, say) must not cost the run: say so, and fall back to the one before."""
+    for path in reversed(paths):
+        try:
+            load_checkpoint(state_file(path))
+            return path
+        except ValueError as e:
+            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
+    if paths:  # starting over would prune them: they may be readable again (a disk, a mount)
+        raise ValueError(f"none of the {len(paths)} checkpoints in {os.path.dirname(paths[0])} "
+                         f"can be read; move them aside to start at step 0")  # fmt: skip
+    return None
+
+
+def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
+    """ValueError if --out-dir holds the other kind of checkpoint than this script's (.pt files
+    or DCP directories), which it could neither resume nor start beside without replacing."""
+    if sharded:
+        pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
+    else:
+        pattern = CHECKPOINT_DIR_RE
+        writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py (directories)"
+    if list_checkpoints(out_dir, pattern):
+        raise ValueError(f"{out_dir} holds checkpoints of {writers}, which "
+                         f"{os.path.basename(sys.argv[0])} can neither resume nor write beside; "
+                         f"choose another --out-dir (a finished run's out-dir starts any script "
+                         f"with --init-from)")  # fmt: skip
+
+
+def start_from(out_dir: str, resume: str | None) -> str | None:
+    """resume, once its metrics.jsonl is read (ValueError now if it cannot be). At step 0 instead,
+    a previous run's (killed before its first checkpoint) moves aside to metrics.jsonl.1 (.2...)."""
+    if resume is not None:
+        read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+        return resume
+    found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
+    if not found:
+        return
+    note = f"note: {out_dir} has {' and '.join(found)} but no checkpoint: starting at step 0"
+    if "metrics.jsonl" in found:
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        n = 1
+        while os.path.exists(f"{metrics}.{n}"):
+            n += 1
+        os.replace(metrics, f"{metrics}.{n}")
+        note += f"; its metrics.jsonl is now metrics.jsonl.{n}"
+    if "model.pt" in found:
+        note += "; model.pt will be replaced when this run ends"
+    print(note)
+    return None
+
+
+def prepare_out_dir(args) -> str | None:
+    """make_out_dir, then choose the checkpoint to resume from (None: start fresh)."""
+    if args.resume not in ("never", "auto") and not os.path.isfile(args.resume):
+        raise ValueError(f"--resume: no checkpoint file at {args.resume}")
+    make_out_dir(args)
+    if args.resume == "never":
+        if list_checkpoints(args.out_dir):
+            raise resume_never_error(args.out_dir)
+        resume = None
+    elif args.resume != "auto":
+        load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
+        resume = args.resume
+    else:
+        resume = newest_readable(list_checkpoints(args.out_dir))
+    refuse_other_checkpoints(args.out_dir, sharded=False)
+    return start_from(args.out_dir, resume)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl's records ([] if none); ValueError for a line of JSON that is not a step's
+    record, or a file that cannot be read."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the torn last line of a killed run
+                if not isinstance(record, dict) or type(record.get("step")) is not int:
+                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
+                                     f"): correct or delete that line")  # fmt: skip
+                records.append(record)
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    return records
+
+
+def record_run(args, settings, start_step: int) -> None:
+    """Add a line to OUT_DIR/args.jsonl for this start (a resume may change --max-steps, ...):
+    every flag's final value, the settings derived (cli.RunSettings), the command and the step
+    it starts from; rewritten whole and atomically, once every check has passed."""
+    path = os.path.join(args.out_dir, "args.jsonl")
+    record = {
+        "script": os.path.basename(sys.argv[0]), "command": shlex.join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world_size_from_env(),
+        "start_step": start_step, "args": vars(args),
+        "plan": dataclasses.asdict(settings),  # cli.RunSettings
+    }  # fmt: skip
+    try:
+        previous = Path(path).read_text() if os.path.exists(path) else ""
+        if previous and not previous.endswith("\n"):
+            previous += "\n"
+        atomic_write_text(path, previous + json.dumps(record) + "\n")
+    except OSError as e:
+        raise TrainingError(f"could not write {path}: {e.strerror or e}") from e

@@ -1,0 +1,165 @@
+"""What the lessons' processes share: torchrun's ranks, the process group's store, and the rules
+every rank keeps in it.
+
+    rank, local_rank, world_size, device = distributed.torchrun_rank()
+    dist.init_process_group(distributed.backend_for(args.backend, device),
+                            store=distributed.rendezvous_store(), rank=rank, world_size=world_size)
+
+The torch APIs newer than 2.11 that the suite uses are at the end: the one place for them.
+"""
+
+import contextlib
+import inspect
+import os
+import signal
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lib.exits import TrainingError, end_with_parent, failure_store
+
+
+def torchrun_rank() -> tuple[int, int, int, torch.device]:
+    """(rank, local_rank, world_size, device) of this process, from torchrun's environment
+    (RANK, LOCAL_RANK: its index on its own machine, WORLD_SIZE); rank 0 of 1 without torchrun.
+    The device comes from the *local* rank, so the same code runs on one node or many:
+    cuda:LOCAL_RANK (made the current GPU), or the CPU without CUDA."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun passes its SIGTERM on to its workers, but killed (SIGKILL, the OOM killer) it
+        # cannot: the kernel then sends this rank SIGTERM, and it stops as on torchrun's
+        # (stopping.StopRequest) rather than train on, an orphan no one watches or restarts.
+        end_with_parent(signal.SIGTERM)
+    # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
+    world_size = world_size_from_env()
+    rank, local_rank = (rank_from_env(name, world_size) for name in ("RANK", "LOCAL_RANK"))
+    if not torch.cuda.is_available():
+        return rank, local_rank, world_size, torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"local rank {local_rank} has no GPU: this node has "
+                         f"{torch.cuda.device_count()}; launch at most that many processes per "
+                         f"node (--nproc_per_node)")  # fmt: skip
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return rank, local_rank, world_size, device
+
+
+def backend_for(flag: str | None, device: torch.device) -> str:
+    """--backend, or the device's: NCCL between GPUs, gloo for CPU tensors (nccl needs a GPU)."""
+    backend = flag or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    return backend
+
+
+def rendezvous_store() -> dist.Store:
+    """Where the ranks meet to form the process group (init_process_group's store). Under
+    torchrun: its env:// rendezvous at the MASTER_ADDR and MASTER_PORT it sets, with a key
+    prefix per restart attempt (--max-restarts): the store can still hold the last attempt's
+    addresses, and a new worker connect to its dead predecessor (seen with torch 2.13 and gloo).
+    Plain `python train_ddp.py`: a group of one, in memory: the same code at every size."""
+    if "RANK" not in os.environ:
+        if world_size_from_env() > 1:  # (run_ddp.sh's --check stops before it joins a group)
+            raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without torchrun: launch the "
+                             f"processes with torchrun (or run_ddp.sh), or leave WORLD_SIZE unset "
+                             f"for one process")  # fmt: skip
+        return dist.HashStore()
+    store, _, _ = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    failure_store.append(dist.PrefixStore(f"attempt_{attempt}", store))  # (stopping.say_once)
+    return failure_store[-1]
+
+
+def world_size_from_env() -> int:
+    """The number of processes of the run: WORLD_SIZE (torchrun's; run_ddp.sh's for --check),
+    else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    size = int(value) if value.strip().isdecimal() else 0
+    if size < 1:
+        raise ValueError(f"WORLD_SIZE={value!r} in the environment is not a positive integer: it "
+                         f"is the number of processes of the run (torchrun sets it; for --check, "
+                         f"set it to the number the run will have, or leave it unset for "
+                         f"one)")  # fmt: skip
+    return size
+
+
+def rank_from_env(name: str, world_size: int) -> int:
+    """RANK or LOCAL_RANK (torchrun's), 0 where unset; ValueError unless from 0 to world_size-1."""
+    value = os.environ.get(name, "0")
+    if value.strip().isdecimal() and int(value) < world_size:
+        return int(value)
+    bound = f"from 0 to WORLD_SIZE - 1 = {world_size - 1}"
+    raise ValueError(f"{name}={value!r} in the environment is not an integer {bound} (torchrun "
+                     f"sets it; leave it unset for one process)")  # fmt: skip
+
+
+def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
+    """world_size / size: the other side of a grid of ranks one of whose sides is `flag`'s value
+    (e.g. "--tp", 2, "dp x tp"); ValueError unless size is at least 1 and divides world_size."""
+    if size < 1:
+        raise ValueError(f"{flag} {size} must be at least 1")
+    if world_size % size:
+        raise ValueError(f"{flag} {size} must divide the number of ranks ({world_size}): the "
+                         f"ranks form a grid of {grid}; launch a multiple of {size} processes "
+                         f"(torchrun --nproc_per_node) or choose a {flag} that divides "
+                         f"{world_size}")  # fmt: skip
+    return world_size // size
+
+
+def from_rank0(fn, is_main: bool, *args):
+    """Run fn(*args) on global rank 0 alone; every rank gets its result, or raises its error
+    (a ValueError or TrainingError). For what only the writing rank may do (create --out-dir,
+    choose the checkpoint to resume from, save one): without it the others would learn of a
+    failure on rank 0 only by waiting forever in the next collective."""
+    box = [None, None]  # [result, error]
+    if is_main:
+        try:
+            box[0] = fn(*args)
+        except (ValueError, TrainingError) as e:
+            box[1] = e
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run the body on each node's LOCAL_RANK 0 first (it fills the caches), then on the other
+    ranks (they find them filled). A collective: every rank enters it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    # LOCAL_RANK (set by torchrun) rather than the global rank: with a cache on each node's
+    # local disk, every node needs its own first process.
+    is_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    if not is_first:
+        dist.barrier()  # wait until the first processes are done
+    try:
+        yield
+    finally:
+        # Release the others even if the body raised: they then hit the same error and exit
+        # cleanly, instead of waiting at the barrier forever.
+        if is_first:
+            dist.barrier()
+
+
+# -------------------------------------------------------------------------------------------------
+# The torch APIs the suite uses that are newer than the oldest it supports (2.11), in one place:
+# each a feature check (no version comparison), the new API where this torch has it, the older
+# equivalent where not. Everything else is the same call on every torch from 2.11 to 2.15.
+
+# DDP(forward_sync_buffers=False), torch 2.13: no re-broadcast of the buffers before every
+# forward. Before, broadcast_buffers=False, which also skips the initial sync: the same for
+# buffers every rank computes identically (this model's only ones are its RoPE tables).
+NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+# dist.all_gather_single and dist.reduce_scatter_single, torch 2.13; the same calls were named
+# all_gather_into_tensor and reduce_scatter_tensor before (deprecated since 2.13).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

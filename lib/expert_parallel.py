@@ -1,0 +1,163 @@
+"""Expert parallelism (EP) of train_ep.py: each mixture-of-experts layer's experts split over the
+ep ranks of a group, and every token sent to the rank that holds its experts, and back.
+
+    dp = data_parallel_size(world_size, ep, num_experts)   # ValueError unless ep divides both
+    shard_experts(model, mesh["ep"])   # w1, w2, w3: DTensors, Shard(0); the layers dispatch
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm)   # over every mesh the grads are on
+
+Each rank holds E / ep experts of every MoE layer (rank j of the group experts j*E/ep to
+(j+1)*E/ep - 1) and all the rest of the model (attention, the router, norms, embeddings, as
+data parallelism). It runs its own tokens through everything, and the MoE layer as one process
+does (moe.MoEFeedForward.forward: route, sort the (token, slot) pairs by expert, weight the
+outputs), except the experts themselves: `dispatch` runs them on their ranks. With ep = 2, E = 4:
+
+    rank 0: its pairs sorted by expert  | e0 e0 e1 | e2 e3 e3 e3 |   -> rank 0 | -> rank 1
+    rank 1: its pairs sorted by expert  | e1 | e2 e2 e3 |             -> rank 0 | -> rank 1
+      1. counts all-to-all: rank 0 learns it gets 2+1 pairs from itself, 0+1 from rank 1, ...
+      2. tokens all-to-all: rank 0 now holds | e0 e0 e1 | e1 | (from rank 0, then rank 1)
+      3. regrouped by expert | e0 e0 | e1 e1 |, run_experts with its 2 experts, regrouped back
+      4. outputs all-to-all, the reverse of 2: each rank gets its pairs' outputs, in its order
+
+The second all-to-all has uneven splits (how many pairs go to each rank), known only from the
+first, so the first one's result is read on the host (a sync) before the second is sent.
+Dropless: every pair reaches its expert however many pairs chose the same one, so the outputs
+are the one process's; the price is an unbounded message when the router is unbalanced, which
+the load-balancing loss keeps in check. Backward runs each all-to-all in reverse (_AllToAll):
+the gradients of the outputs go to the experts' ranks, those of the tokens come back.
+"""
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lib.distributed import divide_ranks
+from lib.moe import MoEFeedForward
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")  # stacked (E, ...): expert first, the dim EP shards
+
+# -------------------------------------------------------------------------------------------------
+# The grid of ranks
+
+
+def data_parallel_size(world_size: int, ep: int, num_experts: int) -> int:
+    """dp = world_size / ep; ValueError in one line unless --ep divides the number of ranks and
+    the number of experts (each rank of a group holds as many experts), or if there are none."""
+    dp = divide_ranks(world_size, "--ep", ep, "dp x ep")
+    if not num_experts:
+        raise ValueError(
+            "expert parallelism shards a mixture of experts, and this model is dense: give one "
+            "with experts (--num-experts, a multiple of --ep, or --init-from a run that has "
+            "them), or train a dense model with train_fsdp.py"
+        )
+    if num_experts % ep:
+        raise ValueError(
+            f"--ep {ep} must divide --num-experts {num_experts}: each of the {ep} ranks of a "
+            f"group holds the same number of every layer's experts"
+        )
+    return dp
+
+
+# -------------------------------------------------------------------------------------------------
+# The all-to-all, with autograd
+
+
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single with uneven splits, differentiable: backward sends the gradients
+    back the way the tensor came (the same all-to-all, splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        output_splits, input_splits = ctx.splits
+        grad_x = grad_out.new_empty((sum(input_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(
+            grad_x, grad_out.contiguous(), input_splits, output_splits, group=ctx.group
+        )
+        return grad_x, None, None, None
+
+
+def all_to_all(x, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Send input_splits[r] rows of x (in order) to rank r of `group`; returns the rows received,
+    output_splits[r] from rank r, in rank order."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+# -------------------------------------------------------------------------------------------------
+# The dispatch
+
+
+def dispatch(moe: MoEFeedForward, x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """moe.run_experts over the ep ranks of `group`: x (M, d) this rank's (token, slot) pairs
+    sorted by expert, counts[e] of them for expert e of all E; returns their outputs (M, d),
+    in the same order, each computed on the rank that holds its expert."""
+    ep = dist.get_world_size(group)
+    local = len(counts) // ep  # experts per rank
+    # 1. Counts: received[r][e] = how many pairs rank r sends to this rank's expert e. One row
+    # (E / ep counts) to each rank, so the split is even and needs no sizes.
+    sent = torch.tensor(counts, device=x.device).view(ep, local)  # (ep, local)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    received = received.tolist()  # a sync: the next message's sizes
+    input_splits = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]  # to rank r
+    output_splits = [sum(row) for row in received]  # from rank r
+    # 2. The pairs to the ranks of their experts: rank-major, then by expert within each rank.
+    x = all_to_all(x, output_splits, input_splits, group)  # (R, d), R pairs received
+    # 3. Regrouped expert-major for run_experts (each expert's pairs one block), run on this
+    # rank's experts (the local shard of the DTensors: E / ep of them), regrouped back.
+    blocks = x.split([n for row in received for n in row])  # block r*local+e: rank r, expert e
+    by_expert = [blocks[r * local + e] for e in range(local) for r in range(ep)]
+    local_counts = [sum(row[e] for row in received) for e in range(local)]
+    weights = tuple(getattr(moe, name).to_local() for name in EXPERT_WEIGHTS)  # (local, ...)
+    y = moe.run_experts(torch.cat(by_expert), local_counts, weights)  # (R, d)
+    blocks = y.split([row[e] for e in range(local) for row in received])  # block e*ep+r
+    by_rank = [blocks[e * ep + r] for r in range(ep) for e in range(local)]
+    # 4. The outputs back to the ranks of their tokens, in the order they were sent.
+    return all_to_all(torch.cat(by_rank), input_splits, output_splits, group)  # (M, d)
+
+
+def shard_experts(model: nn.Module, ep_mesh) -> None:
+    """Keep E / ep experts of every MoE layer on each rank of ep_mesh (w1, w2, w3 become
+    DTensors, Shard(0): their global shape and full values stay known to DCP, model.pt and
+    clip_grad_norm_), and make each layer dispatch its tokens over that group."""
+    for moe in model.modules():
+        if isinstance(moe, MoEFeedForward):
+            for name in EXPERT_WEIGHTS:
+                full = getattr(moe, name).detach()  # the same on every rank (same seed)
+                shard = distribute_tensor(full, ep_mesh, [Shard(0)])
+                setattr(moe, name, nn.Parameter(shard))
+            moe.dispatch = functools.partial(dispatch, moe, group=ep_mesh.get_group())
+
+
+# -------------------------------------------------------------------------------------------------
+# Clipping a gradient that lives on two meshes
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for DTensor gradients on different meshes (the experts'
+    on dp x ep, the rest on all ranks), which torch's refuses to stack: the norm of each mesh's
+    gradients (its DTensors' norms reduced over that mesh), combined into the norm of the whole
+    gradient; every gradient is then clipped by it. Returns it (a plain tensor, on every rank)."""
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    norms = [
+        torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+        for params in by_mesh.values()
+    ]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm < math.inf:
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

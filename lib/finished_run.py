@@ -1,0 +1,171 @@
+"""A finished run's model, loaded: what tools/generate.py, tools/export_hf.py and --init-from read
+from an out-dir (model.pt, config.json, tokenizer.json, which every train script writes at its end).
+
+    model, tokenizer = load_model("out", "cpu")
+    text = generate_text(model, tokenizer, "def ", 64)     # model.py's sampling
+
+The train scripts import this only for --init-from (init_from_config, check_init_from).
+"""
+
+import json
+import math
+import os
+import pickle
+
+import torch
+
+from data import DocumentTokenizer, load_tokenizer
+from model import LlamaConfig, LlamaForPretraining
+
+OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # checkpoints.save_final's
+
+
+# config.json's fields that our LlamaConfig takes: an integer (True) or any number (False).
+CONFIG_NUMBERS = {
+    "vocab_size": True,
+    "hidden_size": True,
+    "intermediate_size": True,
+    "num_hidden_layers": True,
+    "num_attention_heads": True,
+    "num_key_value_heads": True,
+    "max_position_embeddings": True,
+    "rope_theta": False,
+    "rms_norm_eps": False,
+    "num_local_experts": True,  # a Mixtral's
+    "num_experts_per_tok": True,
+}
+
+
+def is_number(value, integer: bool = False) -> bool:
+    """A positive finite number (an integer if `integer`), not a bool or a string."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return False
+    return 0 < value < 2**31 if integer else value > 0 and math.isfinite(value)
+
+
+def check_config_values(hf: dict) -> None:
+    """ValueError naming the fields of a config.json (this suite's, or a HF one's: the same names)
+    that are not what LlamaConfig takes (a size that is not a positive integer, ...), before
+    anything computes with them."""
+    bad = [
+        f"{name} {hf[name]!r}"
+        for name, integer in CONFIG_NUMBERS.items()
+        if name in hf and not is_number(hf[name], integer)
+    ]
+    if "tie_word_embeddings" in hf and not isinstance(hf["tie_word_embeddings"], bool):
+        bad.append(f"tie_word_embeddings {hf['tie_word_embeddings']!r}")
+    coef = hf.get("router_aux_loss_coef", 0)  # may be 0: no balance loss
+    if coef != 0 and not is_number(coef):
+        bad.append(f"router_aux_loss_coef {coef!r}")
+    for name in ("rope_scaling", "rope_parameters"):
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            bad.append(f"{name} {hf[name]!r}")
+        elif "rope_theta" in (hf.get(name) or {}) and not is_number(hf[name]["rope_theta"]):
+            bad.append(f"{name}.rope_theta {hf[name]['rope_theta']!r}")
+    if bad:
+        raise ValueError(f"bad values: {', '.join(bad)} (sizes are integers from 1 to 2**31 - 1)")
+
+
+def load_config(out_dir: str) -> LlamaConfig:
+    """out_dir/config.json as a LlamaConfig; ValueError if it is not one of this suite's."""
+    config_path = os.path.join(out_dir, "config.json")
+    try:
+        with open(config_path) as f:
+            fields = json.load(f)
+        check_config_values(fields if isinstance(fields, dict) else {})  # (LlamaConfig(**[]) fails)
+        return LlamaConfig(**fields)
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
+
+
+def init_from_config(init_from: str) -> LlamaConfig:
+    """--init-from's architecture, its config.json; ValueError unless it is a finished run's."""
+    missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(init_from, n))]
+    if missing:
+        raise ValueError(
+            f"--init-from {init_from}: no {', '.join(missing)} there; point it at the "
+            f"--out-dir of a finished run (or of `python -m tools.export_hf --from-hf HF_DIR "
+            f"OUT_DIR`)"
+        )
+    return load_config(init_from)
+
+
+def check_init_from(args, given: list[str]) -> None:
+    """ValueError if --init-from comes with flags that shape the model or its tokenizer
+    (`given`), or names the --out-dir itself."""
+    if given:
+        raise ValueError(
+            f"--init-from {args.init_from} brings its own architecture (config.json) and "
+            f"tokenizer (tokenizer.json): leave out {', '.join(given)}"
+        )
+    if os.path.realpath(args.init_from) == os.path.realpath(args.out_dir):
+        # Refused rather than resolved either way: resuming would ignore --init-from, and a
+        # fresh start would write its checkpoints and model.pt over the very files it starts
+        # from (a run never destroys what is already there).
+        raise ValueError(
+            f"--init-from {args.init_from} is also the --out-dir: a run writes its model.pt "
+            f"there, over the weights it starts from. To train on from that run's own "
+            f"checkpoints, leave out --init-from (it resumes; raise --max-steps); to start "
+            f"a new run from its model, give another --out-dir"
+        )
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, else fp32 (CPUs run bf16 matmuls slowly, if at all)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(
+    out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[LlamaForPretraining, DocumentTokenizer]:
+    """(model in eval mode on `device`, tokenizer) from a training run's --out-dir.
+
+    Raises ValueError, with what to do about it, when the directory or one of its files is
+    missing or unreadable. dtype defaults to `default_dtype(device)`.
+    """
+    device = torch.device(device)
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} is not a directory: give a training run's --out-dir")
+    missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
+    if missing:
+        raise ValueError(
+            f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
+            f"config.json and tokenizer.json at the end of its run (or run "
+            f"`python -m tools.export_hf --from-hf HF_DIR {out_dir}`)"
+        )
+    config = load_config(out_dir)
+    config_path = os.path.join(out_dir, "config.json")
+    tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only "
+            f"{config.vocab_size}: {out_dir}'s files come from different runs"
+        )
+
+    model_path = os.path.join(out_dir, "model.pt")
+    try:
+        # weights_only=True: unpickling may only rebuild tensors, never run code, so a model.pt
+        # from someone else cannot execute anything on this machine.
+        state_dict = torch.load(model_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read means "not a model.pt"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, pickle.UnpicklingError):  # (torch's text suggests weights_only=False)
+            reason = "not a file torch.save wrote, or a damaged one"
+        raise ValueError(f"could not read {model_path} as a model state_dict ({reason})") from e
+    if isinstance(state_dict, dict) and {"model", "optimizer"} <= state_dict.keys():
+        raise ValueError(f"{model_path} is a training checkpoint, not the model.pt a run writes at "
+                         f"its end: resume the run to its end, or copy that model.pt")  # fmt: skip
+    try:
+        model = LlamaForPretraining(config)
+    except (RuntimeError, MemoryError) as e:  # sizes too large for this machine's memory
+        raise ValueError(f"{config_path}: a model too large to build here ({e})") from e
+    try:
+        model.load_state_dict(state_dict)
+    except (RuntimeError, AttributeError, TypeError) as e:  # torch's lines, as one
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{model_path} does not fit {config_path} ({reason[:300]})") from e
+    model.to(device=device, dtype=dtype or default_dtype(device))
+    return model.eval(), tokenizer

@@ -1,0 +1,195 @@
+"""What a run measures and logs: metrics.jsonl, the non-finite loss guard, tokens/s and MFU, and
+a mixture of experts' routing (router_figures)."""
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from lib.checkpoints import atomic_write_text, read_metrics
+from lib.exits import TrainingError
+from model import LlamaConfig, count_active_parameters
+
+
+class Metrics:
+    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0);
+    with tensorboard (--tensorboard), every number also to out_dir/tensorboard, as train/<name>
+    or val/<name> against the step (the package is imported only then)."""
+
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int, tensorboard: bool = False):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides what an earlier run logged after the step this run
+            # starts from, as the lines of metrics.jsonl are cut below.
+            directory = os.path.join(out_dir, "tensorboard")
+            self.writer = SummaryWriter(directory, purge_step=resume_step + 1)
+        if enabled and os.path.exists(self.path):
+            # A run killed after its last checkpoint logged steps that this run logs again, and
+            # maybe half a line: keep the whole lines up to the step this run starts from.
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, **record) -> None:
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}  # fmt: skip
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            group = "val" if "val_loss" in record else "train"
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    tag = f"{group}/{name.removeprefix('val_')}"
+                    self.writer.add_scalar(tag, value, record["step"])
+            self.writer.flush()  # on disk now: a killed run loses nothing it logged
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        """An evaluation's record, also printed above the progress bar (where enabled)."""
+        ppl = math.exp(min(val_loss, 50.0))  # capped: exp of an early, huge loss is just noise
+        self.log(step=step, val_loss=val_loss, val_ppl=ppl)
+        if self.enabled:
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}, perplexity {ppl:.1f}")
+
+
+class NonFiniteGuard:
+    """Notices the first step whose loss (or gradient norm) is NaN or infinite. The run stops at
+    the next check, which the loop makes before it logs, evaluates or saves: the error names the
+    step, and the last checkpoint stays the last good state; between checks the step is
+    recorded on the device, with no wait for the GPU. With --skip-nonfinite, such a step's
+    update is skipped instead (each step then waits for the GPU once, to decide), but
+    MAX_SKIPPED_IN_A_ROW in a row stop the run: one that stays broken would "train" on."""
+
+    MAX_SKIPPED_IN_A_ROW = 10
+
+    def __init__(self, device: torch.device, skip: bool):
+        self.skip = skip
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
+        self.skipped_in_a_row = 0
+
+    def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Record step's loss and gradient norm (None: not checked); False: skip its update."""
+        finite = torch.isfinite(loss)
+        if grad_norm is not None:
+            finite &= torch.isfinite(grad_norm)
+        if self.skip:
+            if bool(finite):
+                self.skipped_in_a_row = 0
+                return True
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
+                raise TrainingError(f"the loss or the gradient was NaN/infinite at "
+                                    f"{self.skipped_in_a_row} steps in a row "
+                                    f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
+                                    f"not recovering, so it stopped (--skip-nonfinite skipped "
+                                    f"their updates, so nothing saved holds NaN/inf). Try a lower "
+                                    f"--lr or --grad-clip.")  # fmt: skip
+            print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
+                  file=sys.stderr)  # fmt: skip
+            return False
+        first = (self.first_bad_step == 0) & ~finite
+        self.first_bad_step = torch.where(first, step, self.first_bad_step)
+        return True
+
+    def check(self, out_dir: str) -> None:
+        if step := int(self.first_bad_step):
+            raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
+                                f"stopped before saving anything from that state (the checkpoints "
+                                f"in {out_dir} are the last good ones). Try a lower --lr, "
+                                "--grad-clip, or --skip-nonfinite to skip such steps.")  # fmt: skip
+
+
+class Throughput:
+    """Tokens/s, step time, MFU and peak GPU memory of training steps alone."""
+
+    def __init__(self, config: LlamaConfig, args, device: torch.device, devices: int):
+        self.tokens_per_step = args.batch_size * args.seq_length
+        self.flops_per_token = flops_per_token(config, args.seq_length)
+        self.peak_flops = peak_flops(device)  # None on CPU and unknown GPUs: no MFU then
+        self.device, self.devices = device, devices
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def figures(self) -> dict:
+        """The figures since the last call or restart(), in host time: the caller has just
+        waited for the GPU (its .item() of the loss)."""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        rate = self.steps * self.tokens_per_step / seconds
+        figures = {
+            "tokens_per_sec": rate, "step_ms": 1000 * seconds / max(self.steps, 1),
+            "mfu": mfu(rate, self.flops_per_token, self.peak_flops, self.devices),
+            "peak_memory_gb": peak_memory_gb(self.device),
+        }  # fmt: skip
+        self.restart()
+        return figures
+
+
+def router_figures(model: torch.nn.Module, group=None) -> dict:
+    """A mixture of experts' routing since the last call, over the global batch: {} for a dense
+    model, else moe.router_figures (a collective over `group`, default every rank). lib/moe.py is
+    loaded by a model that has experts: where it is not, there are none, and nothing is imported."""
+    moe = sys.modules.get("lib.moe")
+    return {} if moe is None else moe.router_figures(model, group)
+
+
+def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
+    """The progress bar's figures at a log step (MFU where the GPU's peak is known)."""
+    rate, step_ms = figures["tokens_per_sec"], figures["step_ms"]
+    postfix = {"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}",
+               "step_ms": f"{step_ms:,.1f}"}  # fmt: skip
+    if figures["mfu"] is not None:
+        postfix["mfu"] = f"{100 * figures['mfu']:.1f}%"
+    return postfix
+
+
+# -------------------------------------------------------------------------------------------------
+# Model FLOPs utilisation (MFU)
+
+# Dense bf16 peak FLOP/s (datasheet, no sparsity), by a piece of torch.cuda.get_device_name();
+# the first match wins, so the specific names come before "H100".
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
+)  # fmt: skip
+
+
+def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
+    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T. N: the parameters of every
+    matrix multiply a token uses (lm_head, not the embedding lookup; tied, counted once; of a
+    mixture of experts, the router and num_experts_per_tok experts per layer). 12 L H Q T:
+    attention's QK^T and AV (H heads of width Q, context T), in full as PaLM counts it."""
+    n = count_active_parameters(config)
+    if not config.tie_word_embeddings:
+        n -= config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_length  # H*Q = hidden
+    return 6 * n + attention
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """This GPU's dense bf16 peak, or None (CPU, unknown GPU): no MFU rather than a wrong one."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devices: int):
+    """The fraction of `devices` GPUs' peak turned into model FLOPs; None without a peak."""
+    return None if peak is None else tokens_per_sec * flops_per_token / (peak * devices)
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """The most GPU memory tensors have held so far (GB = 1e9 bytes); None on CPU."""
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None

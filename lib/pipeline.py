@@ -1,0 +1,336 @@
+"""The pipeline of train_pp.py: its flags and their checks, the model cut into stages of
+consecutive layers, which stages each rank holds, the loss of the last stage, gradient clipping
+over the pipeline's ranks, and the whole model read back from a checkpoint. The PipelineStages
+and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
+"""
+
+import dataclasses
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
+
+from lib import flags, model_config, training
+from lib.sharded_checkpoints import safe_load
+from lib.tensor_parallel import check_tensor_parallel
+from model import IGNORE_INDEX, LlamaForPretraining
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+# -------------------------------------------------------------------------------------------------
+# Flags
+
+
+def build_parser():
+    """train_pp.py's flags: every train script's (lib/flags.py), and the pipeline's own."""
+    parser = flags.build_parser(
+        "Pretrain a Llama with torchrun + pipeline parallelism (GPipe, 1F1B or interleaved "
+        "1F1B), optionally with FSDP across pipelines. Here --micro-batch-size defaults to 1: "
+        "many micro-batches, a small pipeline bubble.",
+        distributed=True,
+    )
+    parser.add_argument(
+        "--pp",
+        type=flags.number_arg(int, 1),
+        default=None,
+        help="pipeline-parallel size: stages per pipeline; world_size / (pp x tp) pipelines "
+        "train data-parallel (FSDP). Default: all ranks (world_size / tp) in one pipeline",
+    )
+    parser.add_argument(
+        "--tp",
+        type=flags.number_arg(int, 1),
+        default=1,
+        help="tensor-parallel ranks inside each stage (3D: pp x dp x tp = world_size); keep it "
+        "within a node",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default="1f1b",
+        help="gpipe: all forwards, then all backwards; 1f1b: the same bubble, activations of at "
+        "most pp micro-batches alive; interleaved: several smaller stages per rank, a smaller "
+        "bubble",
+    )
+    parser.add_argument(
+        "--stages-per-rank",
+        type=flags.number_arg(int, 1),
+        default=None,
+        help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
+    )
+    return parser
+
+
+def check_pipeline_args(
+    parser, args, world_size: int, device: torch.device
+) -> tuple[flags.RunSettings, int, int, int]:
+    """Validate the pipeline flags; returns (run, pp, stages per rank, dp): the run's
+    accumulation is the number of micro-batches m per step. ValueError if wrong.
+
+    Called before any data is read: a mistake costs seconds, not a tokenized corpus.
+    """
+    schedule = args.schedule
+    v = args.stages_per_rank
+    if v is None:
+        v = 2 if schedule == "interleaved" else 1
+    if v < 1:
+        parser.error(f"--stages-per-rank must be positive, got {v}")
+    if schedule == "interleaved" and v < 2:
+        parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
+    if schedule != "interleaved" and v != 1:
+        parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
+    if args.tp < 1:
+        parser.error(f"--tp must be positive, got {args.tp}")
+    # Default: one pipeline over all ranks (of a tp rank).
+    pp = max(1, world_size // args.tp) if args.pp is None else args.pp
+    if pp < 1:
+        parser.error(f"--pp must be positive, got {pp}")
+    if world_size % (pp * args.tp):
+        parser.error(
+            f"--pp {pp} x --tp {args.tp} does not divide the number of processes "
+            f"({world_size}): the mesh is pp x dp x tp, so launch a multiple of "
+            f"{pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
+        )
+    dp = world_size // (pp * args.tp)
+    if args.micro_batch_size == "auto":
+        parser.error(
+            "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
+            "probed alone); give a number (python -m tools.memory_plan --pp N estimates what fits)"
+        )
+    if args.attention == "flex":
+        # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
+        # micro-batch would get the whole batch's mask.
+        parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
+    # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
+    # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
+    run = flags.run_settings(parser, args, dp, device, default_micro_batch_size=1)
+    run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
+    model_config.refuse_experts(parser, args, "train_pp.py")  # MoE: not here (NO_EXPERTS says why)
+    microbatches = run.accumulation
+    config = model_config.model_shape(args)
+    check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
+    num_stages = pp * v
+    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
+    if config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    if args.precision == "fp16":
+        parser.error(
+            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
+            "inf checks span every stage, which this script does not implement"
+        )
+    if schedule == "1f1b" and microbatches < pp:
+        parser.error(
+            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {pp}; "
+            f"lower --micro-batch-size or raise --batch-size"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved" and microbatches % rounds:
+        parser.error(
+            f"interleaved needs the micro-batches ({microbatches}) to be a multiple of "
+            f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
+        )
+    return run, pp, v, dp
+
+
+# -------------------------------------------------------------------------------------------------
+# Stages
+
+
+def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank: int) -> float:
+    """The share of a step each rank of a pipeline of `pp` stages sits idle.
+
+    GPipe and 1F1B: counted in slots of one micro-batch's forward + backward on one stage, the
+    work takes m slots, and filling and draining the pipeline p-1 more: (p-1)/(m+p-1) (Huang et
+    al. 2019, GPipe; 1F1B, PipeDream-Flush's schedule, only reorders the same work). Interleaved
+    1F1B: each rank runs v stages of 1/v of its layers, so its slots are v times shorter; the
+    work takes v*m of them and the fill and drain still p-1: (p-1)/(v*m+p-1). (Narayanan et al.
+    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+    sec. 2.2, give it as (p-1)/(v*m) of the ideal time; as a share of the whole step, this.)
+    """
+    slots = micro_batches * (stages_per_rank if schedule == "interleaved" else 1)
+    return (pp - 1) / (slots + pp - 1)
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Consecutive layer indices of each stage, as even as possible.
+
+    When the layers do not divide, the first `num_layers % num_stages` stages get one layer more
+    (as numpy.array_split does): the last stage never does, because it also runs the final norm,
+    lm_head and the loss, the heaviest work outside the layers (the first stage's embedding is a
+    lookup, nearly free).
+    """
+    if num_layers < num_stages:
+        raise ValueError(
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
+            f"(--pp x --stages-per-rank); use a smaller --pp or --stages-per-rank, or a deeper "
+            f"--model"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    start = lambda stage: stage * base + min(stage, extra)  # the `extra` stages before it: +1 each
+    return [range(start(stage), start(stage + 1)) for stage in range(num_stages)]
+
+
+class StageModel(nn.Module):
+    """One pipeline stage: a run of consecutive decoder layers, plus the embedding on the first
+    stage and the final norm and lm_head on the last (None elsewhere, as torchtitan does).
+
+    It holds the full model's own submodules under the full model's names (the layers in a
+    ModuleDict keyed by their original index), so its state_dict keys are exactly the full
+    model's: `layers.5.attention.wq.weight` is the same name on every layout.
+
+    Input: token ids (B, T) on the first stage, hidden states (B, T, d) elsewhere. Output: hidden
+    states, or logits (B, T, vocab) on the last stage; the schedule's loss function takes them.
+    """
+
+    def __init__(self, model: LlamaForPretraining, layer_ids: range, first: bool, last: bool,
+                 precision: str = "fp32"):  # fmt: skip
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        # Each stage needs the RoPE tables (every layer rotates q and k). They are the model's
+        # own buffers, a function of the config: referenced, not recomputed; not persistent,
+        # so not in the state_dict, as in the model.
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.precision = precision
+
+    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # autocast here, inside the stage: the schedule calls the stages itself, and the stage is
+        # what FSDP wraps, so there is no outer forward to put it around.
+        with training.autocast(h.device, self.precision):
+            if self.tok_embeddings is not None:
+                h = self.tok_embeddings(h)  # (B, T) ids -> (B, T, d)
+            T = h.size(1)
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim)
+            for layer in self.layers.values():  # in the model's order: keys were added ascending
+                h = layer(h, cos, sin, attn_mask)
+            if self.norm is not None:
+                h = self.norm(h)
+            if self.lm_head is not None:
+                h = self.lm_head(h)  # (B, T, d) -> (B, T, vocab)
+        return h
+
+
+def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages a rank runs: rank r holds stages r, r + pp, r + 2 pp, ... ("looped" order, the
+    one the interleaved schedule expects). With one stage per rank, simply stage r."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def build_stages(
+    model: LlamaForPretraining,
+    pp_rank: int,
+    pp_size: int,
+    stages_per_rank: int,
+    device: torch.device,
+    precision: str = "fp32",
+) -> list[StageModel]:
+    """This rank's stage modules, moved to `device`, in stage order.
+
+    Every rank builds the same full model (same seed, same weights), then keeps only its own
+    layers: the rest is freed with `model`. ValueError if the layers do not go round.
+    """
+    num_stages = pp_size * stages_per_rank
+    layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
+    if model.config.tie_word_embeddings and num_stages > 1:
+        raise tied_embeddings_error(num_stages)
+    return [
+        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision).to(device)
+        for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
+    ]
+
+
+def tied_embeddings_error(num_stages: int) -> ValueError:
+    return ValueError(
+        f"the model ties lm_head to the token embeddings (tie_word_embeddings), but with "
+        f"{num_stages} pipeline stages they live on different ranks, and one tensor cannot; "
+        f"use --pp 1 (with --schedule gpipe or 1f1b), train_fsdp.py, or an untied --model"
+    )
+
+
+class RankModel(nn.Module):
+    """Every parameter this rank holds, once, under the full model's names: what the optimizer,
+    the gradient norm and the checkpoints see. The stages run the computation; this module only
+    refers to their submodules (with several stages per rank, their layers side by side)."""
+
+    def __init__(self, stages: list[StageModel]):
+        super().__init__()
+        self.tok_embeddings = next(
+            (s.tok_embeddings for s in stages if s.tok_embeddings is not None), None
+        )
+        self.layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
+        self.norm = next((s.norm for s in stages if s.norm is not None), None)
+        self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)
+
+
+class PipelineLoss:
+    """The last stage's loss for one micro-batch: summed cross-entropy x `self.scale`.
+
+    The schedule calls it as loss_fn(logits, targets) for every micro-batch. The loop sets
+    `scale` before each schedule run: training, dp / (targets in the global batch), the same
+    normalisation as every other script (see the loop), so the schedule must not rescale
+    (scale_grads=False); evaluation, 1: plain sums, added up and divided once. (An attribute
+    rather than the schedule's loss_kwargs, which torch 2.13 brought: the same on every torch.)
+    """
+
+    def __init__(self):
+        self.scale: torch.Tensor | float = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets  # fmt: skip
+        return loss_sum * self.scale
+
+
+# -------------------------------------------------------------------------------------------------
+# Gradient clipping over the pipeline
+
+
+def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch.Tensor:
+    """clip_grad_norm_ for a model split over the pipeline: measure the whole model's norm.
+
+    Each rank holds the gradients of its own stages only, so torch's clip_grad_norm_ would
+    measure (and clip by) a different, partial norm on every rank. The squared norms add up over
+    disjoint sets of parameters: all-reduce them over the pp group, take the root, then clip
+    every stage by the same global norm. (With FSDP the per-rank norm is a DTensor over the dp
+    shards: full_tensor() adds those up first, as train_fsdp.py's clipping does.)
+    """
+    parameters = list(parameters)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    squared = norm.square()
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+# -------------------------------------------------------------------------------------------------
+# The weights at the end
+
+
+def load_checkpoint_weights(model: LlamaForPretraining, path: str) -> None:
+    """Load the model weights of the DCP checkpoint `path` into a whole (plain) `model`, in
+    this process alone: no collective, so rank 0 can do it by itself.
+
+    Every stage wrote its tensors under the full model's names, so the checkpoint holds the
+    whole model whatever layout wrote it (pp, dp, tp, interleaved); safe_load: no pickle in the
+    directory can run code.
+    """
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        safe_load(state, path, no_dist=True)
+    model.load_state_dict(state["model"])

@@ -1,0 +1,350 @@
+"""The parts of a training run that no parallel strategy changes: the datasets and each step's
+batches, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and the
+end of a run. Each train_*.py keeps its own visible loop and calls these, which keeps the diff
+between neighbouring lessons to the concept each one adds. An optional feature's module is
+imported where it is used: lib/streaming.py, masks.py (--document-mask), lib/finished_run.py
+(--init-from).
+"""
+
+import atexit
+import contextlib
+import functools
+import math
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, Subset
+
+import data
+from lib import model_config
+from lib.checkpoints import TEMP_RE, save_failed, save_final
+from lib.distributed import main_process_first
+from lib.exits import ignore_stop_signals
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, generate_text
+
+# -------------------------------------------------------------------------------------------------
+# Data
+
+
+def build_datasets(args, tokenizer_path: str | None):
+    """Corpus -> tokenizer (tokenizer_path's, or trained) -> tokenized datasets: (train, val,
+    tokenizer), made by one process per node; with --streaming, train is a streaming.Stream."""
+    if args.streaming:
+        from lib import streaming  # only for --streaming
+
+        stream = streaming.open_stream(args, tokenizer_path)
+        return stream, stream.val_set, stream.tokenizer
+    with main_process_first():
+        docs = data.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
+        train_docs, val_docs = data.split_corpus(docs, args.val_fraction, seed=0)
+        specials = model_config.special_tokens(args)
+        vocab = model_config.vocab_size(args)
+        tokenizer = data.get_tokenizer(train_docs, vocab, args.cache_dir, tokenizer_path, specials)
+        tokenizer.corpus_sha256 = data.fingerprint(docs, args.cache_dir)  # for checkpoints
+        # --num-proc tokenizes in parallel; packing stays in one process (data.PretrainingDataset)
+        train_ids = data.tokenize(train_docs, tokenizer, args.num_proc)
+        val_ids = data.tokenize(val_docs, tokenizer, args.num_proc)
+        window = (args.seq_length, args.data_mode, tokenizer.pad_id)
+        train, val = (data.PretrainingDataset(ids, *window) for ids in (train_ids, val_ids))
+    if int(os.environ.get("RANK", "0")) == 0:
+        train_size = (len(train_docs), data.count_tokens(train_ids), len(train))
+        val_size = (len(val_docs), data.count_tokens(val_ids), len(val))
+        print(describe_data(args, train_size, val_size))
+    return train, val, tokenizer
+
+
+def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) -> str:
+    """The start-up summary of the data: train and val as (documents, tokens, sequences), and
+    the share of an epoch (the split's whole batches) that --max-steps covers."""
+
+    def size(n: int) -> str:
+        return f"{n:,}" if n < 1e6 else f"{n / 1e6:,.1f}M" if n < 1e9 else f"{n / 1e9:,.2f}B"
+
+    docs, tokens, sequences = train
+    epoch_steps = sequences // args.batch_size
+    epochs = (f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps" if epoch_steps
+              else "more than the split has (fewer sequences than one batch)")  # fmt: skip
+    return (f"data: {docs:,} train documents = {size(tokens)} tokens -> {sequences:,} sequences "
+            f"of {args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
+            f"{size(val[1])} tokens -> {val[2]:,} sequences\n"
+            f"this run: {args.max_steps:,} steps x {args.batch_size} sequences = "
+            f"{args.max_steps * args.batch_size:,} sequences = {epochs}")  # fmt: skip
+
+
+def is_stream(dataset) -> bool:
+    """Whether `dataset` is a streaming.Stream (--streaming): only if lib/streaming.py is loaded."""
+    streaming = sys.modules.get("lib.streaming")
+    return streaming is not None and isinstance(dataset, streaming.Stream)
+
+
+def steps_per_epoch(train_ds, args) -> int | None:
+    """Optimizer steps in one pass over the training split (ValueError if none); None for a
+    stream, whose length is not known."""
+    if is_stream(train_ds):
+        return None
+    steps = len(train_ds) // args.batch_size
+    if steps == 0:
+        raise ValueError(f"--batch-size {args.batch_size} is more than the training split's "
+                         f"{len(train_ds)} sequences: add data or lower --batch-size")  # fmt: skip
+    return steps
+
+
+def step_batches(
+    dataset, order_for_epoch: Callable[[int], list[int]], micro_batch_size: int, accumulation: int,
+    steps_per_epoch: int, start_step: int, num_workers: int, pin_memory: bool,
+    shard: tuple[int, int] = (0, 1), data_position: list[dict] | None = None,
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
+    """An iterator over the optimizer steps from `start_step` on, each step's `accumulation`
+    micro-batches. `order_for_epoch(epoch)` gives the sample indices this process reads in that
+    epoch: where single-process and distributed training differ. The position in the data is a
+    function of the step, so a resume at step s reads what an uninterrupted run would. A stream
+    is read by a streaming.StreamingBatches: `shard` (dp rank, dp size), `data_position`."""
+    if num_workers is None:  # --num-workers' default (lib/flags.py): none on a CPU, one on a GPU
+        num_workers = 1 if pin_memory else 0  # pin_memory: training on a GPU
+    if is_stream(dataset):
+        from lib import streaming
+
+        state = streaming.own_position(data_position, *shard) if start_step > 0 else None
+        return streaming.StreamingBatches(
+            dataset, micro_batch_size, accumulation, *shard, state=state, read_ahead=num_workers
+        )
+    return _cached_step_batches(
+        dataset, order_for_epoch, micro_batch_size, accumulation, steps_per_epoch, start_step,
+        num_workers, pin_memory,
+    )  # fmt: skip
+
+
+def _cached_step_batches(dataset, order_for_epoch, micro_batch_size, accumulation,
+                         steps_per_epoch, start_step, num_workers, pin_memory):  # fmt: skip
+    epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
+    per_step = micro_batch_size * accumulation
+    while True:
+        order = order_for_epoch(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
+        loader = DataLoader(
+            dataset, batch_size=micro_batch_size, sampler=order, num_workers=num_workers,
+            pin_memory=pin_memory, drop_last=True, worker_init_fn=ignore_stop_signals,
+        )  # fmt: skip
+        batches = _start_loader(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            yield [next(batches) for _ in range(accumulation)]
+        epoch, step_in_epoch = epoch + 1, 0
+
+
+# The loader iterators of _start_loader whose workers may still run (a finished one drops out).
+_open_loaders: weakref.WeakSet = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _start_loader(loader: DataLoader) -> Iterator:
+    """iter(loader), whose workers end when this process does, however it ends: they ignore the
+    stop signals, and a run ended by an error still holds the loader at exit, when the
+    DataLoader's shutdown is off and multiprocessing's exit hook would wait for them forever. So
+    the first loader with workers registers _end_open_loaders, which atexit runs before it."""
+    global _exit_hook_registered
+    batches = iter(loader)
+    if loader.num_workers > 0:
+        if not _exit_hook_registered:
+            atexit.register(_end_open_loaders)
+            _exit_hook_registered = True
+        _open_loaders.add(batches)
+    return batches
+
+
+def _end_open_loaders() -> None:
+    for batches in list(_open_loaders):
+        # The DataLoader's own shutdown (what it does once its iterator is dropped): the
+        # workers are told to leave and are waited for, a few milliseconds.
+        batches._shutdown_workers()
+        for worker in batches._workers:
+            if worker.is_alive():  # deaf even to that (stuck in a batch): no reason to wait
+                worker.kill()
+
+
+def data_positions(batches) -> list[dict] | None:
+    """What a checkpoint saves of the position in the data: None for a cached dataset (the step
+    is its position); for a stream, streaming.data_positions: a collective under torchrun."""
+    streaming = sys.modules.get("lib.streaming")  # imported for --streaming alone (is_stream)
+    if streaming is None or not isinstance(batches, streaming.StreamingBatches):
+        return None
+    return streaming.data_positions(batches)
+
+
+# -------------------------------------------------------------------------------------------------
+# Model, optimizer, schedule, precision, attention masks
+
+
+def build_model(args, preset: str | None, vocab_size: int):
+    """(model, config) to train: the settings' preset (shaped by the flags) with fresh weights
+    from --seed, or --init-from's (in fp32, on the CPU: tools/generate.py's loader, its checks)."""
+    if args.init_from is not None:
+        from lib.finished_run import load_model
+
+        model, _ = load_model(args.init_from, "cpu", torch.float32)
+        return model.train(), model.config
+    config = model_config.preset_config(args, preset, vocab_size)
+    torch.manual_seed(args.seed)  # the same initial weights in every process
+    return LlamaForPretraining(config), config
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a model, or of a pipeline stage (an nn.ModuleDict of them)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
+
+
+def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
+    """Compile each decoder layer in place (one layer's graph, reused; the parameter names
+    unchanged) and, with loss, model.loss, which fuses the upcast and log-softmax of the logits
+    (not under TP, whose loss runs on vocabulary shards, nor in pipeline stages)."""
+    for layer in decoder_layers(model):
+        layer.compile()
+    if loss:
+        model.loss = torch.compile(model.loss)
+
+
+def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
+    """Recompute each decoder layer's activations in backward instead of storing them (its
+    forward under torch.utils.checkpoint, non-reentrant: it works with DDP, FSDP and compile);
+    the parameter names, hence the checkpoints, unchanged."""
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
+    # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
+    fused = device_type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def build_scheduler(optimizer, args) -> LRScheduler:
+    """Linear warmup to --lr, then cosine decay to lr * --min-lr-ratio at --max-steps."""
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, args.max_steps - args.warmup_steps),
+                               eta_min=args.lr * args.min_lr_ratio)  # fmt: skip
+    if args.warmup_steps == 0:
+        return cosine
+    warmup = LinearLR(optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps)
+    return SequentialLR(optimizer, [warmup, cosine], milestones=[args.warmup_steps])
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return "bf16" if cuda_bf16 else "fp32"
+    return precision
+
+
+def resolve_attention(args, device, replicas: int = 1, context_parallel: bool = False) -> str:
+    """The kernel that runs --document-mask, "flex" or "sdpa" (masks.resolve_attention, which
+    refuses flex where it cannot run); "sdpa" when neither it nor --attention is given."""
+    if not args.document_mask and args.attention == "auto":
+        return "sdpa"
+    import masks  # only for --document-mask or --attention
+
+    return masks.resolve_attention(args, device, replicas, context_parallel)
+
+
+def autocast(device: torch.device, precision: str):
+    """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], object]:
+    """mask(x) for a batch of tokens x (B, T): None (plain causal attention, the fast path)
+    unless --document-mask asks for masks.document_masks'. Pad mode needs no padding mask:
+    padding is on the right, so under causal attention no real token sees it."""
+    if not args.document_mask:
+        return lambda x: None
+    import masks  # only for --document-mask
+
+    return masks.document_masks(tokenizer.bot_id, settings.attention)
+
+
+# -------------------------------------------------------------------------------------------------
+# Evaluation and the end of a run
+
+
+class ValidationShard:
+    """This rank's share of the validation set (every `ranks`-th sample from `rank` on), in
+    batches of `rows`, the same number on every rank (a sharded model's forward needs them all):
+    the last batch topped up to `rows` rows, a shorter shard given batches of padding (targets
+    all IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline."""
+
+    def __init__(self, val_set, rank: int, ranks: int, rows: int):
+        self.shard = Subset(val_set, range(rank, len(val_set), ranks))
+        self.rows = rows
+        self.num_batches = math.ceil(math.ceil(len(val_set) / ranks) / rows)  # rank 0's count
+        self.seq_len = val_set[0][0].size(0) if len(val_set) else 1
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        done = 0
+        for x, y in DataLoader(self.shard, batch_size=self.rows):
+            missing = self.rows - x.size(0)
+            yield (
+                torch.cat([x, x.new_zeros((missing, x.size(1)))]),  # (rows, T)
+                torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)]),
+            )
+            done += 1
+        for _ in range(self.num_batches - done):  # a rank whose shard is shorter: all padding
+            shape = (self.rows, self.seq_len)
+            yield torch.zeros(shape, dtype=torch.long), torch.full(shape, IGNORE_INDEX)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, number of targets) over `loader`, tensors on `device`: sums, which ranks
+    add up before dividing once, to get one process's loss on the same data. attn_mask(x): the
+    model's third argument (attention_masks; train_cp.py's document ids)."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    num_tokens = torch.zeros((), device=device, dtype=torch.long)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, precision):
+            batch_loss, batch_tokens = model(x, y, attn_mask(x))
+        loss_sum += batch_loss.float().sum()  # .sum(): DataParallel returns one per replica
+        num_tokens += batch_tokens.sum()
+    model.train(was_training)
+    return loss_sum, num_tokens
+
+
+def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
+    """The end of a run, on the process that writes files: the final files, the peak memory
+    (--plan, GPU) and a sample of the trained model (--sample-tokens)."""
+    try:
+        save_final(args.out_dir, model, config, tokenizer)
+    except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
+        # A write's error names no file; model.pt is the large one (a temporary name: its own).
+        path = TEMP_RE.sub("", e.filename) if e.filename else os.path.join(args.out_dir, "model.pt")
+        raise save_failed(path, e, "the run's final file") from e
+    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+    if args.plan and device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
+    if args.sample_tokens:
+        text = sample_text(model.to(device), tokenizer, args.sample_prompt, args.sample_tokens)
+        print(f"sample:\n{text}")
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """`prompt` and a continuation: generate_text with seed 0, what `python -m tools.generate
+    --seed 0 --prompt ... --max-new-tokens ...` prints on CPU too."""
+    with torch.compiler.set_stance("force_eager"):  # compiled layers: a compile per new shape
+        return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

@@ -1,0 +1,1 @@
+"""The tools: run each with `python -m tools.NAME` from the repository root."""

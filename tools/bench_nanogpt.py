@@ -1,0 +1,556 @@
+"""Time train_dp.py against nanoGPT's CPU recipe, side by side, on one character-level corpus.
+
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT                 # the comparison, 2 rounds
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --rounds 3 --busy 1   # beside a busy process
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --step         # the step alone, one process
+    python -m tools.bench_nanogpt --transformers                 # the step alone vs LlamaForCausalLM
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --compile      # this suite with --compile
+
+nanoGPT is not a dependency: pass a checkout of github.com/karpathy/nanoGPT (its train.py,
+model.py and config/train_shakespeare_char.py are used as they are). Nothing is downloaded.
+
+What it does, in --work-dir:
+  1. A character-level corpus: the ASCII-only .py files of this Python's standard library, in
+     path order, up to --corpus-chars characters, one document per line of corpus.jsonl.
+  2. The split train_dp.py makes of it (data.split_corpus: whole documents, --val-fraction
+     0.01), and the same split in nanoGPT's format: data/bench_char/train.bin and val.bin (each
+     side's documents joined by newlines, uint16 character ids) and meta.pkl, as nanoGPT's
+     shakespeare_char/prepare.py writes them; and a character-level tokenizer.json for this
+     suite (tokenizers: one token per character, plus [PAD] [BOT] [EOT]).
+  3. This suite's tokenized data cached (what a second run finds), so that no timed run pays
+     for tokenizing.
+  4. --rounds rounds of the two runs, alternating (A B, then B A, ...), each a fresh process
+     from start-up to exit: the wall time includes imports, data loading and the final save.
+       suite    python train_dp.py --num-layers 4 --hidden-size 128 --num-heads 4
+                --num-kv-heads 4 --ffn-size 344 --seq-length 64 --batch-size 12
+                --max-steps 2000 --lr 1e-3 --warmup-steps 100 (everything else its defaults)
+       nanoGPT  python train.py config/train_shakespeare_char.py --device=cpu --compile=False
+                --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
+                --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
+                (its README's CPU recipe)
+  5. Per run: the wall time, the median step time (the suite's metrics.jsonl step_ms, a mean
+     over each 10 logged steps with evaluation and saving left out; nanoGPT's per-iteration
+     `time`, its evaluation iterations left out), the validation loss each reports itself, and
+     both final models scored on the same held-out text (the validation documents, joined by
+     newlines, in windows of --seq-length + 1 characters): mean nats per character.
+
+--compile runs this suite with --compile (Inductor: a C++ compiler on a CPU), against nanoGPT's
+recipe as it is; --compile-nanogpt compiles the other side too (nanoGPT's --compile=True, or
+LlamaForCausalLM under torch.compile), which is the like-for-like comparison.
+--busy N runs N processes that spin on the CPU for the whole benchmark (a busy neighbour);
+--threads N sets OMP_NUM_THREADS for both runs. The figures are printed, nothing is asserted:
+it is a measurement, not a test (tests/test_bench.py checks its preparation and parsing).
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import pickle
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]  # the repository root
+
+# The issue's shape, in the two programs' own flags.
+SUITE_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-heads", "4",
+               "--num-kv-heads", "4", "--ffn-size", "344", "--seq-length", "64",
+               "--batch-size", "12", "--lr", "1e-3", "--warmup-steps", "100"]  # fmt: skip
+NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
+                 "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                 "--n_embd=128", "--dropout=0.0"]  # fmt: skip
+SEQ_LENGTH = 64
+CHAR_VOCAB = 99  # --transformers: the corpus's 96 characters and [PAD] [BOT] [EOT]
+DATASET = "bench_char"  # nanoGPT's data/<dataset>/ under --work-dir
+ITER_RE = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
+NANO_VAL_RE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
+
+
+# -------------------------------------------------------------------------------------------------
+# The corpus, in both formats
+
+
+def stdlib_documents(max_chars: int) -> list[str]:
+    """ASCII-only .py files of the standard library, in path order, up to max_chars in all."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or total >= max_chars:
+            continue
+        try:
+            text = path.read_bytes().decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.strip():
+            docs.append(text)
+            total += len(text)
+    return docs
+
+
+def write_corpus(docs: list[str], path: Path) -> None:
+    with open(path, "w") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+
+
+def char_tokenizer(chars: list[str]):
+    """A tokenizers Tokenizer with one token per character: [PAD] [BOT] [EOT] = 0, 1, 2, then
+    `chars` in order (a BPE with no merges: every character stays a token)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[BOT]", "[EOT]", *chars])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.add_special_tokens(["[PAD]", "[BOT]", "[EOT]"])
+    tokenizer.decoder = decoders.Fuse()  # characters back to back, no spaces between
+    return tokenizer
+
+
+def write_nanogpt_data(train_text: str, val_text: str, chars: list[str], data_dir: Path) -> None:
+    """train.bin, val.bin (uint16 ids) and meta.pkl, as nanoGPT's shakespeare_char/prepare.py."""
+    import numpy as np
+
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    itos = dict(enumerate(chars))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("train", train_text), ("val", val_text)):
+        ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+        ids.tofile(data_dir / f"{name}.bin")
+    with open(data_dir / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
+
+
+def prepare(args) -> dict:
+    """Steps 1-3 of the module docstring; the texts and paths the runs and the scoring need."""
+    import data
+    from lib import flags, training
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus_path = work / "corpus.jsonl"
+    docs = stdlib_documents(args.corpus_chars)
+    write_corpus(docs, corpus_path)
+    cache_dir = str(work / "cache")
+    suite_argv = ["--data", str(corpus_path), "--tokenizer", str(work / "tokenizer.json"),
+                  "--cache-dir", cache_dir, *SUITE_FLAGS]  # fmt: skip
+    steps = ["--max-steps", str(getattr(args, "max_steps", 2000))]
+    train_args = flags.build_parser("").parse_args(suite_argv + steps)
+    # train_dp.py's own split of the documents (the same function, the same defaults).
+    ds = data.load_corpus(str(corpus_path), "text", cache_dir)
+    train_docs, val_docs = data.split_corpus(ds, train_args.val_fraction, seed=0)
+    train_text, val_text = ("\n".join(d["text"]) for d in (train_docs, val_docs))
+    chars = sorted(set(train_text) | set(val_text))
+    char_tokenizer(chars).save(str(work / "tokenizer.json"))
+    write_nanogpt_data(train_text, val_text, chars, work / "data" / DATASET)
+    training.build_datasets(train_args, train_args.tokenizer)  # tokenized once, cached
+    return {"work": work, "suite_argv": suite_argv, "val_text": val_text, "chars": chars,
+            "train_chars": len(train_text)}  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------
+# The runs
+
+
+def suite_command(prep: dict, out_dir: Path, max_steps: int, compile: bool = False) -> list[str]:
+    return [sys.executable, str(REPO / "train_dp.py"), *prep["suite_argv"],
+            "--max-steps", str(max_steps), "--out-dir", str(out_dir),
+            *(["--compile"] if compile else [])]  # fmt: skip
+
+
+def nanogpt_command(
+    nanogpt: Path, out_dir: Path, max_steps: int, compile: bool = False
+) -> list[str]:
+    return [sys.executable, str(nanogpt / "train.py"),
+            str(nanogpt / "config" / "train_shakespeare_char.py"), *NANOGPT_FLAGS,
+            f"--max_iters={max_steps}", f"--lr_decay_iters={max_steps}", f"--dataset={DATASET}",
+            f"--out_dir={out_dir}", *(["--compile=True"] if compile else [])]  # fmt: skip
+
+
+def timed_run(command: list[str], cwd: Path, env: dict, log: Path) -> float:
+    """Run `command` to its end, its output into `log`; its wall time in seconds."""
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{command[1]} failed ({proc.returncode}), see {log}:\n{tail}")
+    return seconds
+
+
+def suite_figures(out_dir: Path) -> dict:
+    """Median step ms and the last validation loss, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    step_ms = [r["step_ms"] for r in records if r.get("step_ms") is not None]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    return {"step_ms": statistics.median(step_ms), "val_loss": val[-1] if val else None}
+
+
+def nanogpt_figures(output: str, eval_interval: int = 250) -> dict:
+    """Median step ms (iteration 0 and the evaluation iterations, whose time includes the
+    evaluation, left out) and the last validation loss, from nanoGPT's printed output."""
+    times, val = [], None
+    for line in output.splitlines():
+        if m := ITER_RE.match(line):
+            if int(m[1]) % eval_interval:
+                times.append(float(m[2]))
+        elif m := NANO_VAL_RE.match(line):
+            val = float(m[2])
+    return {"step_ms": statistics.median(times) if times else None, "val_loss": val}
+
+
+# -------------------------------------------------------------------------------------------------
+# Both final models on the same held-out text
+
+
+def held_out_windows(ids: list[int], seq_length: int):
+    """(x, y) of the whole windows of seq_length + 1 ids at a stride of seq_length."""
+    import torch
+
+    n = (len(ids) - 1) // seq_length
+    tokens = torch.tensor(ids[: n * seq_length + 1])
+    x = tokens[:-1].view(n, seq_length)
+    y = tokens[1:].view(n, seq_length)
+    return x, y
+
+
+def mean_loss(logits_of, x, y, rows: int = 64) -> float:
+    """Mean cross-entropy (nats per character) of logits_of(x) against y, in batches."""
+    import torch
+    import torch.nn.functional as F
+
+    total = 0.0
+    with torch.no_grad():
+        for xb, yb in zip(x.split(rows), y.split(rows), strict=True):
+            logits = logits_of(xb)
+            total += F.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="sum").item()
+    return total / y.numel()
+
+
+def score_suite(out_dir: Path, val_text: str) -> float:
+    from lib.finished_run import load_model
+
+    model, tokenizer = load_model(str(out_dir), "cpu")
+    x, y = held_out_windows(tokenizer.encode(val_text), SEQ_LENGTH)
+    return mean_loss(model, x, y)
+
+
+def score_nanogpt(nanogpt: Path, out_dir: Path, val_text: str, chars: list[str]) -> float | None:
+    import torch
+
+    if not (out_dir / "ckpt.pt").exists():  # saved at evaluations after the first (every 250)
+        return None
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ckpt = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
+    model = module.GPT(module.GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    x, y = held_out_windows([stoi[c] for c in val_text], SEQ_LENGTH)
+    # nanoGPT's forward with targets returns the logits of every position.
+    return mean_loss(lambda xb: model(xb, xb)[0], x, y)
+
+
+# -------------------------------------------------------------------------------------------------
+# The step alone against transformers' LlamaForCausalLM (--transformers)
+
+
+def llama_config(vocab_size: int):
+    """The issue's shape as this suite's LlamaConfig."""
+    from model import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=344,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                       max_position_embeddings=1024)  # fmt: skip
+
+
+def hf_llama(config):
+    """transformers' LlamaForCausalLM of the same shape, SDPA attention, fp32."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    hf = HFConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                  intermediate_size=config.intermediate_size,
+                  num_hidden_layers=config.num_hidden_layers,
+                  num_attention_heads=config.num_attention_heads,
+                  num_key_value_heads=config.num_key_value_heads,
+                  max_position_embeddings=config.max_position_embeddings,
+                  rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                  attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(hf).float()
+
+
+def compare_steps(
+    other: str,
+    vocab_size: int,
+    rounds: int,
+    steps: int,
+    nanogpt=None,
+    compile_ours: bool = False,
+    compile_theirs: bool = False,
+) -> dict:
+    """ms per training step of this suite's model and of `other`'s at the same shape and batch
+    (12 x 64 random tokens), timed in rounds that alternate which goes first: {(name, clock):
+    [ms per step of each round]}. "transformers": LlamaForCausalLM, the same config, AdamW as
+    the lessons build it (training.build_optimizer), the loss computed as ours. "nanogpt": its
+    model.py and its own AdamW setup (configure_optimizers: on a CPU, not fused), from the
+    checkout `nanogpt`, at its README's CPU shape. Both clip gradients at 1, as the lessons.
+    compile_ours: this suite's layers and loss compiled as --compile does; compile_theirs:
+    torch.compile on the other model, as nanoGPT's --compile=True does (the warm-up pays both)."""
+    import argparse as ap
+
+    import torch
+
+    from lib import training
+    from model import LlamaForPretraining
+
+    args = ap.Namespace(lr=1e-3, weight_decay=0.1)
+    torch.manual_seed(0)
+    tokens = torch.randint(vocab_size, (12, 65))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    ours = LlamaForPretraining(llama_config(vocab_size))
+    if compile_ours:
+        training.compile_layers(ours)
+
+    def stepper(model, loss_of, optimizer):
+        def step():
+            loss_of(model).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    contenders = {"this suite": stepper(ours, lambda m: m(x, y)[0] / y.numel(),
+                                        training.build_optimizer(ours, args, "cpu"))}  # fmt: skip
+    if other == "transformers":
+        theirs = hf_llama(ours.config)
+        optimizer = training.build_optimizer(theirs, args, "cpu")
+    else:
+        theirs, optimizer = nanogpt_model(nanogpt, vocab_size)
+
+    def their_loss(model):  # transformers': the same 64 targets, the loss computed as ours is
+        return hf_loss(model(x).logits, y) if other == "transformers" else model(x, y)[1]
+
+    model = torch.compile(theirs) if compile_theirs else theirs
+    contenders[other] = stepper(model, their_loss, optimizer)
+    for step in contenders.values():
+        for _ in range(5):  # warm-up: the allocator, the first calls
+            step()
+    # Wall time, and the CPU time of the process: on a busy machine, where this process waits
+    # for a core, the wall time counts the wait and the CPU time does not (with one thread, it
+    # is the work done; with more, it also counts the threads' spinning at each join).
+    times = {(name, clock): [] for name in contenders for clock in ("wall", "cpu")}
+    for r in range(rounds):
+        for name, step in list(contenders.items())[:: 1 if r % 2 == 0 else -1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                step()
+            times[name, "wall"].append(1000 * (time.perf_counter() - wall) / steps)
+            times[name, "cpu"].append(1000 * (time.process_time() - cpu) / steps)
+    return times
+
+
+def nanogpt_model(nanogpt: Path, vocab_size: int):
+    """nanoGPT's GPT (its model.py, imported from the checkout) at its README's CPU shape (4
+    layers, 4 heads, width 128, block 64, no dropout, no bias: its train.py's default), and the
+    AdamW its train.py makes for it (train_shakespeare_char's beta2 0.99)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.GPTConfig(block_size=SEQ_LENGTH, vocab_size=vocab_size, n_layer=4, n_head=4,
+                              n_embd=128, dropout=0.0, bias=False)  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # its parameter count and optimizer notes
+        model = module.GPT(config)
+        return model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+
+
+def hf_loss(logits, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def report_steps(times: dict, other: str, rounds: int, steps: int) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    print(f"training step, 12 x 64 tokens, torch {torch.__version__}, {threads} threads; "
+          f"{rounds} alternating rounds of {steps} steps; command: "
+          f"{shlex.join(['python', *sys.argv])}")  # fmt: skip
+    target = ">= 1.2" if other == "transformers" else ">= 1.0"  # issue 27's
+    for clock in ("wall", "cpu"):
+        ours, theirs = times["this suite", clock], times[other, clock]
+        for name, t in (("this suite", ours), (other, theirs)):
+            print(f"  {clock:<4} {name:<13} median {statistics.median(t):7.2f} ms per step "
+                  f"(rounds: {min(t):.2f}-{max(t):.2f})")  # fmt: skip
+        ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        whose = f"{other}'" if other.endswith("s") else f"{other}'s"  # transformers', nanogpt's
+        print(f"  {clock:<4} this suite's speed / {whose}, per round: median "
+              f"{statistics.median(ratios):.2f}, {spread} (target {target})")  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def busy_neighbours(n: int) -> list[subprocess.Popen]:
+    """n processes that keep one core each busy until killed."""
+    spin = "while True: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, no usage
+    p.add_argument("--nanogpt", default=None, help="a checkout of karpathy/nanoGPT: run both")
+    p.add_argument("--transformers", action="store_true",
+                   help="time the step alone against transformers' LlamaForCausalLM")  # fmt: skip
+    p.add_argument("--work-dir", default="bench_nanogpt_work", help="corpus, data, runs")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of both runs, alternating")
+    p.add_argument("--max-steps", type=int, default=2000, help="steps of both runs")
+    p.add_argument("--corpus-chars", type=int, default=2_000_000, help="size of the corpus")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the runs")
+    p.add_argument("--busy", type=int, default=0, help="busy neighbour processes meanwhile")
+    p.add_argument("--only", choices=["suite", "nanogpt"], default=None, help="run one side")
+    p.add_argument("--step", action="store_true",
+                   help="with --nanogpt: time the training step alone of both models, in one "
+                   "process (alternating rounds), instead of the whole runs")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="this suite with --compile (its layers and loss compiled; Inductor "
+                   "needs a C++ compiler on a CPU); nanoGPT stays as its recipe")  # fmt: skip
+    p.add_argument("--compile-nanogpt", action="store_true",
+                   help="nanoGPT (or, with --transformers, LlamaForCausalLM) compiled too: "
+                   "its own --compile=True, for a like-for-like comparison")  # fmt: skip
+    p.add_argument("--step-rounds", type=int, default=9, help="--step, --transformers: rounds")
+    p.add_argument("--step-steps", type=int, default=10, help="--step, --transformers: steps each")
+    args = p.parse_args()
+    if args.step and args.nanogpt is None:
+        p.error("--step times nanoGPT's step: pass --nanogpt DIR too")
+    if args.nanogpt is None and not args.transformers:
+        p.error("nothing to do: pass --nanogpt DIR, --transformers, or both")
+    counts = (args.rounds, args.max_steps, args.corpus_chars, args.step_rounds, args.step_steps)
+    if min(counts) < 1 or args.busy < 0 or (args.threads is not None and args.threads < 1):
+        p.error("--rounds, --max-steps, --corpus-chars, --step-* and --threads must be positive")
+    if args.nanogpt is not None:
+        nanogpt = Path(args.nanogpt).expanduser().resolve()
+        if not (nanogpt / "train.py").is_file() or not (nanogpt / "model.py").is_file():
+            p.error(f"--nanogpt {nanogpt}: no train.py and model.py there (a nanoGPT checkout)")
+        if not args.step:
+            run_both(args, nanogpt)
+    others = (["nanogpt"] if args.step else []) + (["transformers"] if args.transformers else [])
+    if others and args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    for other in others:
+        neighbours = busy_neighbours(args.busy)
+        try:
+            vocab = CHAR_VOCAB - 3 if other == "nanogpt" else CHAR_VOCAB  # its 96 characters
+            times = compare_steps(other, vocab, args.step_rounds, args.step_steps,
+                                  nanogpt if other == "nanogpt" else None, args.compile,
+                                  args.compile_nanogpt)  # fmt: skip
+        finally:
+            for proc in neighbours:
+                proc.kill()
+        report_steps(times, other, args.step_rounds, args.step_steps)
+
+
+def run_both(args, nanogpt: Path) -> None:
+    """Steps 1-5 of the module docstring, and the report."""
+    prep = prepare(args)
+    work = prep["work"]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    sides = ["suite", "nanogpt"] if args.only is None else [args.only]
+    neighbours = busy_neighbours(args.busy)
+    rows = []
+    try:
+        for r in range(args.rounds):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                out = work / f"{side}_out"
+                shutil.rmtree(out, ignore_errors=True)
+                log = work / f"{side}_{r}.log"
+                if side == "suite":
+                    cmd, cwd = suite_command(prep, out, args.max_steps, args.compile), REPO
+                else:  # train.py reads ./configurator.py and ./data/<dataset>/: from work
+                    shutil.copy(nanogpt / "configurator.py", work / "configurator.py")
+                    cmd = nanogpt_command(nanogpt, out, args.max_steps, args.compile_nanogpt)
+                    cwd = work
+                print(f"round {r + 1}: {side} ...", file=sys.stderr, flush=True)
+                wall = timed_run(cmd, cwd, env, log)
+                if side == "suite":
+                    row = suite_figures(out) | {"held_out": score_suite(out, prep["val_text"])}
+                else:
+                    row = nanogpt_figures(log.read_text()) | {
+                        "held_out": score_nanogpt(nanogpt, out, prep["val_text"], prep["chars"])
+                    }
+                rows.append({"round": r + 1, "side": side, "wall_s": wall, **row})
+    finally:
+        for proc in neighbours:
+            proc.kill()
+    report(args, prep, rows)
+
+
+# The environment variables that steer a CPU run's speed: OpenMP's threads and waiting (GNU's,
+# Intel's), MKL's and ATen's kernels, glibc's allocator. A printed command keeps each one set.
+RUNTIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "ATEN_CPU_", "MALLOC_")
+
+
+def runtime_settings(environ) -> list[str]:
+    """NAME=value for each variable of environ that RUNTIME_PREFIXES names, sorted."""
+    return [f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith(RUNTIME_PREFIXES)]
+
+
+def report(args, prep: dict, rows: list[dict]) -> None:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)  # fmt: skip
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"tools/bench_nanogpt.py, {date}")
+    print(f"command: {shlex.join([*runtime_settings(os.environ), 'python', *sys.argv])}")
+    print(f"torch {torch.__version__}; {cpu}, {os.cpu_count()} cores; OMP_NUM_THREADS "
+          f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'unset')}; busy neighbours "
+          f"{args.busy}")  # fmt: skip
+    print(f"corpus: {len(prep['chars'])} characters, {prep['train_chars']:,} train / "
+          f"{len(prep['val_text']):,} held-out; {args.max_steps} steps of 12 x 64\n")  # fmt: skip
+    print("| round | run     | wall s | step ms (median) | own val loss | held-out nats/char |")
+    print("| ----: | :------ | -----: | ---------------: | -----------: | -----------------: |")
+    for r in rows:
+        own, held = (("-" if v is None else f"{v:.4f}") for v in (r["val_loss"], r["held_out"]))
+        print(f"| {r['round']:5} | {r['side']:<7} | {r['wall_s']:6.1f} | {r['step_ms']:16.2f} | "
+              f"{own:>12} | {held:>18} |")  # fmt: skip
+    by = {side: [r for r in rows if r["side"] == side] for side in ("suite", "nanogpt")}
+    pairs = list(zip(by["suite"], by["nanogpt"], strict=False))
+    if pairs:
+        wall = [s["wall_s"] / n["wall_s"] for s, n in pairs]
+        step = [n["step_ms"] / s["step_ms"] for s, n in pairs]
+        print(f"\nsuite wall time / nanoGPT's, per round: {', '.join(f'{v:.2f}' for v in wall)}"
+              f" (target <= 0.90)")  # fmt: skip
+        print(f"suite step speed / nanoGPT's (their step ms over ours), per round: "
+              f"{', '.join(f'{v:.2f}' for v in step)} (target >= 1.00)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""How much GPU memory (and communication) does training need per GPU, under DDP, each ZeRO stage,
+HSDP, and tensor (+ sequence), pipeline, context and expert parallelism?
+
+    python -m tools.memory_plan --model 7b --world-size 8            # Llama 2 7B on 8 GPUs
+    python -m tools.memory_plan --model 70b --world-size 64 --tp 8 --pp 4 --micro-batches 16
+    python -m tools.memory_plan --model 7b --world-size 16 --cp 4 --seq-length 131072
+    python -m tools.memory_plan --model 7b --world-size 32 --replicate 4    # HSDP: 4 nodes of 8
+    python -m tools.memory_plan --model 1b --num-experts 8 --world-size 16 --ep 8   # EP 8
+    python -m tools.memory_plan --model 70b --world-size 64 --gpu-memory 80 --micro-batch-size 1
+    python -m tools.memory_plan --model 1b --num-layers 24 --world-size 8   # a preset, reshaped
+    python -m tools.memory_plan --params 7.5e9 --world-size 64 --precision paper   # ZeRO's paper
+    python -m tools.memory_plan --model 7b --json                            # machine-readable
+    torchrun ... train_fsdp.py --plan ...                        # the plan of the run itself
+
+The command line over lib/memory.py, which holds the formulas, puts them together for one layout
+(plan) and prints its table (format_plan); docs/memory.md says where each formula comes from.
+"""
+
+import json
+import math
+
+from lib import exits, flags, model_config
+from lib.memory import (
+    BYTES_PER_PARAM,
+    format_plan,
+    plan,
+)
+from model import PRESETS, count_parameters
+
+MAX_PARAMS = 1e15  # --params: a quadrillion, 500 times the largest models trained today
+
+
+def main() -> None:
+    p = flags.ArgumentParser(
+        description="Per-GPU memory of DDP, ZeRO-1/2/3 and HSDP (parameters, gradients, "
+        "optimizer states, activations), with tensor (+ sequence), pipeline and context "
+        "parallelism, the traffic, and which strategies fit. The formulas and their assumptions "
+        "are in lib/memory.py's docstring.",
+        formatter_class=flags.HelpFormatter,
+    )  # never abbreviates a flag; a bad one ends in one line (exits.run)
+    positive = flags.number_arg(int, 1)
+    p.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default: 7b)")
+    # The train scripts' own shape flags: plan the shape a run would train.
+    model_config.add_shape_flags(p, flags.number_arg)
+    p.add_argument(
+        "--params",
+        type=flags.number_arg(float, 1, MAX_PARAMS),
+        default=None,
+        help="a bare parameter count (e.g. 7.5e9) instead of a preset: model states only, since "
+        "activations need the model's shape (with --model or a shape flag too, that shape is used "
+        f"for them); at most {MAX_PARAMS:g}, 500 times today's largest models",
+    )
+    p.add_argument(
+        "--vocab-size", type=positive, default=None, help="override the preset's vocabulary"
+    )
+    p.add_argument(
+        "--world-size", type=positive, default=8, help="GPUs in all: N = dp x cp x tp x pp"
+    )
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree T (train_tp.py)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: the norms' and residuals' activations split T ways too "
+        "(train_tp.py --sequence-parallel)",
+    )
+    p.add_argument(
+        "--cp",
+        type=positive,
+        default=1,
+        help="context-parallel degree C: each sequence split C ways (train_cp.py)",
+    )
+    p.add_argument(
+        "--replicate",
+        type=positive,
+        default=1,
+        help="HSDP: R replicas, ZeRO-3 within each group of dp x cp / R GPUs, an hsdp row "
+        "(train_fsdp.py --replicate)",
+    )
+    p.add_argument(
+        "--ep",
+        type=positive,
+        default=1,
+        help="expert-parallel degree X: each GPU holds 1/X of every layer's experts, with "
+        "--num-experts (train_ep.py --ep)",
+    )
+    p.add_argument("--pp", type=positive, default=1, help="pipeline stages P (train_pp.py)")
+    p.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "interleaved"],
+        default="1f1b",
+        help="pipeline schedule: what the first stage holds, and the bubble",
+    )
+    p.add_argument(
+        "--stages-per-rank", type=positive, default=2, help="v: model chunks per GPU, interleaved"
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=positive,
+        default=1,
+        help="micro-batches per optimizer step on each data-parallel replica (gradient "
+        "accumulation; the pipeline's m)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=list(BYTES_PER_PARAM),
+        default="bf16",
+        help="fp32/bf16/fp16: what our scripts keep (fp32 master weights, 16-bit compute); "
+        "paper: the ZeRO paper's 2+2+12 bytes per parameter",
+    )
+    p.add_argument(
+        "--micro-batch-size", type=positive, default=1, help="sequences per GPU per forward"
+    )
+    p.add_argument("--seq-length", type=positive, default=2048, help="tokens per sequence")
+    p.add_argument(
+        "--attention",
+        choices=["flash", "math"],
+        default="flash",
+        help="flash: fused attention stores no (s, s) scores; math: it does (e.g. with masks "
+        "on kernels without mask support)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=flags.number_arg(float, 0, low_open=True),
+        default=80.0,
+        help="GB per GPU, to say what fits",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
+    args = p.parse_args()  # every number finite and in range: see the types above
+
+    config = None
+    shaped = any(getattr(args, name) is not None for name in model_config.MODEL_FLAGS)
+    if args.model or shaped or args.params is None:
+        try:
+            config = model_config.preset_config(args, args.model or "7b")  # and --vocab-size
+        except ValueError as e:
+            p.error(str(e))
+    num_params = int(args.params) if args.params is not None else count_parameters(config)
+    try:
+        result = plan(
+            num_params,
+            args.world_size,
+            args.precision,
+            config,
+            args.micro_batch_size,
+            args.seq_length,
+            args.attention,
+            args.gpu_memory,
+            args.tp,
+            args.pp,
+            args.micro_batches,
+            args.schedule,
+            args.stages_per_rank,
+            args.sequence_parallel,
+            args.cp,
+            args.replicate,
+            args.ep,
+        )
+        figures = [v for row in result["strategies"].values() for v in row.values()]
+        if not all(math.isfinite(v) for v in figures if isinstance(v, float)):
+            raise OverflowError
+        text = json.dumps(result, indent=2) if args.json else format_plan(result)
+    except ValueError as e:
+        p.error(str(e))
+    except OverflowError:  # a figure beyond a float's 1e308: a shape flag of hundreds of digits
+        p.error("these sizes give figures too large to compute: give realistic sizes")
+    print(text)
+
+
+if __name__ == "__main__":
+    exits.run(main)
