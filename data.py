@@ -245,6 +245,15 @@ class DocumentTokenizer:
         return {HF_NAMES[role]: token for role, token in self.specials.items()}
 
 
+def tokenizer_digest(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def corpus_digest(tokenizer) -> str | None:
+    """The fingerprint of the documents the run reads; None for a tokenizer loaded alone."""
+    return getattr(tokenizer, "corpus_sha256", None)
+
+
 def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> DocumentTokenizer:
     """A tokenizer.json made elsewhere (--tokenizer, an out-dir's), with the special tokens
     `specials` names (--bot-token, ...) or lib/hf_tokenizer.py finds; ValueError if unusable."""

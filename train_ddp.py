@@ -1,38 +1,29 @@
 """Pretrain a Llama with torchrun + DistributedDataParallel: one process per GPU.
 
-    torchrun --standalone --nproc_per_node=4 train_ddp.py          # 4 GPUs on one machine
-    torchrun --standalone --nproc_per_node=2 train_ddp.py          # no GPU: 2 CPU processes, gloo
-    python train_ddp.py                                            # a single process (world size 1)
-    ./run_ddp.sh                                                   # the same, with restarts; and
-                                                                   # several nodes (docs/running.md)
+    torchrun --standalone --nproc_per_node=4 train_ddp.py    # 4 GPUs; no GPU: 4 CPU processes
+    ./run_ddp.sh                                             # restarts, several nodes, Slurm
 
-What this adds to train_dp.py (`diff train_dp.py train_ddp.py` shows exactly this):
-  1. torchrun starts N copies of this script and tells each its RANK, LOCAL_RANK and
-     WORLD_SIZE; each takes the GPU of its local rank and joins the process group with
-     dist.init_process_group (lib/distributed.py: reading torchrun's environment, the store).
-  2. A DistributedSampler gives each rank its own 1/N of every global batch; set_epoch reshuffles.
-  3. DDP wraps the model and all-reduces (averages) gradients during backward; no_sync() skips
-     that on all but the last micro-step of gradient accumulation.
-  4. Losses and evaluation sums are all-reduced, so logs show the global batch, not one rank's.
-  5. Only global rank 0 writes files; every collective is called by every rank.
+What this adds to train_dp.py: one process per GPU, started by torchrun, in a process group. A
+DistributedSampler gives each rank 1/N of every batch; DDP all-reduces the gradients in backward
+(not under no_sync()); the loss and evaluation sums are all-reduced; only rank 0 writes files.
 
-Files: to run it, copy it with the library every lesson shares: lib/checkpoints.py, lib/flags.py, data.py,
-lib/distributed.py, lib/metrics.py, model.py, lib/model_config.py, lib/exits.py, lib/training.py. A module that only
-an optional feature needs (--streaming, --plan, another --data, ...) is imported where that feature
-is used. Its neighbour is train_dp.py: `diff train_dp.py train_ddp.py`.
+Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
+every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
+lib/loop.py); what this lesson teaches is here. To run it elsewhere, copy it with model.py,
+data.py, masks.py and the lib/ folder.
+Read it against the lesson before: `diff train_dp.py train_ddp.py`.
 """
 
-import math
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, Subset
-from tqdm import tqdm
+from torch.utils.data import DistributedSampler
 
 from lib import checkpoints, distributed, exits, flags, training
-from lib.metrics import Metrics, NonFiniteGuard, Throughput, bar_postfix, router_figures
+from lib.checkpoints import TrainingState
+from lib.loop import TrainingLoop
 from model import IGNORE_INDEX
 
 
@@ -42,195 +33,112 @@ def main():
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
     rank, local_rank, world_size, device = distributed.torchrun_rank()
-    # Join the process group: each rank waits here until all world_size have joined, and from here
-    # on the collectives (all_reduce, broadcast, ...) run among them. nccl between GPUs, gloo on
-    # CPU; the store is where the ranks meet (torchrun's, one per restart attempt: see there).
-    # (--check: run_ddp.sh's one process checks the flags for all of them, with no group.)
-    if not args.check:
+    # Join the process group: each rank waits here until all world_size have joined; from then on
+    # the collectives (all_reduce, broadcast, ...) run among them: nccl between GPUs, gloo on CPU.
+    if not args.check:  # (--check: one process checks the flags, with no group)
+        backend = distributed.backend_for(args.backend, device)
+        store = distributed.rendezvous_store()  # where the ranks meet: torchrun's (see there)
+        gpu = device if device.type == "cuda" else None  # NCCL: bound to this rank's GPU at once
         dist.init_process_group(
-            distributed.backend_for(args.backend, device), store=distributed.rendezvous_store(),
-            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-        )  # fmt: skip
+            backend, store=store, rank=rank, world_size=world_size, device_id=gpu
+        )
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    run = flags.run_settings(parser, args, world_size, device)  # micro-batch, accumulation, ...
-    if args.check:  # every flag passed: stop before any work (run_ddp.sh checks this way first)
-        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+    settings = flags.run_settings(parser, args, world_size, device)  # checked
+    if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    resume_path = distributed.from_rank0(lambda: checkpoints.prepare_out_dir(args), is_main)
+    resume_path = distributed.from_rank0(checkpoints.prepare_out_dir, is_main, args)
 
     # ---- data ----------------------------------------------------------------------------------
-    train_ds, val_ds, tokenizer = training.build_datasets(args, run.tokenizer)
-    steps_per_epoch = training.steps_per_epoch(train_ds, args)
-    attn_mask = training.attention_masks(args, run, tokenizer)  # mask(x): None unless asked
+    train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
+    attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # Each rank reads every world_size-th sample of one shared shuffle. Over the ranks, step s
-    # covers exactly samples [s*B, (s+1)*B) of that shuffle: the same global batch that
-    # train_dp.py draws, whatever the number of ranks.
-    # (--streaming: never called; step_batches reads this rank's shard of the stream instead.)
+    # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
+    # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
+    # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def order_for_epoch(epoch: int) -> list[int]:
         sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
-        # set_epoch reseeds the shuffle with seed + epoch: without it every epoch would repeat the
-        # first one's order. All ranks pass the same epoch, so their shards stay disjoint.
         sampler.set_epoch(epoch)
         return list(sampler)
 
-    val_set = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
-
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, run.model, tokenizer.get_vocab_size())
-    model.to(device)
-    optimizer = training.build_optimizer(model, args, device.type)
-    scheduler = training.build_scheduler(optimizer, args)
-    scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
-    start_step, data_position = 0, None  # data_position: where the stream is (--streaming)
-    if resume_path:  # every rank loads the same file: the one rank 0 chose
-        ckpt = checkpoints.load_checkpoint(resume_path)
-        start_step, data_position = checkpoints.restore_checkpoint(
-            ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
-        )
-        if is_main:
-            print(f"resumed from {resume_path} at step {start_step}")
-    if args.activation_checkpointing:
-        training.apply_activation_checkpointing(model)
-    if args.compile:
-        training.compile_layers(model)
+    model, config = training.build_model(args, settings, tokenizer, device)
+    training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
-    # while backward is still running. forward_sync_buffers=False: the only buffers (RoPE tables)
-    # are constants, so re-broadcasting them before every forward would be wasted traffic
-    # (lib/distributed.py: torch before 2.13 calls it broadcast_buffers=False).
+    # while backward runs; no buffers re-sent before each forward (the RoPE tables are constants).
     device_ids = [local_rank] if device.type == "cuda" else None
     ddp_model = DDP(model, device_ids=device_ids, **distributed.NO_FORWARD_BUFFER_SYNC)
-    if args.micro_batch_size == "auto":  # measure the largest that fits, with the wrapped model
-        from lib.auto_batch import auto_micro_batch_size  # only for --micro-batch-size auto
-
-        run = auto_micro_batch_size(
-            args, run, ddp_model, attn_mask, optimizer, config.vocab_size, device
-        )
-    # Every world_size-th validation sample, nothing dropped or repeated, and the same number of
-    # batches on every rank (training.ValidationShard): the summed loss is the whole set's.
-    val_loader = training.ValidationShard(val_set, rank, world_size, run.micro_batch_size)
+    optimizer = training.build_optimizer(model, args, device.type)
+    scheduler = training.build_scheduler(optimizer, args)
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
+    # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
+    # resume restores (lib/checkpoints.py).
+    state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
+    start_step, data_position = checkpoints.resume(resume_path, state, args)
+    # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
+    settings = flags.measured(settings, args, ddp_model, attn_mask, optimizer, config, device)
+    rows = settings.micro_batch_size  # sequences per forward pass, on each rank
+    val_loader = training.ValidationShard(val_set, rank, world_size, rows)  # this rank's share
+    start, shard = (start_step, data_position), (rank, world_size)  # shard: --streaming's
     batches = training.step_batches(
-        train_ds, order_for_epoch, run.micro_batch_size, run.accumulation,
-        steps_per_epoch, start_step, args.num_workers, pin_memory=device.type == "cuda",
-        shard=(rank, world_size),  # --streaming: this rank's shard of the stream
-        data_position=data_position,  # --streaming: where to go on reading it
-    )  # fmt: skip
-    metrics = Metrics(args.out_dir, is_main, start_step, args.tensorboard)
-    if is_main:
-        print(flags.describe_run(args, run, config, device))
-        checkpoints.record_run(args, run, start_step)  # OUT_DIR/args.jsonl: the settings
-        if args.plan:  # tools/memory_plan.py's estimate (a tool: imported only for --plan)
-            from lib import memory
+        args, settings, train_ds, order_for_epoch, rows, device, start, shard
+    )
 
-            print(memory.estimate_for_run(args, run, config, world_size))
+    def evaluate() -> torch.Tensor:
+        # Each rank its share, with the unwrapped model (no DDP hooks); the sums added up.
+        val_sum, val_tokens = training.evaluate(model, val_loader, device, settings, attn_mask)
+        dist.all_reduce(val_sum)
+        dist.all_reduce(val_tokens)
+        return val_sum / val_tokens
+
+    def save(step: int) -> None:
+        position = training.data_positions(batches)  # --streaming: where the stream is
+        # Rank 0 alone writes it, and every rank learns whether it could (a full disk: all stop).
+        distributed.from_rank0(checkpoints.save_checkpoint, is_main, args, step, state, position)
 
     # ---- training loop -------------------------------------------------------------------------
-    guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
-    throughput = Throughput(config, args, device, world_size)  # tokens/s, MFU, ...
-    stop_request = exits.StopRequest(device)  # Ctrl-C, SIGTERM: stop cleanly (see there)
-    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
-               desc="train", disable=not is_main)  # fmt: skip
-    for step in bar:
-        lr = optimizer.param_groups[0]["lr"]
-        # Copy the whole step's micro-batches to the device first, asynchronously (from pinned
-        # memory), and count their targets there: counting on the CPU and copying the count over
-        # would make the CPU wait, every step, for the GPU to finish the step before.
-        micro_batches = [
-            (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-            for x, y in next(batches)
-        ]
-        # Normalise by the number of targets in the whole global batch (all micro-batches, all
-        # ranks), not per micro-batch: then every target token weighs the same however the batch
-        # is split, and padded batches give the same gradient as one big batch would.
+    loop = TrainingLoop(args, settings, state, device, start_step)
+    for step in loop:
+        micro_batches = training.to_device(next(batches), device)
+        # Normalise by the number of targets in the whole global batch, not per micro-batch: then
+        # every target token weighs the same however the batch is split (micro-batches, ranks),
+        # and padded batches give the same gradient as one big batch would.
         global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
         dist.all_reduce(global_tokens)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: all-reduce only after the last micro-step. no_sync() must
             # wrap the forward as well as the backward: DDP prepares its reduction in forward.
-            sync = i == run.accumulation - 1
+            sync = i == settings.accumulation - 1
             with nullcontext() if sync else ddp_model.no_sync():
-                with training.autocast(device, run.precision):
+                with training.autocast(device, settings.precision):
                     loss_sum, _ = ddp_model(x, y, attn_mask(x))
                 # DDP averages gradients over ranks (sums, then divides by world_size); the
                 # factor world_size undoes that division, leaving sum of all losses / all tokens.
                 loss = loss_sum * world_size / global_tokens
                 scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
-        # The global loss, on every rank (no wait for it here: the all-reduce is queued like any
-        # other kernel). Every rank then takes the same decisions about it below.
+        # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss)
         scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf
-        )
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
-        if guard.step_ok(step + 1, step_loss, None if scaler.is_enabled() else grad_norm):
+        if loop.step_ok(step, step_loss, None if scaler.is_enabled() else grad_norm):
             scaler.step(optimizer)
         scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        throughput.step()
-        done = step + 1
-        last = done == args.max_steps
-        # After Ctrl-C or SIGTERM, every rank stops after the same step, with a checkpoint there.
-        stop = stop_request.all_reduce() and not last
-        do_log, do_eval, do_save = (
-            done % interval == 0 or last
-            for interval in (args.log_interval, args.eval_interval, args.save_interval)
-        )
-        do_save = do_save or stop  # saved once, if this step saves anyway
-        if do_log or do_eval or do_save:
-            guard.check(args.out_dir)  # never log, evaluate or save a NaN state
-
-        if do_log:
-            # Reading a value from the GPU waits for it; doing so only every log_interval steps
-            # keeps the GPU queue full in between.
-            loss = (step_loss / global_tokens).item()
-            figures = throughput.figures()
-            bar.set_postfix(bar_postfix(loss, lr, figures))
-            # A mixture of experts' routing, summed over the ranks: a collective, on every rank.
-            metrics.log(step=done, loss=loss, lr=lr, **figures, grad_norm=grad_norm.item(),
-                        **router_figures(model))  # fmt: skip
-        if do_eval:
-            # Every rank evaluates its own shard with the unwrapped model (no DDP hooks run),
-            # then the sums are added up: the result is the loss over the whole validation set.
-            val_sum, val_tokens = training.evaluate(
-                model, val_loader, device, run.precision, attn_mask
-            )
-            dist.all_reduce(val_sum)
-            dist.all_reduce(val_tokens)
-            val_loss = (val_sum / val_tokens).item()
-            metrics.log_validation(done, val_loss)  # printed on rank 0 too
-            throughput.restart()  # keep evaluation time out of the tokens/s figure
-        if do_save:
-            data_position = training.data_positions(batches)  # --streaming; a collective
-            # Rank 0 builds and writes it (no collective in there: the other ranks do not run it),
-            # and every rank learns whether it could: if not (a full disk), all stop with its
-            # message, instead of the others failing in the next collective.
-            distributed.from_rank0(
-                checkpoints.save_checkpoint, is_main,
-                args, done, model, optimizer, scheduler, scaler, config, tokenizer, data_position,
-            )  # fmt: skip
-            throughput.restart()
-        if stop:
-            raise exits.Stopped(done, stop_request.signal)  # exits.run says so and exits
+        # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).
+        loop.after_step(step, step_loss / global_tokens, grad_norm, evaluate, save)
 
     # ---- outputs -------------------------------------------------------------------------------
-    if is_main:
-        # model, not ddp_model: the plain weights, with no `module.` prefix on every name.
-        training.finish_run(args, model, config, tokenizer, device)
-    stop_request.finish()  # no collective of it left in flight when the process group goes
-    dist.barrier()  # the run is over when rank 0's files are written, for every rank
-    # Release DDP's reducer (it holds the process group from C++) while the group still exists:
-    # were the group destroyed by it at exit, gloo's destructor would wait for its worker
-    # threads while holding the GIL, and a worker freeing a tensor needs the GIL (an occasional
-    # hang at exit, seen with train_zero1.py's many async broadcasts; pytorch/pytorch#56297).
-    del ddp_model
+    # model.pt and the final sample: from `model` itself, whose names have no wrapper's prefix.
+    # Rank 0 alone writes them; the run is over for every rank when they are written.
+    distributed.from_rank0(training.finish_run, is_main, args, model, config, tokenizer, device)
+    del ddp_model  # its reducer holds the group: freed first (a hang at exit, pytorch#56297)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    # A known failure ends in one line; the process ends with os._exit once main() is over
-    # (exits.end_process: torch.distributed's C++ teardown can abort a finished run).
+    # A known failure ends in one line (lib/exits.py), and the process with os._exit once main()
+    # is over: torch.distributed's C++ teardown can abort a finished run (exits.end_process).
     exits.run(main, os_exit=True)

@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from lib.flags import RunSettings
 from lib.training import autocast
 
 # The share of the GPU's memory a micro-batch may fill, with the optimizer state still to come:
@@ -72,8 +71,8 @@ def optimizer_state_to_come(optimizer) -> int:
 
 
 def auto_micro_batch_size(
-    args, plan: RunSettings, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
-) -> RunSettings:
+    args, plan, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
+):
     """--micro-batch-size auto: the plan with the largest micro-batch that fits on this GPU, and
     the gradient accumulation steps that keep the global batch --batch-size.
 

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -24,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from data import corpus_digest, tokenizer_digest
 from lib.distributed import world_size_from_env
 from lib.exits import TrainingError
-from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
+from model import LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
 # Every file is written atomically: to a temporary name beside it, flushed to disk, then renamed
@@ -70,14 +70,24 @@ def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[
     return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
 
 
-def save_checkpoint(
-    args, step, model, optimizer, scheduler, scaler, config, tokenizer, data_position=None
-) -> str:
+@dataclasses.dataclass
+class TrainingState:
+    """What a checkpoint holds, besides the step, the RNG and the position in the data: the
+    objects a lesson trains with. scaler: the grad scaler (None in the sharded lessons, which
+    refuse fp16); config and tokenizer: what a resume checks it is the same run's."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler | None
+    config: LlamaConfig
+    tokenizer: object
+
+
+def save_checkpoint(args, step: int, state: TrainingState, data_position=None) -> str:
     """Write checkpoints/step_NNNNNNN.pt (checkpoint_state) atomically and keep the newest
     --keep-checkpoints; TrainingError in one line if it cannot be written (a full disk)."""
-    state = checkpoint_state(
-        model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position
-    )
+    state = checkpoint_state(state, step, args, data_position)
     out_dir, keep = args.out_dir, args.keep_checkpoints
     path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
     try:
@@ -130,132 +140,43 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
-# a resumed run must use the same, or it is not the run an uninterrupted one gives. The others
-# (micro-batch size, precision, intervals, workers, kernel, ...) may change, and so may --max-steps
-# (a larger one extends even a finished run: resume_schedule; one below the checkpoint's is
-# refused). Not listed: the model's flags and --data: check_resumable compares what they make
-# (the config; the documents, corpus_sha256), not how they were spelled.
-RESUME_MUST_MATCH = (
-    "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
-    "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
-    "document_mask",
-)  # fmt: skip
-# Flags newer than some checkpoints, and the value those checkpoints were made with.
-ADDED_SINCE = {
-    "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
-    "streaming": False, "document_mask": False,
-}  # fmt: skip
-
-
-def tokenizer_digest(tokenizer) -> str:
-    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
-
-
-def corpus_digest(tokenizer) -> str | None:
-    """The fingerprint of the documents the run reads; None for a tokenizer loaded alone."""
-    return getattr(tokenizer, "corpus_sha256", None)
-
-
-def checkpoint_state(
-    model, optimizer, scheduler, scaler, step, config, args, tokenizer, data_position=None
-) -> dict:
+def checkpoint_state(state: TrainingState, step: int, args, data_position=None) -> dict:
     """Everything a resumed run needs to continue exactly as if it had never stopped. step: the
     optimizer steps done, also the position in a cached dataset; data_position: a stream's."""
     return {
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state(),
-        "step": step, "config": config.to_dict(), "tokenizer_sha256": tokenizer_digest(tokenizer),
-        "corpus_sha256": corpus_digest(tokenizer), "args": vars(args), "data": data_position,
+        "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
+        "rng": rng_state(), "step": step, "config": state.config.to_dict(),
+        "tokenizer_sha256": tokenizer_digest(state.tokenizer),
+        "corpus_sha256": corpus_digest(state.tokenizer), "args": vars(args), "data": data_position,
     }  # fmt: skip
 
 
-def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
-    """ValueError if the checkpoint belongs to another run (model, tokenizer, data, data order,
-    schedule) or is past --max-steps; on every rank, before anything is loaded."""
-    if ckpt["step"] > args.max_steps:
-        raise ValueError(f"the checkpoint is at step {ckpt['step']}, past --max-steps "
-                         f"{args.max_steps}: a run cannot be shortened below what it has trained; "
-                         f"give --max-steps {ckpt['step']} or more, or start a new run in another "
-                         f"--out-dir")  # fmt: skip
-    recorded = {**ADDED_SINCE, **ckpt["args"]}
-    # A stream's validation is its first documents, as many as --eval-batches x --batch-size
-    # sequences need: another --eval-batches holds out others (say which flag changed them).
-    must_match = RESUME_MUST_MATCH + (("eval_batches",) if recorded["streaming"] else ())
-    changed = [
-        f"--{name.replace('_', '-')} {recorded.get(name)!r} (now {getattr(args, name)!r})"
-        for name in must_match
-        if recorded.get(name) != getattr(args, name)
-    ]
-    if changed:
-        raise ValueError(f"the checkpoint was made with {', '.join(changed)}; resume with the "
-                         f"same values, or start a new run in another --out-dir")  # fmt: skip
-    # Fields newer than some checkpoints, or that a dense model leaves out: missing, the default.
-    absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
-    saved, now = ckpt["config"], config.to_dict()
-    changed = [
-        f"{name} {saved.get(name, absent.get(name))} (now {now.get(name, absent.get(name))})"
-        for name in {**saved, **now}  # the union of both sides' fields, in order
-        if saved.get(name, absent.get(name)) != now.get(name, absent.get(name))
-    ]
-    if changed:
-        raise ValueError(f"the checkpoint holds a model with config {', '.join(changed)}; resume "
-                         f"with that run's --model, shape flags (--num-layers, ...), expert flags "
-                         f"(--num-experts, ...) and --vocab-size or --tokenizer, or start a new "
-                         f"run in another --out-dir")  # fmt: skip
-    # The data before the tokenizer, which changes with it when trained: the data is the news.
-    check_same_data(ckpt, args, tokenizer)
-    if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
-        raise ValueError("the checkpoint was trained with a different tokenizer than this run's; "
-                         "use the same --data, --vocab-size and --tokenizer as that run, or "
-                         "another --out-dir")  # fmt: skip
-    if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
-        # Not refused: a run started with --init-from and restarted with the same command must
-        # resume, not start over.
-        print(f"note: --init-from {args.init_from} is not used: the run resumes from its own "
-              f"checkpoint (at step {ckpt['step']}), which holds its weights")  # fmt: skip
-
-
-def check_same_data(ckpt: dict, args, tokenizer) -> None:
-    """ValueError if this run reads other documents than the checkpoint's run did (their digest,
-    not how --data spells them: an edit would change the split and the order). A checkpoint
-    from before the digest has only --data to go by: compared as a normalised path."""
-    saved, now = ckpt.get("corpus_sha256"), corpus_digest(tokenizer)
-    if saved is not None and now is not None:
-        if saved != now:
-            what = "its documents"
-            if args.streaming:
-                what = "its first documents (held out for validation) or its files' sizes"
-            raise ValueError(f"--data {args.data} is not the data the checkpoint was trained on: "
-                             f"{what} differ (fingerprint {saved[:12]}, now {now[:12]}); resume "
-                             f"with that data as it was, or start a new run in another "
-                             f"--out-dir")  # fmt: skip
-        return
-    recorded = ckpt["args"].get("data")
-    if recorded is not None and _normalised_spec(recorded) != _normalised_spec(args.data):
-        raise ValueError(f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); "
-                         f"resume with the same data, or start a new run in another "
-                         f"--out-dir")  # fmt: skip
-
-
-def _normalised_spec(spec: str) -> str:
-    """--data as one absolute path: dir//file, ./dir/file and /abs/dir/file compare equal."""
-    return os.path.abspath(os.path.expanduser(spec))
-
-
-def restore_checkpoint(
-    ckpt, model, optimizer, scheduler, scaler, config, args, tokenizer
-) -> tuple[int, list[dict] | None]:
+def restore_checkpoint(ckpt, state: TrainingState, args) -> tuple[int, list[dict] | None]:
     """Load a checkpoint's state into fresh objects (ValueError, changing nothing, for another
     run's); returns the step to go on from, and a stream's position in the data."""
-    check_resumable(ckpt, config, args, tokenizer)
-    fresh_lrs = [group["lr"] for group in optimizer.param_groups]
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    resume_schedule(scheduler, optimizer, fresh_lrs, ckpt["step"])
-    scaler.load_state_dict(ckpt["scaler"])
+    from lib.resume_checks import check_resumable  # only when resuming
+
+    check_resumable(ckpt, state.config, args, state.tokenizer)
+    fresh_lrs = [group["lr"] for group in state.optimizer.param_groups]
+    state.model.load_state_dict(ckpt["model"])
+    state.optimizer.load_state_dict(ckpt["optimizer"])
+    resume_schedule(state.scheduler, state.optimizer, fresh_lrs, ckpt["step"])
+    state.scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])
     return ckpt["step"], ckpt.get("data")
+
+
+def resume(path: str | None, state: TrainingState, args) -> tuple[int, list[dict] | None]:
+    """(step, data position) to start from: (0, None) without a checkpoint to resume (path None);
+    else the checkpoint's, once loaded into the fresh model, optimizer, scheduler and scaler
+    (ValueError, changing nothing, if it is another run's: restore_checkpoint)."""
+    if path is None:
+        return 0, None
+    start = restore_checkpoint(load_checkpoint(path), state, args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"resumed from {path} at step {start[0]}")
+    return start
 
 
 def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:

@@ -19,8 +19,10 @@ so cp contiguous slices would give the last rank most of the work. The sequence 
 
 Every rank does the same attention work. Its tokens are not positions 0..T/cp-1: the model gets
 their positions (position_ids) for RoPE. Why an all-gather rather than a ring, and why not
-PyTorch's own context_parallel: see train_cp.py's docstring.
+PyTorch's own context_parallel: docs/context-parallel.md.
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -28,11 +30,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from lib import distributed
+from lib import distributed, model_config
 from lib.distributed import divide_ranks
+from lib.flags import number_arg
 
 # -------------------------------------------------------------------------------------------------
 # The zigzag split
+
+
+def add_flags(parser) -> None:
+    """train_cp.py's own flag: --cp."""
+    parser.add_argument("--cp", type=number_arg(int, 1), default=None, help="context-parallel "
+                        "ranks per group: each holds 1/cp of every sequence. It must divide the "
+                        "number of ranks (dp = world_size / cp groups split the batch) and "
+                        "--seq-length must be divisible by 2 x cp (default: the processes of one "
+                        "node, torchrun's LOCAL_WORLD_SIZE)")  # fmt: skip
+
+
+def check_flags(parser, args, world_size: int) -> tuple[int, int]:
+    """(cp, dp) of train_cp.py's grid, checked before any work (ValueError): --cp (default: the
+    processes of one node) divides the ranks, 2 x cp divides --seq-length; no mixture of
+    experts."""
+    cp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.cp is None else args.cp
+    dp = data_parallel_size(world_size, cp, args.seq_length)
+    model_config.refuse_experts(parser, args, "train_cp.py")  # MoE: not here (NO_EXPERTS: why)
+    return cp, dp
 
 
 def data_parallel_size(world_size: int, cp: int, seq_length: int) -> int:

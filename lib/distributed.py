@@ -29,7 +29,7 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun passes its SIGTERM on to its workers, but killed (SIGKILL, the OOM killer) it
         # cannot: the kernel then sends this rank SIGTERM, and it stops as on torchrun's
-        # (stopping.StopRequest) rather than train on, an orphan no one watches or restarts.
+        # (lib/loop.py's StopRequest) rather than train on, an orphan no one watches or restarts.
         end_with_parent(signal.SIGTERM)
     # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
     world_size = world_size_from_env()
@@ -118,6 +118,11 @@ def from_rank0(fn, is_main: bool, *args):
             box[0] = fn(*args)
         except (ValueError, TrainingError) as e:
             box[1] = e
+        except BaseException as e:  # anything else (a bug, Ctrl-C): rank 0 raises it itself,
+            # and the others stop with its first line rather than wait for it forever.
+            reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+            dist.broadcast_object_list([None, TrainingError(f"rank 0 failed: {reason}")], src=0)
+            raise
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
         raise box[1]

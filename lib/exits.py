@@ -1,9 +1,7 @@
-"""How a run ends when it does not finish: one line for a known failure, a clean stop on a signal.
-
-`run(main)` wraps every script's main(): bad input (ValueError), a failed run (TrainingError) or
-too little memory ends in one line on stderr and an exit code, not a traceback. `StopRequest`
-turns Ctrl-C (SIGINT), SIGTERM and SIGUSR1 into a stop after the step in flight, on every rank at
-the same step, with a checkpoint there; the loop raises `Stopped`, and `run` says so and exits.
+"""How every script ends: `run(main)` wraps its main(), so that bad input (ValueError), a failed
+run (TrainingError) or too little memory ends in one line on stderr and an exit code, not a
+traceback, and a training loop stopped on a signal (`Stopped`, lib/loop.py's StopRequest) says
+so and exits with 128 + the signal. And the processes a run starts end with it.
 """
 
 import atexit
@@ -13,7 +11,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 
@@ -129,79 +126,11 @@ def end_process(code: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# Interruptions: Ctrl-C (SIGINT), SIGTERM (kill, a scheduler's preemption) and SIGUSR1 (the early
+# The processes of a run: the signals that stop a training loop cleanly (lib/loop.py's
+# StopRequest): Ctrl-C (SIGINT), SIGTERM (kill, a scheduler's preemption) and SIGUSR1 (the early
 # warning that slurm_ddp.sbatch asks Slurm for, before the time limit)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# torchrun passes its signals on to its workers, which a terminal's Ctrl-C (or Slurm) reached
-# already: a repeat within this many seconds is that echo, not a second request.
-ECHO_SECONDS = 2.0
-
-
-class StopRequest:
-    """A STOP_SIGNALS signal stops the run after the step in flight, with a checkpoint there,
-    on every rank at the same step: ranks receive it at different moments (or only some do), and
-    one that left the loop alone would leave the others waiting forever. So after each step every
-    rank all-reduces (MAX) the signal it has noted, and reads the result a step later, with no
-    wait. A second signal raises KeyboardInterrupt at once (files are renamed into place whole)."""
-
-    def __init__(self, device: torch.device):
-        self.signal = 0  # the signal all ranks agreed to stop on (0: none)
-        self._received, self._received_at = 0, 0.0  # this process's first signal, and when
-        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self._flag = torch.zeros((), dtype=torch.int64, device=device)
-        # On a GPU the result is copied to pinned host memory behind the all-reduce, an event
-        # marking that point; on CPU, gloo's threads run it while the next step computes.
-        self._cuda = self._flag.is_cuda
-        self._result = torch.zeros((), dtype=torch.int64, pin_memory=True) if self._cuda else None
-        self._event = torch.cuda.Event() if self._cuda else None
-        self._wait = None  # waits for the all-reduce in flight (None: none yet)
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        now = time.monotonic()
-        if self._received:
-            if now - self._received_at > ECHO_SECONDS:
-                raise KeyboardInterrupt  # asked again: stop at once (run() says so)
-            return
-        self._received, self._received_at = signum, now
-        if int(os.environ.get("RANK", "0")) == 0:
-            note = (f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
-                    f"(the same signal again stops at once, without saving)\n")  # fmt: skip
-            # os.write, not print: a handler may run in the middle of a print to stderr.
-            os.write(sys.stderr.fileno(), note.encode())
-
-    def all_reduce(self) -> int:
-        """A collective: every rank calls it after every step. The signal to stop on after this
-        step, the same on all ranks (the MAX of the signals the ranks received; one process: its
-        own, with no collective); 0: go on."""
-        if not self._distributed:
-            self.signal = self._received
-            return self.signal
-        if self._wait is not None:
-            self._wait()  # the all-reduce issued after the previous step
-            self.signal = int(self._result if self._cuda else self._flag)
-            if self.signal:
-                return self.signal
-        self._flag.fill_(self._received)
-        if self._cuda:
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)  # queued on the stream
-            self._result.copy_(self._flag, non_blocking=True)
-            self._event.record()
-            self._wait = self._event.synchronize  # waits for the stream up to here, no further
-        else:
-            work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
-            self._wait = work.wait
-        return 0
-
-    def finish(self) -> None:
-        """After the last step, before the process group goes: wait for the all-reduce left in
-        flight, whose handle would otherwise outlive the group and can abort the process at
-        exit (gloo: "terminate called without an active exception")."""
-        if self._wait is not None:
-            self._wait()
-            self._wait = None
 
 
 def ignore_stop_signals(worker_id: int) -> None:

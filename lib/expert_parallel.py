@@ -34,13 +34,27 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from lib import model_config
 from lib.distributed import divide_ranks
+from lib.flags import number_arg
 from lib.moe import MoEFeedForward
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # stacked (E, ...): expert first, the dim EP shards
 
 # -------------------------------------------------------------------------------------------------
 # The grid of ranks
+
+
+def add_flags(parser) -> None:
+    """train_ep.py's own flag: --ep."""
+    parser.add_argument("--ep", type=number_arg(int, 1), default=1, help="expert-parallel ranks "
+                        "per group: each holds 1/ep of every layer's experts. It must divide the "
+                        "number of ranks and --num-experts")  # fmt: skip
+
+
+def check_flags(args, world_size: int) -> int:
+    """dp: the number of EP groups, --ep checked against the ranks and the experts (ValueError)."""
+    return data_parallel_size(world_size, args.ep, model_config.model_shape(args).num_local_experts)
 
 
 def data_parallel_size(world_size: int, ep: int, num_experts: int) -> int:

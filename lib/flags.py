@@ -20,8 +20,7 @@ import torch
 
 from data import SPECIAL_TOKENS
 from lib import model_config, training
-from lib.distributed import backend_for, rank_from_env, world_size_from_env
-from lib.metrics import NonFiniteGuard
+from lib.distributed import backend_for, divide_ranks, rank_from_env, world_size_from_env
 from model import LlamaConfig, count_active_parameters, count_parameters
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and [PAD], [BOT], [EOT]
@@ -29,6 +28,8 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and 
 MAX_VOCAB_SIZE = 2**20
 # torch seeds are 64-bit; epoch e of the data order is seeded with --seed + e, which must fit too.
 MAX_SEED = 2**63 - 1
+# --skip-nonfinite: this many skipped steps in a row stop the run (lib/loop.py's NonFiniteGuard).
+MAX_SKIPPED_IN_A_ROW = 10
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -129,7 +130,7 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
                    help="max gradient norm (0: off)")
     g.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose "
                    f"loss or gradient is NaN/inf instead of stopping (but not "
-                   f"{NonFiniteGuard.MAX_SKIPPED_IN_A_ROW} in a row)")
+                   f"{MAX_SKIPPED_IN_A_ROW} in a row)")
     g.add_argument("--weight-decay", type=number_arg(float, 0), default=0.1,
                    help="AdamW decay of matrices")
     g.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=1337,
@@ -254,17 +255,24 @@ class RunSettings:
     accumulation: int  # micro-batches per device per optimizer step
     precision: str  # "fp32", "bf16" or "fp16": --precision auto resolved for the device
     attention: str  # the kernel of --document-mask: "sdpa" or "flex"
+    grad_clip: float  # --grad-clip
+
+    @property
+    def max_grad_norm(self) -> float:
+        """clip_grad_norm_'s bound: --grad-clip, or no clipping (inf) for 0."""
+        return self.grad_clip if self.grad_clip > 0 else math.inf
 
 
 def run_settings(
     parser, args, devices: int, device: torch.device, replicas: int = 1,
-    default_micro_batch_size: int | None = None, context_parallel: bool = False,
+    default_micro_batch_size: int | None = None, context_parallel: bool = False, fp16: bool = True,
 ) -> RunSettings:  # fmt: skip
     """Check the flags against each other, the processes and the device; return the settings.
 
     devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
     data-parallel groups under TP and PP); replicas, context_parallel: masks.resolve_attention's;
-    default_micro_batch_size: without --micro-batch-size (None: --batch-size / devices).
+    default_micro_batch_size: without --micro-batch-size (None: --batch-size / devices);
+    fp16=False: a lesson with no loss scaling of its sharded gradients refuses --precision fp16.
     ValueError (parser.error) on any inconsistency. With --micro-batch-size auto, micro_batch_size
     is None until auto_batch.auto_micro_batch_size has measured it on the GPU.
     """
@@ -292,6 +300,14 @@ def run_settings(
                      "value)")  # fmt: skip
     if args.compile and (missing := compiler_missing(device)):
         parser.error(missing)
+    if getattr(args, "replicate", 1) > 1:  # HSDP (lib/sharding.py's flags): a grid of ranks
+        try:
+            divide_ranks(world_size, "--replicate", args.replicate, "replicas x shard groups")
+        except ValueError as e:
+            parser.error(str(e))
+    if not fp16 and args.precision == "fp16":
+        parser.error(f"{parser.prog} supports --precision bf16 or fp32: fp16 needs loss scaling "
+                     f"of sharded gradients, which this lesson does not implement")  # fmt: skip
     auto = args.micro_batch_size == "auto"
     if auto and not torch.cuda.is_available():
         # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of
@@ -322,6 +338,7 @@ def run_settings(
         micro_batch_size=None if auto else micro, accumulation=args.batch_size // per_step,
         precision=training.resolve_precision(args.precision, device),
         attention=training.resolve_attention(args, device, replicas, context_parallel),
+        grad_clip=args.grad_clip,
     )  # fmt: skip
 
 
@@ -347,3 +364,24 @@ def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.devi
         f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
         f"{args.lr * args.min_lr_ratio:g})",
     ])  # fmt: skip
+
+
+def check_only(parser, args) -> bool:
+    """--check: say that every flag passed (run_settings raised otherwise), and True: the
+    lesson stops before any work (run_ddp.sh checks a command this way before torchrun)."""
+    if args.check:
+        print(f"{parser.prog}: the flags are fine (--check: nothing was run)")
+    return args.check
+
+
+def measured(settings, args, model, attn_mask, optimizer, config, device):
+    """The settings with --micro-batch-size auto measured on the GPU with the model as wrapped
+    (lib/auto_batch.py, imported only then); the settings as they are otherwise."""
+    if args.micro_batch_size != "auto":
+        return settings
+    from lib.auto_batch import auto_micro_batch_size
+
+    # A forward of one process takes micro-batch x replicas rows: DataParallel's GPUs, or 1.
+    replicas = 1 if torch.distributed.is_initialized() else settings.devices
+    return auto_micro_batch_size(args, settings, model, attn_mask, optimizer, config.vocab_size,
+                                 device, replicas)  # fmt: skip

@@ -1,5 +1,5 @@
-"""What a run measures and logs: metrics.jsonl, the non-finite loss guard, tokens/s and MFU, and
-a mixture of experts' routing (router_figures)."""
+"""What a run measures and logs: metrics.jsonl, tokens/s and MFU, and a mixture of experts'
+routing (router_figures)."""
 
 import json
 import math
@@ -11,7 +11,6 @@ import torch
 from tqdm import tqdm
 
 from lib.checkpoints import atomic_write_text, read_metrics
-from lib.exits import TrainingError
 from model import LlamaConfig, count_active_parameters
 
 
@@ -57,53 +56,6 @@ class Metrics:
         self.log(step=step, val_loss=val_loss, val_ppl=ppl)
         if self.enabled:
             tqdm.write(f"step {step}: val loss {val_loss:.4f}, perplexity {ppl:.1f}")
-
-
-class NonFiniteGuard:
-    """Notices the first step whose loss (or gradient norm) is NaN or infinite. The run stops at
-    the next check, which the loop makes before it logs, evaluates or saves: the error names the
-    step, and the last checkpoint stays the last good state; between checks the step is
-    recorded on the device, with no wait for the GPU. With --skip-nonfinite, such a step's
-    update is skipped instead (each step then waits for the GPU once, to decide), but
-    MAX_SKIPPED_IN_A_ROW in a row stop the run: one that stays broken would "train" on."""
-
-    MAX_SKIPPED_IN_A_ROW = 10
-
-    def __init__(self, device: torch.device, skip: bool):
-        self.skip = skip
-        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
-        self.skipped_in_a_row = 0
-
-    def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-        """Record step's loss and gradient norm (None: not checked); False: skip its update."""
-        finite = torch.isfinite(loss)
-        if grad_norm is not None:
-            finite &= torch.isfinite(grad_norm)
-        if self.skip:
-            if bool(finite):
-                self.skipped_in_a_row = 0
-                return True
-            self.skipped_in_a_row += 1
-            if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
-                raise TrainingError(f"the loss or the gradient was NaN/infinite at "
-                                    f"{self.skipped_in_a_row} steps in a row "
-                                    f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
-                                    f"not recovering, so it stopped (--skip-nonfinite skipped "
-                                    f"their updates, so nothing saved holds NaN/inf). Try a lower "
-                                    f"--lr or --grad-clip.")  # fmt: skip
-            print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
-                  file=sys.stderr)  # fmt: skip
-            return False
-        first = (self.first_bad_step == 0) & ~finite
-        self.first_bad_step = torch.where(first, step, self.first_bad_step)
-        return True
-
-    def check(self, out_dir: str) -> None:
-        if step := int(self.first_bad_step):
-            raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
-                                f"stopped before saving anything from that state (the checkpoints "
-                                f"in {out_dir} are the last good ones). Try a lower --lr, "
-                                "--grad-clip, or --skip-nonfinite to skip such steps.")  # fmt: skip
 
 
 class Throughput:

@@ -1,11 +1,10 @@
 """The pipeline of train_pp.py: its flags and their checks, the model cut into stages of
 consecutive layers, which stages each rank holds, the loss of the last stage, gradient clipping
-over the pipeline's ranks, and the whole model read back from a checkpoint. The PipelineStages
+over the pipeline's ranks. The PipelineStages
 and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
 """
 
 import dataclasses
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from lib import flags, model_config, training
-from lib.sharded_checkpoints import safe_load
 from lib.tensor_parallel import check_tensor_parallel
 from model import IGNORE_INDEX, LlamaForPretraining
 
@@ -29,14 +27,10 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 # Flags
 
 
-def build_parser():
-    """train_pp.py's flags: every train script's (lib/flags.py), and the pipeline's own."""
-    parser = flags.build_parser(
-        "Pretrain a Llama with torchrun + pipeline parallelism (GPipe, 1F1B or interleaved "
-        "1F1B), optionally with FSDP across pipelines. Here --micro-batch-size defaults to 1: "
-        "many micro-batches, a small pipeline bubble.",
-        distributed=True,
-    )
+def add_flags(parser) -> None:
+    """train_pp.py's own flags: --pp, --tp, --schedule, --stages-per-rank (the other flags are
+    every lesson's, lib/flags.py; here --micro-batch-size defaults to 1: many micro-batches, a
+    small pipeline bubble)."""
     parser.add_argument(
         "--pp",
         type=flags.number_arg(int, 1),
@@ -65,10 +59,9 @@ def build_parser():
         default=None,
         help="stages each rank holds, for --schedule interleaved (default 2; 1 otherwise)",
     )
-    return parser
 
 
-def check_pipeline_args(
+def check_flags(
     parser, args, world_size: int, device: torch.device
 ) -> tuple[flags.RunSettings, int, int, int]:
     """Validate the pipeline flags; returns (run, pp, stages per rank, dp): the run's
@@ -110,7 +103,7 @@ def check_pipeline_args(
         parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
     # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
     # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
-    run = flags.run_settings(parser, args, dp, device, default_micro_batch_size=1)
+    run = flags.run_settings(parser, args, dp, device, default_micro_batch_size=1, fp16=False)
     run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
     model_config.refuse_experts(parser, args, "train_pp.py")  # MoE: not here (NO_EXPERTS says why)
     microbatches = run.accumulation
@@ -120,11 +113,6 @@ def check_pipeline_args(
     split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
     if config.tie_word_embeddings and num_stages > 1:
         raise tied_embeddings_error(num_stages)
-    if args.precision == "fp16":
-        parser.error(
-            "train_pp.py supports --precision bf16 or fp32: fp16 needs a gradient scaler whose "
-            "inf checks span every stage, which this script does not implement"
-        )
     if schedule == "1f1b" and microbatches < pp:
         parser.error(
             f"1f1b needs at least as many micro-batches as stages: {microbatches} < {pp}; "
@@ -156,6 +144,17 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank:
     """
     slots = micro_batches * (stages_per_rank if schedule == "interleaved" else 1)
     return (pp - 1) / (slots + pp - 1)
+
+
+def describe(args, pp: int, v: int, dp: int, microbatches: int, rows: int, num_layers: int) -> str:
+    """The pipeline at start-up: schedule, stages, layers per stage, micro-batches, the bubble."""
+    layers = [len(r) for r in split_layers(num_layers, pp * v)]
+    bubble = bubble_fraction(args.schedule, pp, microbatches, v)
+    formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
+    return (f"{args.schedule} schedule, {pp * v} stages on {pp} ranks ({v} per rank), layers per "
+            f"stage {layers}, m = {microbatches} micro-batches of {rows} sequences per pipeline, "
+            f"{dp} data-parallel pipelines, tensor parallel {args.tp} inside each stage; bubble "
+            f"{formula} = {bubble:.1%}")  # fmt: skip
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -315,22 +314,3 @@ def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch
     total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
-
-
-# -------------------------------------------------------------------------------------------------
-# The weights at the end
-
-
-def load_checkpoint_weights(model: LlamaForPretraining, path: str) -> None:
-    """Load the model weights of the DCP checkpoint `path` into a whole (plain) `model`, in
-    this process alone: no collective, so rank 0 can do it by itself.
-
-    Every stage wrote its tensors under the full model's names, so the checkpoint holds the
-    whole model whatever layout wrote it (pp, dp, tp, interleaved); safe_load: no pickle in the
-    directory can run code.
-    """
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
-        safe_load(state, path, no_dist=True)
-    model.load_state_dict(state["model"])

@@ -22,9 +22,12 @@ import io
 import os
 import pickle
 import shutil
+import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -34,10 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from data import tokenizer_digest
+from lib import training
 from lib.checkpoints import (
     CHECKPOINT_DIR_RE,
+    TrainingState,
     atomic_save,
-    check_resumable,
     list_checkpoints,
     load_checkpoint,
     make_out_dir,
@@ -49,9 +54,9 @@ from lib.checkpoints import (
     save_failed,
     set_rng_state,
     start_from,
-    tokenizer_digest,
 )
 from lib.distributed import from_rank0
+from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
 # AdamW's state keyed per parameter ("state.layers.3.attention.wq.weight.exp_avg",
@@ -62,13 +67,14 @@ TRAIN_STATE = "train_state.pt"
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def prepare_out_dir(args, script: str) -> str | None:
+def prepare_out_dir(args, script: str | None = None) -> str | None:
     """Create --out-dir and choose the checkpoint directory to resume from (None: start fresh).
 
     As checkpoints.prepare_out_dir, for checkpoint directories: called on rank 0 alone. `script`
-    names the script in the messages (train_fsdp.py, train_tp.py and train_pp.py write the same
-    directories).
+    names the script in the messages (default: this one; train_fsdp.py, train_tp.py, ... write
+    the same directories).
     """
+    script = script or os.path.basename(sys.argv[0])
     if args.resume not in ("never", "auto") and not os.path.isfile(
         os.path.join(args.resume, TRAIN_STATE)
     ):  # (checked before the out-dir is made: a refused run leaves none behind)
@@ -97,10 +103,10 @@ def prepare_out_dir(args, script: str) -> str | None:
 
 
 @contextlib.contextmanager
-def save_sharded_checkpoint(
-    args, step, model, optimizer, scheduler, config, tokenizer, is_main, data_position=None
+def save_shards(
+    args, step: int, state: TrainingState, data_position=None
 ) -> Iterator[tuple[dict, str]]:
-    """Around the lesson's dcp.save(state, checkpoint_id=path): yields (state, path), the
+    """Around the lesson's dcp.save(shards, checkpoint_id=path): yields (shards, path), the
     model's and AdamW's state as sharded DTensors keyed by parameter name, and the directory to
     write them to. A collective: every rank enters it and writes only its own shards (no
     gather). data_position: training.data_positions() (rank 0's is saved), or None.
@@ -111,6 +117,9 @@ def save_sharded_checkpoint(
     keeps the previous checkpoints as they were, and raises one TrainingError on every rank."""
     path = os.path.join(args.out_dir, "checkpoints", f"step_{step:07d}")
     tmp = f"{path}.tmp"
+    is_main = dist.get_rank() == 0
+    model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
+    config, tokenizer = state.config, state.tokenizer
 
     def start() -> None:  # rank 0's part
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed mid-save
@@ -162,25 +171,29 @@ def save_sharded_checkpoint(
 
 
 @contextlib.contextmanager
-def load_sharded_checkpoint(
-    path, model, optimizer, scheduler, config, args, tokenizer
-) -> Iterator[tuple[dict, dict]]:
-    """Around the lesson's dcp.load(state, **safe_load_options(path)): yields (state, train_state),
-    the sharded model's and AdamW's state to load into, in place, and the checkpoint's train state
-    (its "step" to go on from, its "data" position: checkpoints.restore_checkpoint's). Its train
-    state is checked against this run before anything changes; after the load, the model and
-    optimizer get the state, and the schedule and RNG theirs.
+def load_shards(
+    path: str, state: TrainingState, args
+) -> Iterator[tuple[dict, tuple[int, list[dict] | None]]]:
+    """Around the lesson's dcp.load(shards, **safe_load_options(path)): yields (shards, start),
+    the sharded model's and AdamW's state to load into, in place, and the checkpoint's (step,
+    data position) to go on from (checkpoints.resume's). Its train state is checked against this
+    run before anything changes; after the load, the model and optimizer get the state, and the
+    schedule and RNG theirs.
 
     DCP reads, on each rank, just the pieces of the tensors that rank's shards cover, whatever the
     number of ranks that wrote them: a run can resume on a different number of ranks.
     """
+    model, optimizer = state.model, state.optimizer
     train_state = load_checkpoint(os.path.join(path, TRAIN_STATE))
-    check_resumable(train_state, config, args, tokenizer)  # before changing anything
+    from lib.resume_checks import check_resumable  # (before changing anything)
+
+    check_resumable(train_state, state.config, args, state.tokenizer)
     fresh_lrs = [group["lr"] for group in optimizer.param_groups]
     model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    state = {"model": model_state, "optimizer": optim_state}
+    shards = {"model": model_state, "optimizer": optim_state}
     try:
-        yield state, train_state  # the lesson's dcp.load, in place, into the tensors of `state`
+        # The lesson's dcp.load, in place, into the tensors of `shards`.
+        yield shards, (train_state["step"], train_state.get("data"))
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - every rank fails alike
         # CheckpointException derives from BaseException, so it is named. The train state was
         # fine, so the shards are damaged (a disk error), hold what safe_load_options refuses to
@@ -195,12 +208,45 @@ def load_sharded_checkpoint(
             f"(--resume {os.path.dirname(path)}/step_...), or start fresh in another --out-dir"
         ) from e
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"],
         options=STATE_DICT_OPTIONS,
     )  # fmt: skip
     # The schedule of this run's --max-steps, at the checkpoint's step (see resume_schedule).
-    resume_schedule(scheduler, optimizer, fresh_lrs, train_state["step"])
+    resume_schedule(state.scheduler, optimizer, fresh_lrs, train_state["step"])
     set_rng_state(train_state["rng"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} at step {train_state['step']}")
+
+
+# -------------------------------------------------------------------------------------------------
+# The end of a run: model.pt from the last checkpoint
+
+
+def finish_run(args, state: TrainingState, device) -> None:
+    """The end of a sharded lesson's run: model.pt, config.json, tokenizer.json and the sample
+    (training.finish_run), on rank 0, from the last checkpoint, which the loop always writes at
+    the last step. Every tensor is there under its full name, whatever layout wrote it (FSDP,
+    TP, pipeline stages): rank 0 reads it back alone, with no collective, and every rank learns
+    whether it could (from_rank0). Like resuming, it needs --out-dir on a filesystem rank 0 can
+    read."""
+
+    def write() -> None:
+        plain = LlamaForPretraining(state.config)
+        load_checkpoint_weights(plain, list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[-1])
+        training.finish_run(args, plain, state.config, state.tokenizer, device)
+
+    from_rank0(write, dist.get_rank() == 0)
+
+
+def load_checkpoint_weights(model, path: str) -> None:
+    """Load the model weights of the DCP checkpoint `path` into a whole (plain) `model`, in this
+    process alone: no collective, so rank 0 can do it by itself; safe_load: no pickle in the
+    directory can run code."""
+    weights = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        safe_load(weights, path, no_dist=True)
+    model.load_state_dict(weights["model"])
 
 
 # -------------------------------------------------------------------------------------------------

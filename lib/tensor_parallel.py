@@ -8,6 +8,8 @@ with torch.distributed.tensor.parallel.
     replicate_partial_grads(model.parameters())  # before clipping, with sequence parallelism
 """
 
+import os
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -19,8 +21,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lib import training
+from lib import model_config, training
 from lib.distributed import divide_ranks
+from lib.flags import number_arg
 from model import LlamaConfig
 
 # Tensor parallelism. A linear layer computes Y = X A (nn.Linear stores A transposed, as weight
@@ -43,6 +46,38 @@ from model import LlamaConfig
 # the residual stream between layers (all that --activation-checkpointing keeps) take 1/tp per
 # rank. The all-gathered inputs of wq/wk/wv and w1/w3 are still stored whole, as without it
 # (Megatron-LM stores its piece and gathers it again in backward; ColwiseParallel does not).
+
+
+def add_flags(parser) -> None:
+    """train_tp.py's flags: --tp and --sequence-parallel."""
+    parser.add_argument("--tp", type=number_arg(int, 1), default=None, help="tensor-parallel "
+                        "ranks per group, at most the GPUs of one node; it must divide the number "
+                        "of ranks, and FSDP shards over the dp = world_size / tp groups (default: "
+                        "the processes of one node, torchrun's LOCAL_WORLD_SIZE: TP inside nodes, "
+                        "FSDP across)")  # fmt: skip
+    parser.add_argument("--sequence-parallel", action="store_true", help="also split the "
+                        "activations around the norms (and the residual stream) along the "
+                        "sequence over the tp ranks: the same traffic, 1/tp of their memory per "
+                        "rank (needs --tp 2 or more and a --seq-length divisible by --tp)")
+
+
+def check_flags(parser, args, world_size: int) -> tuple[int, int]:
+    """(tp, dp) of train_tp.py's grid, its flags checked before any work (ValueError): --tp
+    (default: the processes of one node) divides the ranks and the model's heads and hidden
+    units; --sequence-parallel splits the sequence evenly; no mixture of experts, no
+    --micro-batch-size auto."""
+    tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.tp is None else args.tp
+    dp = data_parallel_size(world_size, tp)
+    if args.micro_batch_size == "auto":
+        # Its probe runs the model's forward and backward outside loss_parallel(), which the
+        # vocabulary-sharded loss needs.
+        parser.error("--micro-batch-size auto is not supported by train_tp.py; give a number "
+                     "(python -m tools.memory_plan --tp N estimates what fits)")  # fmt: skip
+    model_config.refuse_experts(parser, args, "train_tp.py")  # MoE: not here (NO_EXPERTS: why)
+    check_tensor_parallel(model_config.model_shape(args), tp)
+    if args.sequence_parallel:
+        check_sequence_parallel(tp, args.seq_length)
+    return tp, dp
 
 
 def data_parallel_size(world_size: int, tp: int) -> int:
@@ -189,8 +224,8 @@ def layer_plan(sequence_parallel: bool = False) -> dict:
 def apply_tensor_parallel(
     module: nn.Module,
     tp_mesh: DeviceMesh,
-    loss_parallel: bool = True,
     sequence_parallel: bool = False,
+    loss_parallel: bool = True,
 ) -> None:
     """Split the rest of `module`'s weights over `tp_mesh` (a 1-D mesh: the tp ranks of one
     group), in place, once the lesson has given each decoder layer its layer_plan: the embedding,

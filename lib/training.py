@@ -33,12 +33,20 @@ from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, generate_text
 
 def build_datasets(args, tokenizer_path: str | None):
     """Corpus -> tokenizer (tokenizer_path's, or trained) -> tokenized datasets: (train, val,
-    tokenizer), made by one process per node; with --streaming, train is a streaming.Stream."""
+    tokenizer), made by one process per node; val: the first --eval-batches x --batch-size
+    sequences of the validation split. With --streaming, train is a streaming.Stream."""
     if args.streaming:
         from lib import streaming  # only for --streaming
 
         stream = streaming.open_stream(args, tokenizer_path)
-        return stream, stream.val_set, stream.tokenizer
+        train, val, tokenizer = stream, stream.val_set, stream.tokenizer
+    else:
+        train, val, tokenizer = _cached_datasets(args, tokenizer_path)
+    steps_per_epoch(train, args)  # ValueError now if not even one batch
+    return train, Subset(val, range(min(len(val), args.eval_batches * args.batch_size))), tokenizer
+
+
+def _cached_datasets(args, tokenizer_path: str | None):
     with main_process_first():
         docs = data.load_corpus(args.data, args.text_column, args.cache_dir, args.txt_split)
         train_docs, val_docs = data.split_corpus(docs, args.val_fraction, seed=0)
@@ -95,28 +103,37 @@ def steps_per_epoch(train_ds, args) -> int | None:
 
 
 def step_batches(
-    dataset, order_for_epoch: Callable[[int], list[int]], micro_batch_size: int, accumulation: int,
-    steps_per_epoch: int, start_step: int, num_workers: int, pin_memory: bool,
-    shard: tuple[int, int] = (0, 1), data_position: list[dict] | None = None,
+    args, settings, dataset, order_for_epoch: Callable[[int], list[int]], rows: int,
+    device: torch.device, start: tuple[int, list[dict] | None], shard: tuple[int, int] = (0, 1),
 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
-    """An iterator over the optimizer steps from `start_step` on, each step's `accumulation`
-    micro-batches. `order_for_epoch(epoch)` gives the sample indices this process reads in that
-    epoch: where single-process and distributed training differ. The position in the data is a
-    function of the step, so a resume at step s reads what an uninterrupted run would. A stream
-    is read by a streaming.StreamingBatches: `shard` (dp rank, dp size), `data_position`."""
+    """An iterator over the optimizer steps from start = (step, data position) on, each step's
+    settings.accumulation micro-batches of `rows` sequences. `order_for_epoch(epoch)` gives the
+    sample indices this process reads in that epoch: where single-process and distributed
+    training differ. The position in the data is a function of the step, so a resume at step s
+    reads what an uninterrupted run would. A stream (--streaming) is read by a
+    streaming.StreamingBatches instead: `shard` (dp rank, dp size), and its saved position."""
+    start_step, data_position = start
+    pin_memory = device.type == "cuda"  # copies to the GPU from pinned memory run asynchronously
+    num_workers = args.num_workers
     if num_workers is None:  # --num-workers' default (lib/flags.py): none on a CPU, one on a GPU
-        num_workers = 1 if pin_memory else 0  # pin_memory: training on a GPU
+        num_workers = 1 if pin_memory else 0
     if is_stream(dataset):
         from lib import streaming
 
         state = streaming.own_position(data_position, *shard) if start_step > 0 else None
-        return streaming.StreamingBatches(
-            dataset, micro_batch_size, accumulation, *shard, state=state, read_ahead=num_workers
-        )
+        return streaming.StreamingBatches(dataset, rows, settings.accumulation, *shard,
+                                          state=state, read_ahead=num_workers)  # fmt: skip
     return _cached_step_batches(
-        dataset, order_for_epoch, micro_batch_size, accumulation, steps_per_epoch, start_step,
-        num_workers, pin_memory,
+        dataset, order_for_epoch, rows, settings.accumulation, steps_per_epoch(dataset, args),
+        start_step, num_workers, pin_memory,
     )  # fmt: skip
+
+
+def to_device(micro_batches: list, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """A step's micro-batches on the device, copied asynchronously (from pinned memory): the
+    loop then counts their targets there, since counting on the CPU and copying the count over
+    would make the CPU wait, every step, for the GPU to finish the step before."""
+    return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in micro_batches]
 
 
 def _cached_step_batches(dataset, order_for_epoch, micro_batch_size, accumulation,
@@ -178,17 +195,26 @@ def data_positions(batches) -> list[dict] | None:
 # Model, optimizer, schedule, precision, attention masks
 
 
-def build_model(args, preset: str | None, vocab_size: int):
-    """(model, config) to train: the settings' preset (shaped by the flags) with fresh weights
-    from --seed, or --init-from's (in fp32, on the CPU: tools/generate.py's loader, its checks)."""
+def build_model(args, settings, tokenizer, device: torch.device):
+    """(model on `device`, config) to train: the settings' preset (shaped by the flags) with fresh
+    weights from --seed, or --init-from's (in fp32: tools/generate.py's loader, its checks)."""
     if args.init_from is not None:
         from lib.finished_run import load_model
 
         model, _ = load_model(args.init_from, "cpu", torch.float32)
-        return model.train(), model.config
-    config = model_config.preset_config(args, preset, vocab_size)
+        return model.train().to(device), model.config
+    config = model_config.preset_config(args, settings.model, tokenizer.get_vocab_size())
     torch.manual_seed(args.seed)  # the same initial weights in every process
-    return LlamaForPretraining(config), config
+    return LlamaForPretraining(config).to(device), config
+
+
+def prepare_layers(model: LlamaForPretraining, args, loss: bool = True) -> None:
+    """--activation-checkpointing and --compile, applied to each decoder layer in place (the
+    parameter names unchanged); loss: compile model.loss too (compile_layers)."""
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if args.compile:
+        compile_layers(model, loss)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

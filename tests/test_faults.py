@@ -43,7 +43,7 @@ from harness import (
     watch_run,
 )
 
-from lib import checkpoints, metrics
+from lib import checkpoints, loop
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
@@ -292,7 +292,7 @@ def test_skip_nonfinite_skips_bad_updates_and_finishes_with_finite_weights(
 
 def test_skip_nonfinite_stops_after_too_many_skipped_steps_in_a_row(corpus, cache_dir, tmp_path):
     # Every step after the first is non-finite here: skipping cannot save this run.
-    out, limit = tmp_path / "out", metrics.NonFiniteGuard.MAX_SKIPPED_IN_A_ROW
+    out, limit = tmp_path / "out", loop.NonFiniteGuard.MAX_SKIPPED_IN_A_ROW
     run = {**NAN_RUN, "max_steps": limit + 4, "save_interval": 4}
     argv = cmd(corpus, cache_dir, out, **run) + ["--skip-nonfinite"]
     proc = run_script(DP, argv, expect_rc=1, nonfinite="2-")

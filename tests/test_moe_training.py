@@ -40,7 +40,7 @@ from harness import (
 from test_bad_input import assert_refused
 
 import data
-from lib import checkpoints, finished_run, memory, metrics, model_config, training
+from lib import finished_run, memory, metrics, model_config, resume_checks, training
 from lib.moe import router_stats
 from model import (
     LlamaConfig,
@@ -192,15 +192,15 @@ def test_a_moe_checkpoint_resumed_dense_is_refused_naming_the_field(launched, co
     args, plan = build_args(corpus, cache_dir, data_mode="pad")
     _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
     with pytest.raises(ValueError, match=re.escape(f"config num_local_experts {E} (now 0); ")):
-        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+        resume_checks.check_resumable(ckpt, config, args, tokenizer)
     # Another number of experts per token, or another coefficient, is another model too.
     args, plan = build_args(corpus, cache_dir, **{**MOE, "experts_per_token": 1})
     _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
     with pytest.raises(ValueError, match=re.escape(f"num_experts_per_tok {K} (now 1); ")):
-        checkpoints.check_resumable(ckpt, config, args, tokenizer)
+        resume_checks.check_resumable(ckpt, config, args, tokenizer)
     args, plan = build_args(corpus, cache_dir, **MOE)  # the same flags: resumable
     _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
-    checkpoints.check_resumable(ckpt, config, args, tokenizer)
+    resume_checks.check_resumable(ckpt, config, args, tokenizer)
 
 
 # -------------------------------------------------------------------------------------------------

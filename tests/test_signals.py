@@ -26,7 +26,7 @@ from harness import (
 )
 from test_faults import FAULT_RUN, assert_weights_equal, finish
 
-from lib import exits
+from lib import exits, loop
 
 FSDP = "train_fsdp.py"
 STOPPED = re.compile(r"stopped at step (\d+), checkpoint saved; run the same command to resume")
@@ -115,11 +115,11 @@ def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_re
 def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeypatch):
     handlers = {signum: signal.getsignal(signum) for signum in exits.STOP_SIGNALS}
     try:
-        request = exits.StopRequest(torch.device("cpu"))
+        request = loop.StopRequest(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next line
         assert request.all_reduce() == signal.SIGUSR1
         os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's echo, milliseconds later: ignored
-        monkeypatch.setattr(exits, "ECHO_SECONDS", 0.0)  # as if seconds had passed
+        monkeypatch.setattr(loop, "ECHO_SECONDS", 0.0)  # as if seconds had passed
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(1)  # (the handler interrupts this)

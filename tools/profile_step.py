@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lib import exits, flags, metrics, model_config, training
+from lib import exits, flags, loop, model_config, training
 from lib.replica import Replica
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
 
@@ -51,7 +51,7 @@ def our_step(args, config: LlamaConfig, device, precision: str, compile: bool):
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    guard = metrics.NonFiniteGuard(device, skip=False)
+    guard = loop.NonFiniteGuard(device, skip=False)
     if compile:
         training.compile_layers(model)
     # One GPU, like the reference (train_dp.py itself takes every visible GPU).

@@ -1,0 +1,237 @@
+"""What every lesson's training loop does around its step, written once: the start-up summary,
+the progress bar, the non-finite guard, and after each step the log, the evaluation, the
+checkpoint and the stop on a signal, each when it is due.
+
+    loop = TrainingLoop(args, settings, state, device, start_step)
+    for step in loop:                                   # the progress bar; steps count from 0
+        ...                                             # the lesson's own step
+        if loop.step_ok(step, step_loss, grad_norm):    # the non-finite guard
+            optimizer.step()
+        ...
+        loop.after_step(step, loss, grad_norm, evaluate, save)  # log, evaluate, save, stop
+
+A lesson's `evaluate()` returns the validation loss (its collectives on the sums are the lesson's
+own), and `save(step)` writes a checkpoint (.pt from rank 0, or DCP shards from every rank).
+Every rank takes the same decisions at the same step, so no collective is ever left waiting.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from lib.checkpoints import TrainingState, record_run
+from lib.exits import STOP_SIGNALS, Stopped, TrainingError
+from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
+from lib.metrics import Metrics, Throughput, bar_postfix, router_figures
+
+
+class TrainingLoop:
+    """The steps from `start_step` to --max-steps, and what runs around each of them."""
+
+    def __init__(self, args, settings, state: TrainingState, device, start_step: int,
+                 layout: str | None = None, **plan):  # fmt: skip
+        """state: what the lesson trains (lib/checkpoints.py); layout: its description of how the
+        model is spread over the ranks, printed at start-up; plan: the same layout for --plan
+        (lib/memory.py's estimate_for_run: tp, pp, cp, ep, replicate, ...)."""
+        config = state.config
+        self.args, self.model, self.optimizer = args, state.model, state.optimizer
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        # The GPUs (or processes) a step runs on, for MFU: every rank's, or DataParallel's.
+        devices = dist.get_world_size() if dist.is_initialized() else settings.devices
+        self.metrics = Metrics(args.out_dir, self.is_main, start_step, args.tensorboard)
+        if self.is_main:
+            print(describe_run(args, settings, config, device))
+            if layout is not None:
+                print(f"parallelism: {layout}")
+            record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
+            if args.plan:  # lib/memory.py: only for --plan
+                from lib import memory
+
+                print(memory.estimate_for_run(args, settings, config, devices, **plan))
+        self.guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
+        self.throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
+        self.stop_request = StopRequest(device)  # Ctrl-C, SIGTERM, ...: stop cleanly (see there)
+        self.bar = tqdm(range(start_step, args.max_steps), initial=start_step,
+                        total=args.max_steps, desc="train", disable=not self.is_main)  # fmt: skip
+        self.lr = 0.0
+
+    def __iter__(self):
+        for step in self.bar:
+            self.lr = self.optimizer.param_groups[0]["lr"]  # this step's, logged after it
+            yield step
+        # After the last step, no collective of the stop request is left in flight: its handle
+        # would outlive the process group and can abort the process at exit.
+        self.stop_request.finish()
+
+    def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """The non-finite guard (NonFiniteGuard) for the step's loss and gradient norm (None:
+        not checked); False: skip the step's update (--skip-nonfinite)."""
+        return self.guard.step_ok(step + 1, loss, grad_norm)
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, evaluate,
+                   save) -> None:  # fmt: skip
+        """After the optimizer step, on every rank alike:
+        1. a stop requested by a signal on any rank is agreed on by all (a collective);
+        2. before anything is logged, evaluated or saved, a NaN/inf since the last check stops
+           the run (the last checkpoint stays the last good state);
+        3. every --log-interval steps, the loss, learning rate, throughput and gradient norm
+           (reading a value from the GPU waits for it: only then, so the queue stays full);
+        4. every --eval-interval steps, evaluate(): the validation loss;
+        5. every --save-interval steps, and at a stop, save(step): a checkpoint;
+        6. at a stop, Stopped, which exits.run reports (exit code 128 + the signal).
+        The last step logs, evaluates and saves whatever the intervals."""
+        self.throughput.step()
+        done = step + 1
+        last = done == self.args.max_steps
+        stop = self.stop_request.all_reduce() and not last
+        intervals = (self.args.log_interval, self.args.eval_interval, self.args.save_interval)
+        do_log, do_eval, do_save = (done % interval == 0 or last for interval in intervals)
+        do_save = do_save or stop  # saved once, if this step saves anyway
+        if do_log or do_eval or do_save:
+            self.guard.check(self.args.out_dir)
+        if do_log:
+            value = loss.item()
+            figures = self.throughput.figures()
+            self.bar.set_postfix(bar_postfix(value, self.lr, figures))
+            # A mixture of experts' routing, summed over the ranks (a collective); {} if dense.
+            self.metrics.log(step=done, loss=value, lr=self.lr, **figures,
+                             grad_norm=grad_norm.item(), **router_figures(self.model))  # fmt: skip
+        if do_eval:
+            self.metrics.log_validation(done, evaluate().item())
+            self.throughput.restart()  # keep evaluation time out of the tokens/s figure
+        if do_save:
+            save(done)
+            self.throughput.restart()
+        if stop:
+            raise Stopped(done, self.stop_request.signal)  # exits.run says so and exits
+
+
+# -------------------------------------------------------------------------------------------------
+# The non-finite guard
+
+
+class NonFiniteGuard:
+    """Notices the first step whose loss (or gradient norm) is NaN or infinite. The run stops at
+    the next check, which the loop makes before it logs, evaluates or saves: the error names the
+    step, and the last checkpoint stays the last good state; between checks the step is
+    recorded on the device, with no wait for the GPU. With --skip-nonfinite, such a step's
+    update is skipped instead (each step then waits for the GPU once, to decide), but
+    MAX_SKIPPED_IN_A_ROW in a row stop the run: one that stays broken would "train" on."""
+
+    MAX_SKIPPED_IN_A_ROW = MAX_SKIPPED_IN_A_ROW  # (lib/flags.py: --skip-nonfinite's help)
+
+    def __init__(self, device: torch.device, skip: bool):
+        self.skip = skip
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
+        self.skipped_in_a_row = 0
+
+    def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+        """Record step's loss and gradient norm (None: not checked); False: skip its update."""
+        finite = torch.isfinite(loss)
+        if grad_norm is not None:
+            finite &= torch.isfinite(grad_norm)
+        if self.skip:
+            if bool(finite):
+                self.skipped_in_a_row = 0
+                return True
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
+                raise TrainingError(f"the loss or the gradient was NaN/infinite at "
+                                    f"{self.skipped_in_a_row} steps in a row "
+                                    f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
+                                    f"not recovering, so it stopped (--skip-nonfinite skipped "
+                                    f"their updates, so nothing saved holds NaN/inf). Try a lower "
+                                    f"--lr or --grad-clip.")  # fmt: skip
+            print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
+                  file=sys.stderr)  # fmt: skip
+            return False
+        first = (self.first_bad_step == 0) & ~finite
+        self.first_bad_step = torch.where(first, step, self.first_bad_step)
+        return True
+
+    def check(self, out_dir: str) -> None:
+        if step := int(self.first_bad_step):
+            raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
+                                f"stopped before saving anything from that state (the checkpoints "
+                                f"in {out_dir} are the last good ones). Try a lower --lr, "
+                                "--grad-clip, or --skip-nonfinite to skip such steps.")  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------
+# A clean stop on a signal: Ctrl-C (SIGINT), SIGTERM (kill, a scheduler's preemption) and SIGUSR1
+# (the early warning that slurm_ddp.sbatch asks Slurm for, before the time limit)
+
+# torchrun passes its signals on to its workers, which a terminal's Ctrl-C (or Slurm) reached
+# already: a repeat within this many seconds is that echo, not a second request.
+ECHO_SECONDS = 2.0
+
+
+class StopRequest:
+    """A STOP_SIGNALS signal stops the run after the step in flight, with a checkpoint there,
+    on every rank at the same step: ranks receive it at different moments (or only some do), and
+    one that left the loop alone would leave the others waiting forever. So after each step every
+    rank all-reduces (MAX) the signal it has noted, and reads the result a step later, with no
+    wait. A second signal raises KeyboardInterrupt at once (files are renamed into place whole)."""
+
+    def __init__(self, device: torch.device):
+        self.signal = 0  # the signal all ranks agreed to stop on (0: none)
+        self._received, self._received_at = 0, 0.0  # this process's first signal, and when
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self._flag = torch.zeros((), dtype=torch.int64, device=device)
+        # On a GPU the result is copied to pinned host memory behind the all-reduce, an event
+        # marking that point; on CPU, gloo's threads run it while the next step computes.
+        self._cuda = self._flag.is_cuda
+        self._result = torch.zeros((), dtype=torch.int64, pin_memory=True) if self._cuda else None
+        self._event = torch.cuda.Event() if self._cuda else None
+        self._wait = None  # waits for the all-reduce in flight (None: none yet)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._received:
+            if now - self._received_at > ECHO_SECONDS:
+                raise KeyboardInterrupt  # asked again: stop at once (exits.run says so)
+            return
+        self._received, self._received_at = signum, now
+        if int(os.environ.get("RANK", "0")) == 0:
+            note = (f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+                    f"(the same signal again stops at once, without saving)\n")  # fmt: skip
+            # os.write, not print: a handler may run in the middle of a print to stderr.
+            os.write(sys.stderr.fileno(), note.encode())
+
+    def all_reduce(self) -> int:
+        """A collective: every rank calls it after every step. The signal to stop on after this
+        step, the same on all ranks (the MAX of the signals the ranks received; one process: its
+        own, with no collective); 0: go on."""
+        if not self._distributed:
+            self.signal = self._received
+            return self.signal
+        if self._wait is not None:
+            self._wait()  # the all-reduce issued after the previous step
+            self.signal = int(self._result if self._cuda else self._flag)
+            if self.signal:
+                return self.signal
+        self._flag.fill_(self._received)
+        if self._cuda:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)  # queued on the stream
+            self._result.copy_(self._flag, non_blocking=True)
+            self._event.record()
+            self._wait = self._event.synchronize  # waits for the stream up to here, no further
+        else:
+            work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+            self._wait = work.wait
+        return 0
+
+    def finish(self) -> None:
+        """After the last step, before the process group goes: wait for the all-reduce left in
+        flight, whose handle would otherwise outlive the group and can abort the process at
+        exit (gloo: "terminate called without an active exception")."""
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
