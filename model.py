@@ -14,6 +14,7 @@ No training or distributed code: every strategy wraps or shards this module from
 """
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -306,7 +307,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForPretraining(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, seed: int | None = None):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -319,25 +320,18 @@ class LlamaForPretraining(nn.Module):
         cos, sin = rope_cos_sin(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if not self.rope_cos.is_meta:  # built on the meta device: shapes only, nothing to fill
+            self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        # GPT-2's recipe: N(0, 0.02), and the two projections into the residual stream (wo, w2)
-        # scaled by 1/sqrt(2 * layers), so its variance stays about constant however deep the
-        # model is. RMSNorm weights start at one.
-        std = 0.02
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-        for layer in self.layers:
-            w2 = layer.feed_forward.w2  # a Linear, or the experts' stacked (E, d, ffn) Parameter
-            if self.config.num_local_experts:  # the router is a Linear, as above
-                layer.feed_forward.init_weights(std)  # w1 and w3 likewise; w2 below
-            for projection in (layer.attention.wo.weight, getattr(w2, "weight", w2)):
-                nn.init.normal_(projection, std=std / math.sqrt(2 * len(self.layers)))
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill every parameter (initial_weight, by its name) and buffer (reset_buffers), as the
+        constructor does, or once a model built on the meta device has storage (to_empty).
+        seed None: one drawn from torch's global generator (torch.manual_seed decides it)."""
+        seed = int(torch.randint(2**62, ())) if seed is None else seed
+        reset_buffers(self, self.config)
+        for name, param in self.named_parameters():
+            param.copy_(initial_weight(self.config, name, param.shape, seed, param.device))
 
     def forward(
         self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
@@ -432,6 +426,40 @@ class LlamaForPretraining(nn.Module):
             if eos_id is not None and bool(finished.all()):
                 break
         return tokens
+
+
+# -------------------------------------------------------------------------------------------------
+# Initial weights, the same however the model is split
+
+
+def initial_weight(config: LlamaConfig, name: str, shape, seed: int, device=None) -> torch.Tensor:
+    """The initial value of the parameter `name` (its name in LlamaForPretraining), whole: drawn
+    from a generator of its own, seeded by `seed` and the name. So the weights are the same
+    however the model is built: whole in one process, or on the meta device and sharded, each
+    rank drawing every parameter whole, one at a time, and keeping its own slice of it.
+
+    GPT-2's recipe: N(0, 0.02), and the two projections into the residual stream (wo, w2, an
+    expert's too) scaled by 1/sqrt(2 * layers), so that its variance stays about constant however
+    deep the model is; RMSNorm weights start at one."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device)
+    std = 0.02
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2")):
+        std /= math.sqrt(2 * config.num_hidden_layers)
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    generator = torch.Generator(device or "cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def reset_buffers(module: nn.Module, config: LlamaConfig) -> None:
+    """The buffers of `module` (a model, or a part of one) anew: the RoPE tables, a function of
+    the config, and a mixture of experts' routing statistics, zeroed."""
+    for sub in module.modules():
+        if hasattr(sub, "rope_cos"):
+            sub.rope_cos, sub.rope_sin = rope_cos_sin(config, sub.rope_cos.device)
+        if hasattr(sub, "reset_router_stats"):
+            sub.reset_router_stats()
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:

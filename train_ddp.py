@@ -61,7 +61,7 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer, device)
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size(), device)
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
     # while backward runs; no buffers re-sent before each forward (the RoPE tables are constants).

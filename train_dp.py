@@ -43,7 +43,7 @@ def main():
         return torch.randperm(len(train_ds), generator=generator).tolist()
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer, device)
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size(), device)
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.

@@ -72,7 +72,11 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer, device)
+    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
+    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
+    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
+    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
+    model, config = training.build_model(args, settings, vocab_size, meta)
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # The EP grid: rank = dp_rank * ep + ep_rank. Each rank keeps E / ep experts of every layer,
     # and each MoE layer dispatches its tokens over its EP group, ep_mesh["ep"] (ep consecutive
@@ -110,6 +114,8 @@ def main():
             layer.feed_forward.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    model.to_empty(device="cpu" if offload else device)  # this rank's shards (offload: in CPU)
+    training.init_weights(model, config, args, device)
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)

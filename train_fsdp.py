@@ -65,7 +65,11 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer, device)
+    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
+    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
+    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
+    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
+    model, config = training.build_model(args, settings, vocab_size, meta)
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
     # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.
@@ -87,6 +91,8 @@ def main():
     for layer in model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    model.to_empty(device="cpu" if offload else device)  # this rank's shards (offload: in CPU)
+    training.init_weights(model, config, args, device)
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)

@@ -79,10 +79,14 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer, device)
+    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
+    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
+    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
+    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
+    model, config = training.build_model(args, settings, vocab_size, meta)
     training.prepare_layers(model, args, loss=False)  # (the last stage runs PipelineLoss)
     # This rank's stages: its own layers, under the full model's names; the rest goes with model.
-    stage_models = pipeline.build_stages(model, pp_rank, pp, v, device, settings.precision)
+    stage_models = pipeline.build_stages(model, pp_rank, pp, v, settings.precision)
     del model
     for stage_model in stage_models:
         if tp > 1:
@@ -100,6 +104,9 @@ def main():
     # `model` is now this rank's part: every parameter of its stages, once, under the full
     # model's names (RankModel), for the optimizer, the gradient norm and the checkpoints.
     model = pipeline.RankModel(stage_models)
+    for stage_model in stage_models:  # each stage's names are the whole model's
+        stage_model.to_empty(device=device)  # this rank's shards
+        training.init_weights(stage_model, config, args, device)
     # Built on the shards, AdamW's state is sharded like them.
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)

@@ -77,7 +77,11 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer, device)
+    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
+    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
+    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
+    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
+    model, config = training.build_model(args, settings, vocab_size, meta)
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
     if tp > 1:
@@ -99,6 +103,8 @@ def main():
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"], mp_policy=mp_policy)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
+    model.to_empty(device=device)  # this rank's shards
+    training.init_weights(model, config, args, device)
     if tp > 1:  # registered last, after FSDP's hooks: (loss, tokens) as plain tensors
         model.register_forward_hook(tensor_parallel.local_outputs)
     # The cross-entropy of vocab-sharded logits, forward and backward: under loss_parallel().

@@ -146,8 +146,10 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
     for moe in model.modules():
         if isinstance(moe, MoEFeedForward):
             for name in EXPERT_WEIGHTS:
-                full = getattr(moe, name).detach()  # the same on every rank (same seed)
-                shard = distribute_tensor(full, ep_mesh, [Shard(0)])
+                # On the meta device (the lesson builds there), or the same weights on every
+                # rank: each keeps its own slice, with no traffic (src_data_rank=None).
+                full = getattr(moe, name).detach()
+                shard = distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)
                 setattr(moe, name, nn.Parameter(shard))
             moe.dispatch = functools.partial(dispatch, moe, group=ep_mesh.get_group())
 

@@ -11,11 +11,12 @@ import json
 import math
 import os
 import pickle
+import zipfile
 
 import torch
 
 from data import DocumentTokenizer, load_tokenizer
-from model import LlamaConfig, LlamaForPretraining
+from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # checkpoints.save_final's
 
@@ -118,15 +119,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def load_model(
-    out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> tuple[LlamaForPretraining, DocumentTokenizer]:
-    """(model in eval mode on `device`, tokenizer) from a training run's --out-dir.
-
-    Raises ValueError, with what to do about it, when the directory or one of its files is
-    missing or unreadable. dtype defaults to `default_dtype(device)`.
+def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
+    """(model.pt's state_dict, config, tokenizer) of a training run's --out-dir, its tensors
+    mapped from the file (torch.load's mmap): a tensor is read when it is used, and a slice of
+    it reads only its own pages, so a sharded lesson's --init-from reads just its shards. The
+    names and shapes are checked against the config's model (ValueError, with what to do).
     """
-    device = torch.device(device)
     if not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} is not a directory: give a training run's --out-dir")
     missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
@@ -144,12 +142,13 @@ def load_model(
             f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only "
             f"{config.vocab_size}: {out_dir}'s files come from different runs"
         )
-
     model_path = os.path.join(out_dir, "model.pt")
     try:
+        if not zipfile.is_zipfile(model_path):  # what torch.save writes (mmap needs one)
+            raise pickle.UnpicklingError("not a zip archive")
         # weights_only=True: unpickling may only rebuild tensors, never run code, so a model.pt
         # from someone else cannot execute anything on this machine.
-        state_dict = torch.load(model_path, map_location="cpu", weights_only=True)
+        state_dict = torch.load(model_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any failure to read means "not a model.pt"
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, pickle.UnpicklingError):  # (torch's text suggests weights_only=False)
@@ -159,13 +158,40 @@ def load_model(
         raise ValueError(f"{model_path} is a training checkpoint, not the model.pt a run writes at "
                          f"its end: resume the run to its end, or copy that model.pt")  # fmt: skip
     try:
+        with torch.device("meta"):  # the names and shapes the config gives, with no storage
+            expected = LlamaForPretraining(config).state_dict()
+    except (RuntimeError, MemoryError, ValueError) as e:
+        raise ValueError(f"{config_path}: not a model this suite can build ({e})") from e
+    wrong = [] if isinstance(state_dict, dict) else ["it is not a state_dict"]
+    if not wrong:
+        missing = sorted(expected.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - expected.keys())
+        shapes = [f"{k} {tuple(state_dict[k].shape)} (wants {tuple(v.shape)})"
+                  for k, v in expected.items()
+                  if k in state_dict and getattr(state_dict[k], "shape", None) != v.shape]
+        wrong = ([f"missing {', '.join(missing[:3])}"] * bool(missing)
+                 + [f"unexpected {', '.join(unexpected[:3])}"] * bool(unexpected)
+                 + shapes[:3])  # fmt: skip
+    if wrong:
+        raise ValueError(f"{model_path} does not fit {config_path} ({'; '.join(wrong)})")
+    return state_dict, config, tokenizer
+
+
+def load_model(
+    out_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[LlamaForPretraining, DocumentTokenizer]:
+    """(model in eval mode on `device`, tokenizer) from a training run's --out-dir
+    (open_weights: ValueError, with what to do, for a missing or unreadable file). dtype
+    defaults to `default_dtype(device)`."""
+    device = torch.device(device)
+    state_dict, config, tokenizer = open_weights(out_dir)
+    with torch.device("meta"):
         model = LlamaForPretraining(config)
-    except (RuntimeError, MemoryError) as e:  # sizes too large for this machine's memory
-        raise ValueError(f"{config_path}: a model too large to build here ({e})") from e
     try:
-        model.load_state_dict(state_dict)
-    except (RuntimeError, AttributeError, TypeError) as e:  # torch's lines, as one
-        reason = " ".join(str(e).split())
-        raise ValueError(f"{model_path} does not fit {config_path} ({reason[:300]})") from e
-    model.to(device=device, dtype=dtype or default_dtype(device))
+        model.to_empty(device=device)
+    except (RuntimeError, MemoryError) as e:  # sizes too large for this machine's memory
+        raise ValueError(f"{out_dir}/config.json: a model too large to build here ({e})") from e
+    model.load_state_dict(state_dict)
+    reset_buffers(model, config)
+    model.to(dtype=dtype or default_dtype(device))
     return model.eval(), tokenizer

@@ -48,8 +48,6 @@ class MoEFeedForward(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, ffn, d))  # gate projections
         self.w3 = nn.Parameter(torch.empty(E, ffn, d))  # up projections
         self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
-        for weight in (self.w1, self.w3, self.w2):
-            nn.init.normal_(weight, std=0.02)  # LlamaForPretraining.init_weights sets them again
         # Expert parallelism (lib/expert_parallel.py) sets this to a function like run_experts that
         # sends the tokens to the ranks holding their experts and brings the outputs back.
         self.dispatch: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
@@ -113,13 +111,6 @@ class MoEFeedForward(nn.Module):
         return out.to(x.dtype)
 
     @torch.no_grad()
-    def init_weights(self, std: float) -> None:
-        """LlamaForPretraining.init_weights' recipe: every expert's w1 and w3 N(0, std), as the
-        dense ones (it sets w2 and the router itself); the routing statistics zeroed."""
-        nn.init.normal_(self.w1, mean=0.0, std=std)
-        nn.init.normal_(self.w3, mean=0.0, std=std)
-        self.reset_router_stats()
-
     @torch.no_grad()
     def reset_router_stats(self) -> None:
         self.tokens_per_expert.zero_()

@@ -226,24 +226,18 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[
 
 
 def build_stages(
-    model: LlamaForPretraining,
-    pp_rank: int,
-    pp_size: int,
-    stages_per_rank: int,
-    device: torch.device,
+    model: LlamaForPretraining, pp_rank: int, pp_size: int, stages_per_rank: int,
     precision: str = "fp32",
-) -> list[StageModel]:
-    """This rank's stage modules, moved to `device`, in stage order.
-
-    Every rank builds the same full model (same seed, same weights), then keeps only its own
-    layers: the rest is freed with `model`. ValueError if the layers do not go round.
-    """
+) -> list[StageModel]:  # fmt: skip
+    """This rank's stage modules, in stage order: the model's own submodules (on the meta device
+    in train_pp.py, which then gives the stages storage and values), under its names; the rest
+    of the model goes with it. ValueError if the layers do not go round."""
     num_stages = pp_size * stages_per_rank
     layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
     if model.config.tie_word_embeddings and num_stages > 1:
         raise tied_embeddings_error(num_stages)
     return [
-        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision).to(device)
+        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision)
         for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
     ]
 

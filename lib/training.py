@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
@@ -25,7 +26,14 @@ from lib import model_config
 from lib.checkpoints import TEMP_RE, save_failed, save_final
 from lib.distributed import main_process_first
 from lib.exits import ignore_stop_signals
-from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, generate_text
+from model import (
+    IGNORE_INDEX,
+    LlamaConfig,
+    LlamaForPretraining,
+    generate_text,
+    initial_weight,
+    reset_buffers,
+)
 
 # -------------------------------------------------------------------------------------------------
 # Data
@@ -123,7 +131,7 @@ def step_batches(
         state = streaming.own_position(data_position, *shard) if start_step > 0 else None
         return streaming.StreamingBatches(dataset, rows, settings.accumulation, *shard,
                                           state=state, read_ahead=num_workers)  # fmt: skip
-    return _cached_step_batches(
+    return batches_from(
         dataset, order_for_epoch, rows, settings.accumulation, steps_per_epoch(dataset, args),
         start_step, num_workers, pin_memory,
     )  # fmt: skip
@@ -136,8 +144,11 @@ def to_device(micro_batches: list, device: torch.device) -> list[tuple[torch.Ten
     return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in micro_batches]
 
 
-def _cached_step_batches(dataset, order_for_epoch, micro_batch_size, accumulation,
-                         steps_per_epoch, start_step, num_workers, pin_memory):  # fmt: skip
+def batches_from(dataset, order_for_epoch, micro_batch_size: int, accumulation: int,
+                 steps_per_epoch: int, start_step: int, num_workers: int = 0,
+                 pin_memory: bool = False) -> Iterator[list]:  # fmt: skip
+    """step_batches over a cached dataset: each step's `accumulation` micro-batches of
+    `micro_batch_size`, from `start_step` on, in the order order_for_epoch(epoch) gives."""
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     per_step = micro_batch_size * accumulation
     while True:
@@ -195,17 +206,48 @@ def data_positions(batches) -> list[dict] | None:
 # Model, optimizer, schedule, precision, attention masks
 
 
-def build_model(args, settings, tokenizer, device: torch.device):
-    """(model on `device`, config) to train: the settings' preset (shaped by the flags) with fresh
-    weights from --seed, or --init-from's (in fp32: tools/generate.py's loader, its checks)."""
+def build_model(args, settings, vocab_size: int, device: torch.device):
+    """(model, config) to train: the settings' preset shaped by the flags, or --init-from's
+    architecture. Built on the meta device (shapes, no storage), then given storage on `device`
+    and its initial weights (materialize); with device "meta", left there: a sharding lesson
+    shards it first, then materializes its own part."""
     if args.init_from is not None:
-        from lib.finished_run import load_model
+        config = model_config.model_shape(args)  # its config.json (checked with the flags)
+    else:
+        config = model_config.preset_config(args, settings.model, vocab_size)
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    if device.type != "meta":
+        model.to_empty(device=device)  # storage, with no values yet
+        init_weights(model, config, args, device)
+    return model, config
 
-        model, _ = load_model(args.init_from, "cpu", torch.float32)
-        return model.train().to(device), model.config
-    config = model_config.preset_config(args, settings.model, tokenizer.get_vocab_size())
-    torch.manual_seed(args.seed)  # the same initial weights in every process
-    return LlamaForPretraining(config).to(device), config
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, config, args, device) -> None:
+    """The initial values of a model built on the meta device and given storage (to_empty):
+    whole, sharded, or a pipeline stage (its parameter names are the whole model's). Each
+    parameter is drawn whole on `device`, one at a time, from a seed of its own
+    (model.initial_weight: --seed and its name), or read from --init-from's model.pt (mapped
+    from the file: only what is sliced is read), and this rank's slice of it kept. The weights
+    are one process's whatever the split, and the peak is this rank's part and the largest
+    parameter. The buffers too (model.reset_buffers)."""
+    reset_buffers(model, config)
+    source = None
+    if args.init_from is not None:
+        from lib.finished_run import open_weights  # only for --init-from
+
+        source, *_ = open_weights(args.init_from)
+    for name, param in model.named_parameters():
+        if source is not None:
+            full = source[name].to(device)
+        else:
+            full = initial_weight(config, name, param.shape, args.seed, device)
+        if isinstance(param, DTensor):  # this rank's slice: as the DTensor holds it, no traffic
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(full.to_local())
+        else:
+            param.copy_(full)
 
 
 def prepare_layers(model: LlamaForPretraining, args, loss: bool = True) -> None:
@@ -284,7 +326,7 @@ def autocast(device: torch.device, precision: str):
     """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]  # (KeyError: a bug)
     return torch.autocast(device.type, dtype=dtype)
 
 
@@ -333,10 +375,12 @@ class ValidationShard:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, precision, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, number of targets) over `loader`, tensors on `device`: sums, which ranks
-    add up before dividing once, to get one process's loss on the same data. attn_mask(x): the
-    model's third argument (attention_masks; train_cp.py's document ids)."""
+def evaluate(model, loader, device, settings, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, number of targets) over `loader`, tensors on `device`, in the run's
+    precision (settings: flags.RunSettings): sums, which ranks add up before dividing once, to
+    get one process's loss on the same data. attn_mask(x): the model's third argument
+    (attention_masks; train_cp.py's document ids)."""
+    precision = settings.precision
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device)

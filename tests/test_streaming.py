@@ -7,6 +7,7 @@ import io
 import json
 import pickle
 import random
+import types
 from pathlib import Path
 
 import datasets
@@ -63,10 +64,10 @@ def corpus_texts(root: Path) -> list[str]:
     return [json.loads(line)["body"] for p in sorted(root.glob("*.jsonl")) for line in p.open()]
 
 
-def open_stream(root: Path, tmp_path: Path, *flags: str) -> streaming.Stream:
+def open_stream(root: Path, tmp_path: Path, *extra: str) -> streaming.Stream:
     argv = ["--data", str(root), "--text-column", "body", "--cache-dir", str(tmp_path / "cache")]
     argv += ["--vocab-size", "300", "--seq-length", "16", "--batch-size", "4"]
-    args = flags.build_parser("test").parse_args([*argv, "--eval-batches", "1", *flags])
+    args = flags.build_parser("test").parse_args([*argv, "--eval-batches", "1", *extra])
     return streaming.open_stream(args, None)
 
 
@@ -255,6 +256,8 @@ def test_streaming_refuses_flags_of_a_corpus_cached_whole(flags, message):
         flags.run_settings(parser, args, 1, torch.device("cpu"))
 
 
+CPU = torch.device("cpu")
+
 # -------------------------------------------------------------------------------------------------
 # The train scripts' side: training.step_batches, data_positions, checkpoints
 
@@ -266,11 +269,12 @@ def test_step_batches_goes_on_from_the_saved_position_of_its_own_data_parallel_r
     args = flags.build_parser("test").parse_args([*argv, "--eval-batches", "1"])
     stream, val, tokenizer = training.build_datasets(args, None)
     assert isinstance(stream, streaming.Stream) and training.steps_per_epoch(stream, args) is None
-    assert val is stream.val_set and tokenizer is stream.tokenizer
+    assert val.dataset is stream.val_set and tokenizer is stream.tokenizer
+    settings = types.SimpleNamespace(accumulation=1)  # one micro-batch of 2 per step
 
     def batches(rank: int, start_step: int = 0, position=None, ranks: int = 2):
-        return training.step_batches(stream, None, 2, 1, None, start_step, 0, False,
-                                     shard=(rank, ranks), data_position=position)  # fmt: skip
+        start, shard = (start_step, position), (rank, ranks)
+        return training.step_batches(args, settings, stream, None, 2, CPU, start, shard)
 
     ranks = [batches(0), batches(1)]
     take(ranks[0], 3), take(ranks[1], 3)

@@ -249,10 +249,9 @@ def test_distributed_sampler_shards_are_disjoint_and_reshuffled_each_epoch(n):
     # both ranks together (each with 2 micro-batches of 2), from any start step (a resume), across
     # epoch boundaries.
     for start in (0, steps_per_epoch + 1):
-        single = training.step_batches(dataset, dp_order, batch_size, 1, steps_per_epoch, start, 0,
-                                     False)  # fmt: skip
-        ranks = [training.step_batches(dataset, ddp_order(r), 2, 2, steps_per_epoch, start, 0,
-                                     False) for r in range(world)]  # fmt: skip
+        single = training.batches_from(dataset, dp_order, batch_size, 1, steps_per_epoch, start)
+        ranks = [training.batches_from(dataset, ddp_order(r), 2, 2, steps_per_epoch, start)
+                 for r in range(world)]  # fmt: skip
         for step in range(start, epochs * steps_per_epoch):
             epoch, i = divmod(step, steps_per_epoch)
             expected = dp_order(epoch)[i * batch_size : (i + 1) * batch_size]
@@ -425,7 +424,7 @@ def test_the_flags_are_checked_without_changing_them(corpus, cache_dir):
 def test_shape_flags_override_the_preset_in_the_plan_the_model_and_the_summary(corpus, cache_dir):
     shape = dict(num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=4, ffn_size=320)
     args, plan = build_args(corpus, cache_dir, **shape)
-    model, config = training.build_model(args, plan.model, 321)  # the tokenizer's vocabulary
+    model, config = training.build_model(args, plan, 321, torch.device("cpu"))  # the tokenizer's vocabulary
     assert config.to_dict() == {
         **LlamaConfig.from_preset("tiny").to_dict(),  # the rest stays tiny's
         "vocab_size": 321, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 8,
