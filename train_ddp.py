@@ -36,12 +36,8 @@ def main():
     # Join the process group: each rank waits here until all world_size have joined; from then on
     # the collectives (all_reduce, broadcast, ...) run among them: nccl between GPUs, gloo on CPU.
     if not args.check:  # (--check: one process checks the flags, with no group)
-        backend = distributed.backend_for(args.backend, device)
-        store = distributed.rendezvous_store()  # where the ranks meet: torchrun's (see there)
-        gpu = device if device.type == "cuda" else None  # NCCL: bound to this rank's GPU at once
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, device_id=gpu
-        )
+        options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
+        dist.init_process_group(rank=rank, world_size=world_size, **options)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     settings = flags.run_settings(parser, args, world_size, device)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
@@ -61,12 +57,13 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer.get_vocab_size(), device)
+    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
+    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
+    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
-    # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
-    # while backward runs; no buffers re-sent before each forward (the RoPE tables are constants).
-    device_ids = [local_rank] if device.type == "cuda" else None
-    ddp_model = DDP(model, device_ids=device_ids, **distributed.NO_FORWARD_BUFFER_SYNC)
+    model.to_empty(device=device)
+    training.init_weights(model, config, args, device)
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
@@ -74,6 +71,10 @@ def main():
     # resume restores (lib/checkpoints.py).
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     start_step, data_position = checkpoints.resume(resume_path, state, args)
+    # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
+    # while backward runs; no buffers re-sent before each forward (the RoPE tables are constants).
+    device_ids = [local_rank] if device.type == "cuda" else None
+    ddp_model = DDP(model, device_ids=device_ids, **distributed.NO_FORWARD_BUFFER_SYNC)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, ddp_model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank

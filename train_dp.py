@@ -43,11 +43,13 @@ def main():
         return torch.randperm(len(train_ds), generator=generator).tolist()
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    model, config = training.build_model(args, settings, tokenizer.get_vocab_size(), device)
+    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
+    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
+    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
-    # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
-    # DataParallel sums each replica's gradients into the original model's, on GPU 0.
-    dp_model = torch.nn.DataParallel(Replica(model, device, settings.precision))
+    model.to_empty(device=device)
+    training.init_weights(model, config, args, device)
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
@@ -55,6 +57,9 @@ def main():
     # resume restores (lib/checkpoints.py).
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     start_step, data_position = checkpoints.resume(resume_path, state, args)
+    # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
+    # DataParallel sums each replica's gradients into the original model's, on GPU 0.
+    dp_model = torch.nn.DataParallel(Replica(model, device, settings.precision))
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, dp_model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size * devices  # sequences per forward: DataParallel splits them

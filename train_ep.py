@@ -28,14 +28,12 @@ from torch.utils.data import DistributedSampler
 from lib import distributed, exits, expert_parallel, flags, sharded_checkpoints, sharding, training
 from lib.checkpoints import TrainingState
 from lib.loop import TrainingLoop
-from lib.sharded_checkpoints import load_shards, safe_load_options, save_shards
+from lib.sharded_checkpoints import ShardedSaves, load_shards, safe_load_options
 from model import IGNORE_INDEX
 
 
 def main():
-    parser = flags.build_parser(
-        "Pretrain a MoE Llama with torchrun + EP + FSDP2.", distributed=True
-    )
+    parser = flags.build_parser("Pretrain a MoE Llama with torchrun + EP + FSDP2.", sharded=True)
     sharding.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
     expert_parallel.add_flags(parser)  # --ep
     args = parser.parse_args()
@@ -45,15 +43,10 @@ def main():
     # Join the process group: each rank waits here until all world_size have joined; from then on
     # the collectives (all_reduce, broadcast, ...) run among them: nccl between GPUs, gloo on CPU.
     if not args.check:  # (--check: one process checks the flags, with no group)
-        backend = distributed.backend_for(args.backend, device)
-        store = distributed.rendezvous_store()  # where the ranks meet: torchrun's (see there)
-        gpu = device if device.type == "cuda" else None  # NCCL: bound to this rank's GPU at once
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, device_id=gpu
-        )
+        options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
+        dist.init_process_group(rank=rank, world_size=world_size, **options)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     settings = flags.run_settings(parser, args, world_size, device, fp16=False)  # checked
-    shards = world_size // args.replicate  # HSDP: --replicate groups of `shards` ranks
     dp = expert_parallel.check_flags(args, world_size)  # the EP grid: dp groups of --ep ranks
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
@@ -72,28 +65,25 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
-    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
-    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
-    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
-    model, config = training.build_model(args, settings, vocab_size, meta)
+    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
+    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
+    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
-    # The EP grid: rank = dp_rank * ep + ep_rank. Each rank keeps E / ep experts of every layer,
-    # and each MoE layer dispatches its tokens over its EP group, ep_mesh["ep"] (ep consecutive
-    # ranks); ep_mesh["dp"]: the ranks that hold the same experts in the other groups.
+    # rank = dp_rank * ep + ep_rank: each rank keeps E / ep experts of every layer, and each MoE
+    # layer dispatches its tokens over its EP group, ep_mesh["ep"] (ep consecutive ranks);
+    # ep_mesh["dp"]: the ranks that hold the same experts in the other groups.
     ep_mesh = init_device_mesh(device.type, (dp, args.ep), mesh_dim_names=("dp", "ep"))
     expert_parallel.shard_experts(model, ep_mesh["ep"])
     # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
     # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.
-    bf16 = settings.precision == "bf16"
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None
-    )
-    # HSDP (--replicate R > 1): a 2-D mesh, rank = replica * shards + shard: a shard group is
-    # consecutive ranks (a node); its R replicas all-reduce each shard's gradients.
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
+    # HSDP: a grid of --replicate rows of shard groups (consecutive ranks: a node each); the rows
+    # hold replicas of each other's shards, and all-reduce their gradients.
     mesh = None  # plain FSDP over all ranks
     if args.replicate > 1:
-        dims = (args.replicate, shards)
+        dims = (args.replicate, world_size // args.replicate)
         mesh = init_device_mesh(device.type, dims, mesh_dim_names=("replicate", "shard"))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=mesh, reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy)
@@ -114,7 +104,7 @@ def main():
             layer.feed_forward.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, **options)
     fully_shard(model, **options)
-    model.to_empty(device="cpu" if offload else device)  # this rank's shards (offload: in CPU)
+    model.to_empty(device="cpu" if offload else device)  # (offload: the shards in CPU memory)
     training.init_weights(model, config, args, device)
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
@@ -122,13 +112,12 @@ def main():
     # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
     # resume restores (lib/checkpoints.py).
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
-    start_step, data_position = 0, None
-    if resume_path:
-        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks
-        # that wrote them; safe_load_options: no pickle in the directory can run code.
-        with load_shards(resume_path, state, args) as (to_load, start):
+    # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks that
+    # wrote them (safe_load_options: no pickle in the directory can run code).
+    with load_shards(resume_path, state, args) as (to_load, start):  # (None: start at step 0)
+        if resume_path:
             dcp.load(to_load, **safe_load_options(resume_path))  # in place, into the shards
-        start_step, data_position = start
+    start_step, data_position = start
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -145,11 +134,17 @@ def main():
         dist.all_reduce(val_tokens)
         return val_sum / val_tokens
 
+    saves = ShardedSaves(args, state)  # the checkpoint in flight (--async-save), its group
+
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is
-        # A collective: every rank writes its own shards, and no rank gathers them.
-        with save_shards(args, step, state, position) as (to_save, path):
-            dcp.save(to_save, checkpoint_id=path)
+        # A collective: every rank writes its own shards, and no rank gathers them. Or, with
+        # --async-save, copies them to CPU memory, and a thread writes them as training goes on.
+        with saves.checkpoint(step, position) as (to_save, path):
+            if args.async_save and not loop.stopping:  # (the run's last one is written at once)
+                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+            else:
+                dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
     E = config.num_local_experts
@@ -190,8 +185,8 @@ def main():
         loop.after_step(step, step_loss / global_tokens, grad_norm, evaluate, save)
 
     # ---- outputs -------------------------------------------------------------------------------
-    # model.pt and the final sample, read back on rank 0 from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, state, device)
+    # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
+    sharded_checkpoints.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

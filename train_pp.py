@@ -9,8 +9,8 @@ embedding on the first, the norm and lm_head on the last), and each rank of a pi
 own stages (build_stages), sending activations forward and their gradients back to its
 neighbours. The grid is (pp, dp, tp): TP inside each stage, FSDP over the dp pipelines. Gradient
 accumulation *is* the pipeline: the schedule (GPipe, 1F1B, interleaved) streams the step's
-micro-batches through the stages, each stage busy with a different one; the loss exists on the
-last stage, and the gradient norm is summed over the pipeline. docs/pipeline-parallel.md: the
+micro-batches through the stages, each busy with a different one; the loss exists on the last
+stage, and the gradient norm is summed over the pipeline. docs/pipeline-parallel.md: the
 bubble, the layouts, the limits.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DistributedSampler
@@ -32,12 +32,12 @@ from torch.utils.data import DistributedSampler
 from lib import distributed, exits, flags, pipeline, sharded_checkpoints, tensor_parallel, training
 from lib.checkpoints import TrainingState
 from lib.loop import TrainingLoop
-from lib.sharded_checkpoints import load_shards, safe_load_options, save_shards
+from lib.sharded_checkpoints import ShardedSaves, load_shards, safe_load_options
 from model import IGNORE_INDEX
 
 
 def main():
-    parser = flags.build_parser("Pretrain a Llama with torchrun + PP (+ TP).", distributed=True)
+    parser = flags.build_parser("Pretrain a Llama with torchrun + PP (+ TP).", sharded=True)
     pipeline.add_flags(parser)  # --pp, --tp, --schedule, --stages-per-rank
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
@@ -46,12 +46,8 @@ def main():
     # Join the process group: each rank waits here until all world_size have joined; from then on
     # the collectives (all_reduce, broadcast, ...) run among them: nccl between GPUs, gloo on CPU.
     if not args.check:  # (--check: one process checks the flags, with no group)
-        backend = distributed.backend_for(args.backend, device)
-        store = distributed.rendezvous_store()  # where the ranks meet: torchrun's (see there)
-        gpu = device if device.type == "cuda" else None  # NCCL: bound to this rank's GPU at once
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, device_id=gpu
-        )
+        options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
+        dist.init_process_group(rank=rank, world_size=world_size, **options)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
     # accumulation steps are the m micro-batches the schedule streams through each pipeline.
@@ -79,47 +75,44 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
-    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
-    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
-    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
-    model, config = training.build_model(args, settings, vocab_size, meta)
+    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
+    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
+    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
     training.prepare_layers(model, args, loss=False)  # (the last stage runs PipelineLoss)
     # This rank's stages: its own layers, under the full model's names; the rest goes with model.
     stage_models = pipeline.build_stages(model, pp_rank, pp, v, settings.precision)
-    del model
+    # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
+    # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
     for stage_model in stage_models:
-        if tp > 1:
-            # train_tp.py's split inside each stage. The stage's inputs and outputs stay plain
-            # tensors, so the pipeline sends what it would without TP; lm_head gathers the logits.
-            for layer in stage_model.layers.values():
+        if tp > 1:  # train_tp.py's split in each stage, whose inputs and outputs stay plain tensors
+            for layer in stage_model.layers.values():  # (so its sends are the same as without TP)
                 parallelize_module(layer, mesh["tp"], tensor_parallel.layer_plan())
             tensor_parallel.apply_tensor_parallel(stage_model, mesh["tp"], loss_parallel=False)
-        if dp > 1:
-            # FSDP over the dp pipelines, a stage as train_fsdp.py's whole model; its weights stay
-            # gathered from forward to backward (ZeRO-2): m micro-batches, one gather.
+        if dp > 1:  # FSDP over the dp pipelines, weights kept from forward to backward (ZeRO-2)
+            options = dict(mesh=mesh["dp"], mp_policy=mp_policy, reshard_after_forward=False)
             for layer in stage_model.layers.values():
-                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
-            fully_shard(stage_model, mesh=mesh["dp"], reshard_after_forward=False)
+                fully_shard(layer, **options)
+            fully_shard(stage_model, **options)
+        stage_model.to_empty(device=device)
+        training.init_weights(stage_model, config, args, device)
     # `model` is now this rank's part: every parameter of its stages, once, under the full
     # model's names (RankModel), for the optimizer, the gradient norm and the checkpoints.
     model = pipeline.RankModel(stage_models)
-    for stage_model in stage_models:  # each stage's names are the whole model's
-        stage_model.to_empty(device=device)  # this rank's shards
-        training.init_weights(stage_model, config, args, device)
     # Built on the shards, AdamW's state is sharded like them.
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
     # resume restores (lib/checkpoints.py).
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
-    start_step, data_position = 0, None
-    if resume_path:
-        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks
-        # that wrote them; safe_load_options: no pickle in the directory can run code.
-        with load_shards(resume_path, state, args) as (to_load, start):
+    # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks that
+    # wrote them (safe_load_options: no pickle in the directory can run code).
+    with load_shards(resume_path, state, args) as (to_load, start):  # (None: start at step 0)
+        if resume_path:
             dcp.load(to_load, **safe_load_options(resume_path))  # in place, into the shards
-        start_step, data_position = start
+    start_step, data_position = start
     # The runtime: a PipelineStage per stage sends and receives activations and gradients with
     # its neighbours in the pp group; the schedule orders every micro-batch's forwards, backwards
     # and sends. scale_grads=False: the loss is normalised already (not divided by m again).
@@ -129,7 +122,7 @@ def main():
         for stage_model, stage_id in zip(stage_models, stage_ids, strict=True)
     ]
     loss_fn = pipeline.PipelineLoss()  # the summed cross-entropy x loss_fn.scale
-    schedule = pipeline.SCHEDULES[args.schedule](  # ScheduleGPipe, Schedule1F1B, ...Interleaved...
+    schedule = pipeline.SCHEDULES[args.schedule](  # GPipe, 1F1B or interleaved 1F1B
         stages if args.schedule == "interleaved" else stages[0],
         n_microbatches=microbatches,
         loss_fn=loss_fn,
@@ -144,26 +137,26 @@ def main():
         args, settings, train_ds, order_for_epoch, rows, device, start, shard
     )
 
-    def run_pipeline(x, y, scale, losses: list, train: bool) -> None:
+    def run_pipeline(x, y, scale, train: bool) -> list[torch.Tensor]:
         # One pass of the schedule over a pipeline's batch (m x rows, T): the first stage reads
-        # x, the last computes the losses on y; every stage gets the attention mask.
+        # x, the last computes the losses (one per micro-batch: returned), every stage gets the
+        # attention mask. step: forwards and backwards; eval: forwards alone.
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss_fn.scale = scale  # what the last stage multiplies each micro-batch's loss sum by
-        mask = {} if (m := attn_mask(x)) is None else {"attn_mask": m}
-        inputs = (x,) if is_first else ()
-        run = schedule.step if train else schedule.eval  # eval: the forwards and losses alone
-        run(*inputs, target=y if is_last else None, losses=losses, return_outputs=False, **mask)
+        loss_fn.scale, losses = scale, []  # the last stage multiplies each loss sum by scale
+        masks = {} if (mask := attn_mask(x)) is None else {"attn_mask": mask}
+        run = schedule.step if train else schedule.eval
+        inputs, target = (x,) if is_first else (), y if is_last else None
+        run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
+        return losses
 
     def evaluate() -> torch.Tensor:
-        # Each pipeline its dp share, forward only; the last stage's sums are added up over the
-        # pipeline (the other stages add zeros) and over the dp pipelines, and divided once.
+        # Each pipeline its dp share, forward only: the last stage's sums, added up over the
+        # pipeline (the other stages add zeros) and over the dp pipelines, divided once.
         val_sum = torch.zeros((), device=device)
         val_tokens = torch.zeros((), device=device, dtype=torch.long)
         with torch.no_grad():
             for vx, vy in val_loader:
-                losses = []
-                run_pipeline(vx, vy, 1.0, losses, train=False)
-                if is_last:
+                if losses := run_pipeline(vx, vy, 1.0, train=False):  # (the last stage's)
                     val_sum += torch.stack(losses).sum()
                     val_tokens += (vy != IGNORE_INDEX).sum().to(device)
         for total in (val_sum, val_tokens):
@@ -171,11 +164,17 @@ def main():
             dist.all_reduce(total, group=dp_group)
         return val_sum / val_tokens
 
+    saves = ShardedSaves(args, state)  # the checkpoint in flight (--async-save), its group
+
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is
-        # A collective: every rank writes its own shards, and no rank gathers them.
-        with save_shards(args, step, state, position) as (to_save, path):
-            dcp.save(to_save, checkpoint_id=path)
+        # A collective: every rank writes its own shards, and no rank gathers them. Or, with
+        # --async-save, copies them to CPU memory, and a thread writes them as training goes on.
+        with saves.checkpoint(step, position) as (to_save, path):
+            if args.async_save and not loop.stopping:  # (the run's last one is written at once)
+                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+            else:
+                dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
     layout = pipeline.describe(args, pp, v, dp, microbatches, rows, config.num_hidden_layers)
@@ -189,17 +188,15 @@ def main():
         global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
         dist.all_reduce(global_tokens, group=dp_group)  # every stage counts the same tokens
         # One batch for the whole pipeline: the schedule cuts it back into the m micro-batches.
-        x = torch.cat([x for x, _ in micro_batches])  # (m * rows, T)
-        y = torch.cat([y for _, y in micro_batches])
-        losses = []  # filled on the last stage: one scaled loss per micro-batch
-        # FSDP averages gradients over the dp pipelines: the factor dp undoes that, leaving
-        # sum of all losses / all tokens.
-        run_pipeline(x, y, dp / global_tokens, losses, train=True)
-        step_loss = torch.zeros((), device=device)
-        if is_last:
-            step_loss += torch.stack(losses).sum().detach()
-        # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        # The last stage's, summed over the pipeline (the other stages add zeros) and the dp
+        x, y = (torch.cat(tensors) for tensors in zip(*micro_batches, strict=True))  # (m * rows, T)
+        # FSDP averages gradients over the dp pipelines: the factor dp undoes that, leaving sum of
+        # all losses / all tokens.
+        losses = run_pipeline(x, y, dp / global_tokens, train=True)
+        step_loss = (
+            torch.stack(losses).sum().detach() if is_last else torch.zeros((), device=device)
+        )
+        # The global loss, on every rank (queued, no wait): all ranks take the same decisions. The
+        # last stage's, summed over the pipeline (the other stages add zeros) and the dp
         # pipelines: dp x the mean loss.
         dist.all_reduce(step_loss, group=pp_group)
         dist.all_reduce(step_loss, group=dp_group)
@@ -215,8 +212,8 @@ def main():
         loop.after_step(step, step_loss, grad_norm, evaluate, save)
 
     # ---- outputs -------------------------------------------------------------------------------
-    # model.pt and the final sample, read back on rank 0 from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, state, device)
+    # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
+    sharded_checkpoints.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

@@ -4,12 +4,12 @@
     torchrun --standalone --nproc_per_node=8 train_tp.py --model 1b --tp 4   # 2D: dp 2 x tp 4
     torchrun --standalone --nproc_per_node=2 train_tp.py --tp 2 --sequence-parallel   # CPU
 
-What this adds to train_fsdp.py: the ranks form a (dp, tp) grid, tp consecutive ranks (one node:
-TP communicates in every layer) reading the same samples. parallelize_module splits every matrix
-over a tp group, Megatron's way: wq, wk, wv, w1, w3 by columns, wo, w2 by rows, so attention and
-the MLP each end in one all-reduce; the embedding and lm_head by vocabulary, the loss computed
-on the sharded logits (loss_parallel). --sequence-parallel also splits the norms' activations
-along the sequence. FSDP then shards over dp only; the sums over ranks are over dp.
+What this adds to train_fsdp.py: the ranks form a (dp, tp) grid, and the tp consecutive ranks of
+a group (one node: TP talks in every layer) read the same samples. parallelize_module splits
+every matrix over them, Megatron's way: wq, wk, wv, w1, w3 by columns, wo, w2 by rows (one
+all-reduce each for attention and the MLP), the embedding and lm_head by vocabulary, with the
+loss on the sharded logits (loss_parallel). --sequence-parallel splits what runs between them
+along the sequence. FSDP then shards over dp alone. docs/tensor-parallel.md: the details.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
 every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
@@ -32,12 +32,12 @@ from torch.utils.data import DistributedSampler
 from lib import distributed, exits, flags, sharded_checkpoints, tensor_parallel, training
 from lib.checkpoints import TrainingState
 from lib.loop import TrainingLoop
-from lib.sharded_checkpoints import load_shards, safe_load_options, save_shards
+from lib.sharded_checkpoints import ShardedSaves, load_shards, safe_load_options
 from model import IGNORE_INDEX
 
 
 def main():
-    parser = flags.build_parser("Pretrain a Llama with torchrun + TP + FSDP2.", distributed=True)
+    parser = flags.build_parser("Pretrain a Llama with torchrun + TP + FSDP2.", sharded=True)
     tensor_parallel.add_flags(parser)  # --tp, --sequence-parallel
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
@@ -46,20 +46,16 @@ def main():
     # Join the process group: each rank waits here until all world_size have joined; from then on
     # the collectives (all_reduce, broadcast, ...) run among them: nccl between GPUs, gloo on CPU.
     if not args.check:  # (--check: one process checks the flags, with no group)
-        backend = distributed.backend_for(args.backend, device)
-        store = distributed.rendezvous_store()  # where the ranks meet: torchrun's (see there)
-        gpu = device if device.type == "cuda" else None  # NCCL: bound to this rank's GPU at once
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, device_id=gpu
-        )
+        options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
+        dist.init_process_group(rank=rank, world_size=world_size, **options)
     is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    tp, dp = tensor_parallel.check_flags(parser, args, world_size)  # the grid: dp x tp ranks
-    # Only the dp groups split the batch: the tp ranks of a group work on the same samples.
+    # The grid: dp x tp ranks. Only the dp groups split the batch: a tp group shares its samples.
+    tp, dp = tensor_parallel.check_flags(parser, args, world_size)
     settings = flags.run_settings(parser, args, dp, device, fp16=False)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    # The grid: rank = dp_rank * tp + tp_rank; mesh["tp"] is this rank's TP group (tp
-    # consecutive ranks), mesh["dp"] the ranks that hold the same TP shard in the other groups.
+    # rank = dp_rank * tp + tp_rank: mesh["tp"] is this rank's TP group (tp consecutive ranks),
+    # mesh["dp"] the ranks that hold the same TP shard in the other groups.
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
     resume_path = distributed.from_rank0(sharded_checkpoints.prepare_out_dir, is_main, args)
@@ -77,15 +73,13 @@ def main():
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage, so no rank ever holds the whole model. It is
-    # sharded there, then each rank gives its shards storage (to_empty) and values: every weight
-    # drawn whole from a seed of its own and sliced (training.init_weights), one process's.
-    vocab_size, meta = tokenizer.get_vocab_size(), torch.device("meta")
-    model, config = training.build_model(args, settings, vocab_size, meta)
+    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
+    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
+    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
-    if tp > 1:
-        # Megatron's plan in every layer (layer_plan), then the embedding, norms and lm_head.
+    if tp > 1:  # Megatron's plan in every layer, then the embedding, the norms and lm_head
         layer_plan = tensor_parallel.layer_plan(args.sequence_parallel)
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], layer_plan)
@@ -93,19 +87,17 @@ def main():
     training.prepare_layers(model, args, loss=False)  # (the loss runs on vocabulary shards)
     # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
     # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.
-    bf16 = settings.precision == "bf16"
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
     # FSDP over mesh["dp"], as train_fsdp.py over all ranks: each TP shard is split again over
-    # the dp groups (2-D DTensors), and gradients reduce-scattered among the ranks holding it.
+    # the dp groups (2-D DTensors), and its gradients reduce-scattered among the ranks holding it.
     if dp > 1:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"], mp_policy=mp_policy)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
-    model.to_empty(device=device)  # this rank's shards
+    model.to_empty(device=device)
     training.init_weights(model, config, args, device)
-    if tp > 1:  # registered last, after FSDP's hooks: (loss, tokens) as plain tensors
+    if tp > 1:  # after FSDP's hooks: the model's (loss, tokens) as plain tensors
         model.register_forward_hook(tensor_parallel.local_outputs)
     # The cross-entropy of vocab-sharded logits, forward and backward: under loss_parallel().
     vocab_parallel = loss_parallel if tp > 1 else contextlib.nullcontext
@@ -115,13 +107,12 @@ def main():
     # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
     # resume restores (lib/checkpoints.py).
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
-    start_step, data_position = 0, None
-    if resume_path:
-        # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks
-        # that wrote them; safe_load_options: no pickle in the directory can run code.
-        with load_shards(resume_path, state, args) as (to_load, start):
+    # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks that
+    # wrote them (safe_load_options: no pickle in the directory can run code).
+    with load_shards(resume_path, state, args) as (to_load, start):  # (None: start at step 0)
+        if resume_path:
             dcp.load(to_load, **safe_load_options(resume_path))  # in place, into the shards
-        start_step, data_position = start
+    start_step, data_position = start
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -133,18 +124,24 @@ def main():
 
     def evaluate() -> torch.Tensor:
         # Each rank its dp group's share (every forward is a collective: all run it); the sums
-        # added up over the dp groups (the tp ranks of a group hold the same sums).
+        # added up over the dp groups (the tp ranks of a group hold the same).
         with vocab_parallel():
             val_sum, val_tokens = training.evaluate(model, val_loader, device, settings, attn_mask)
         dist.all_reduce(val_sum, group=dp_group)
         dist.all_reduce(val_tokens, group=dp_group)
         return val_sum / val_tokens
 
+    saves = ShardedSaves(args, state)  # the checkpoint in flight (--async-save), its group
+
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is
-        # A collective: every rank writes its own shards, and no rank gathers them.
-        with save_shards(args, step, state, position) as (to_save, path):
-            dcp.save(to_save, checkpoint_id=path)
+        # A collective: every rank writes its own shards, and no rank gathers them. Or, with
+        # --async-save, copies them to CPU memory, and a thread writes them as training goes on.
+        with saves.checkpoint(step, position) as (to_save, path):
+            if args.async_save and not loop.stopping:  # (the run's last one is written at once)
+                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+            else:
+                dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
     layout = f"dp {dp} x tp {tp}, sequence parallel {args.sequence_parallel}, FSDP {dp > 1}"
@@ -174,9 +171,7 @@ def main():
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=dp_group)
         if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
-            tensor_parallel.replicate_partial_grads(
-                model.parameters()
-            )  # (see there: clipping on every torch)
+            tensor_parallel.replicate_partial_grads(model.parameters())
         # The gradients are sharded DTensors: clip_grad_norm_ adds up the squared norms of the
         # shards over the ranks; full_tensor(): the (replicated) total, with no traffic.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
@@ -190,8 +185,8 @@ def main():
         loop.after_step(step, step_loss / global_tokens, grad_norm, evaluate, save)
 
     # ---- outputs -------------------------------------------------------------------------------
-    # model.pt and the final sample, read back on rank 0 from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, state, device)
+    # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
+    sharded_checkpoints.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

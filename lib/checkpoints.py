@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import mmap
 import os
 import re
 import shlex
@@ -54,6 +55,34 @@ def atomic_save(obj, path: str, write=torch.save) -> None:
         if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
             # torch.save's zip writer wraps a failed write in a RuntimeError: raise the OSError
             raise e.__context__ from e
+        raise
+
+
+def save_tensor_by_tensor(config: LlamaConfig, read, path: str) -> None:
+    """A model.pt of the config's model, that torch.load reads as any other, written without
+    ever holding the whole model: read(name, meta_tensor) returns one tensor at a time (a
+    sharded lesson reads it from its last checkpoint). torch.save first writes the file with
+    room for every tensor but no data (torch.serialization.skip_data; the tensors handed to it
+    are allocated but never touched, so they take no memory); then each tensor is copied into
+    its place through the file mapped shared (torch.load's mmap), mapped and unmapped again for
+    each, so that only one tensor's pages are held at a time."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with torch.device("meta"):
+        shapes = LlamaForPretraining(config).state_dict()
+    try:
+        with torch.serialization.skip_data():
+            torch.save({k: torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}, tmp)
+        for name, meta in shapes.items():
+            with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+                mapped = torch.load(tmp, mmap=True, weights_only=True)
+            mapped[name].copy_(read(name, meta))
+            del mapped  # unmapped: its pages go to the file
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         raise
 
 
@@ -192,11 +221,15 @@ def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> 
             scheduler.step()
 
 
-def save_final(out_dir: str, model: LlamaForPretraining, config: LlamaConfig, tokenizer) -> None:
-    """model.pt (a plain state_dict), config.json and tokenizer.json: all tools/generate.py
-    needs; and tokenizer_config.json, naming the special tokens as Hugging Face does
-    (lib/hf_tokenizer.py)."""
-    atomic_save(model.state_dict(), os.path.join(out_dir, "model.pt"))
+def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
+    """model.pt (a plain state_dict: of `model`, or written tensor by tensor from a function,
+    save_tensor_by_tensor), config.json and tokenizer.json: all tools/generate.py needs; and
+    tokenizer_config.json, naming the special tokens as Hugging Face does (lib/hf_tokenizer.py)."""
+    path = os.path.join(out_dir, "model.pt")
+    if callable(model):
+        save_tensor_by_tensor(config, model, path)
+    else:
+        atomic_save(model.state_dict(), path)
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)

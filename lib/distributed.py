@@ -2,8 +2,8 @@
 every rank keeps in it.
 
     rank, local_rank, world_size, device = distributed.torchrun_rank()
-    dist.init_process_group(distributed.backend_for(args.backend, device),
-                            store=distributed.rendezvous_store(), rank=rank, world_size=world_size)
+    options = distributed.group_options(args, device)  # backend, store, device
+    dist.init_process_group(rank=rank, world_size=world_size, **options)
 
 The torch APIs newer than 2.11 that the suite uses are at the end: the one place for them.
 """
@@ -43,6 +43,17 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return rank, local_rank, world_size, device
+
+
+def group_options(args, device: torch.device) -> dict:
+    """init_process_group's options besides rank and world size: the backend (backend_for), the
+    store where the ranks meet (rendezvous_store: torchrun's) and, on a GPU, the device (NCCL
+    then binds the group to it at once)."""
+    return {
+        "backend": backend_for(args.backend, device),
+        "store": rendezvous_store(),
+        "device_id": device if device.type == "cuda" else None,
+    }
 
 
 def backend_for(flag: str | None, device: torch.device) -> str:

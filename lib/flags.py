@@ -62,8 +62,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 # fmt: off
-def build_parser(description: str, distributed: bool = False) -> argparse.ArgumentParser:
-    """The flags every train script takes; distributed: also --backend (the torchrun scripts)."""
+def build_parser(description: str, distributed: bool = False,
+                 sharded: bool = False) -> argparse.ArgumentParser:
+    """The flags every train script takes; distributed: also --backend (the torchrun scripts);
+    sharded: also --async-save (the torchrun scripts that save sharded checkpoints)."""
+    distributed = distributed or sharded
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE", default=None, help="a TOML file of flag values "
                    "(seq-length = 512); the command line wins over it")
@@ -152,6 +155,10 @@ def build_parser(description: str, distributed: bool = False) -> argparse.Argume
     g.add_argument("--keep-checkpoints", type=number_arg(int, 2), default=3, help="checkpoints "
                    "to keep, at least 2: a resume falls back from a damaged newest one")
     g.add_argument("--out-dir", default="out", help="metrics, checkpoints and the final model")
+    if sharded:
+        g.add_argument("--async-save", action="store_true", help="write each checkpoint in the "
+                       "background, from a copy in CPU memory, while training goes on (the "
+                       "run's last one at once)")
     g.add_argument("--resume", default="auto", help="auto: from --out-dir's latest checkpoint "
                    "if any; never: start fresh; or a checkpoint file's path")
     g.add_argument("--sample-tokens", type=number_arg(int, 0), default=64,

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from lib.checkpoints import TrainingState, record_run
 from lib.exits import STOP_SIGNALS, Stopped, TrainingError
 from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
-from lib.metrics import Metrics, Throughput, bar_postfix, router_figures
+from lib.metrics import Metrics, Throughput, bar_postfix, build_memory, router_figures
 
 
 class TrainingLoop:
@@ -48,6 +48,7 @@ class TrainingLoop:
             print(describe_run(args, settings, config, device))
             if layout is not None:
                 print(f"parallelism: {layout}")
+            print(build_memory(state.model, device))
             record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
             if args.plan:  # lib/memory.py: only for --plan
                 from lib import memory
@@ -58,7 +59,7 @@ class TrainingLoop:
         self.stop_request = StopRequest(device)  # Ctrl-C, SIGTERM, ...: stop cleanly (see there)
         self.bar = tqdm(range(start_step, args.max_steps), initial=start_step,
                         total=args.max_steps, desc="train", disable=not self.is_main)  # fmt: skip
-        self.lr = 0.0
+        self.lr, self.stopping = 0.0, False
 
     def __iter__(self):
         for step in self.bar:
@@ -92,6 +93,7 @@ class TrainingLoop:
         intervals = (self.args.log_interval, self.args.eval_interval, self.args.save_interval)
         do_log, do_eval, do_save = (done % interval == 0 or last for interval in intervals)
         do_save = do_save or stop  # saved once, if this step saves anyway
+        self.stopping = stop or last  # its checkpoint is the run's last one (written at once)
         if do_log or do_eval or do_save:
             self.guard.check(self.args.out_dir)
         if do_log:

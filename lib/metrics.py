@@ -4,6 +4,7 @@ routing (router_figures)."""
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -140,6 +141,20 @@ def peak_flops(device: torch.device) -> float | None:
 def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devices: int):
     """The fraction of `devices` GPUs' peak turned into model FLOPs; None without a peak."""
     return None if peak is None else tokens_per_sec * flops_per_token / (peak * devices)
+
+
+def build_memory(model: torch.nn.Module, device: torch.device) -> str:
+    """What the model takes on this rank once built and placed: its weights (this rank's
+    shards, DTensors' local parts), and the process's peak so far (resident host memory, and
+    the GPU's allocated peak): the line to read when planning a bigger run."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    weights = sum(t.numel() * t.element_size() for t in local) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
+    peak = rss / (1e9 if sys.platform == "darwin" else 1e9 / 1024)
+    line = f"memory: weights {weights:.3f} GB on this rank; peak so far {peak:.3f} GB host memory"
+    if device.type == "cuda":
+        line += f", {torch.cuda.max_memory_allocated(device) / 1e9:.3f} GB of GPU memory"
+    return line
 
 
 def peak_memory_gb(device: torch.device) -> float | None:

@@ -21,6 +21,7 @@ import contextlib
 import io
 import os
 import pickle
+import shlex
 import shutil
 import sys
 import warnings
@@ -56,7 +57,6 @@ from lib.checkpoints import (
     start_from,
 )
 from lib.distributed import from_rank0
-from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
 # AdamW's state keyed per parameter ("state.layers.3.attention.wq.weight.exp_avg",
@@ -102,87 +102,129 @@ def prepare_out_dir(args, script: str | None = None) -> str | None:
     return start_from(args.out_dir, resume)
 
 
-@contextlib.contextmanager
-def save_shards(
-    args, step: int, state: TrainingState, data_position=None
-) -> Iterator[tuple[dict, str]]:
-    """Around the lesson's dcp.save(shards, checkpoint_id=path): yields (shards, path), the
-    model's and AdamW's state as sharded DTensors keyed by parameter name, and the directory to
-    write them to. A collective: every rank enters it and writes only its own shards (no
-    gather). data_position: training.data_positions() (rank 0's is saved), or None.
+class ShardedSaves:
+    """The sharded lessons' checkpoints, around their dcp.save (or, with --async-save,
+    dcp.async_save) into checkpoints/step_NNNNNNN/: each rank writes only its own shards, with no
+    gather. A directory of that name is always complete: the shards go to step_NNNNNNN.tmp, and
+    once every rank has written, rank 0 adds the train state and renames it into place.
 
-    path is a temporary directory, made by rank 0 before anyone writes into it; once every rank
-    has written, rank 0 adds the train state and renames it into place, so that a directory
-    named step_NNNNNNN is always complete. A failed write (a full disk) on any rank removes it,
-    keeps the previous checkpoints as they were, and raises one TrainingError on every rank."""
-    path = os.path.join(args.out_dir, "checkpoints", f"step_{step:07d}")
-    tmp = f"{path}.tmp"
-    is_main = dist.get_rank() == 0
-    model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
-    config, tokenizer = state.config, state.tokenizer
+    --async-save: dcp.async_save copies this rank's shards to CPU memory (its staging copy: the
+    rank's weights and AdamW state, 12 bytes per parameter of its shards, in host memory until
+    written) and returns; a thread writes them while training goes on, with its collectives on a
+    gloo group of its own (`group`), never mixed with training's. The checkpoint is renamed into
+    place only once written: before the next one starts (`finish`), and before the run's end.
+    A kill meanwhile leaves step_NNNNNNN.tmp, removed at the next start, and the checkpoint before
+    it complete: resuming from it is bit for bit the same."""
 
-    def start() -> None:  # rank 0's part
-        shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed mid-save
+    def __init__(self, args, state: TrainingState):
+        self.args, self.state = args, state
+        self.is_main = dist.get_rank() == 0
+        # A group of its own for the background save (a collective: every rank creates it).
+        self.group = dist.new_group(backend="gloo") if args.async_save else None
+        self.job = None  # dcp.async_save's future: the save in flight, set by the lesson
+        self._pending = None  # (path, tmp, train state) of the checkpoint written now
+
+    @contextlib.contextmanager
+    def checkpoint(self, step: int, data_position=None) -> Iterator[tuple[dict, str]]:
+        """Around the lesson's dcp.save(to_save, checkpoint_id=path): yields (to_save, path), the
+        model's and AdamW's state as sharded DTensors keyed by parameter name, and the directory
+        to write them to. A collective: every rank enters it. The checkpoint in flight, if any,
+        is finished first. data_position: training.data_positions() (rank 0's is saved). A
+        failed write (a full disk) on any rank removes the directory, keeps the previous
+        checkpoints as they were, and raises one TrainingError on every rank."""
+        self.finish()
+        args, state = self.args, self.state
+        path = os.path.join(args.out_dir, "checkpoints", f"step_{step:07d}")
+        tmp = f"{path}.tmp"
+
+        def start() -> None:  # rank 0's part
+            shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed mid-save
+            try:
+                os.makedirs(tmp)
+            except OSError as e:  # a full disk
+                raise save_failed(path, e) from e
+
+        # from_rank0's broadcast: the directory exists before anyone writes into it (or all stop).
+        from_rank0(start, self.is_main)
+        # The train state of this step, taken now: the run goes on before an async save is done.
+        train_state = {
+            "scheduler": state.scheduler.state_dict(), "rng": rng_state(), "step": step,
+            "config": state.config.to_dict(), "tokenizer_sha256": tokenizer_digest(state.tokenizer),
+            "corpus_sha256": state.tokenizer.corpus_sha256,  # what the data is (check_same_data)
+            "args": vars(args), "data": data_position,
+        }  # fmt: skip
+        # get_state_dict: the model's and AdamW's state keyed by parameter name, sharded DTensors.
+        model_state, optim_state = get_state_dict(
+            state.model, state.optimizer, options=STATE_DICT_OPTIONS
+        )
+        self._pending = (path, tmp, train_state)
         try:
-            os.makedirs(tmp)
-        except OSError as e:  # a full disk
-            raise save_failed(path, e) from e
+            yield {"model": model_state, "optimizer": optim_state}, tmp  # the lesson's dcp.save
+        except dcp.api.CheckpointException as e:  # raised on every rank if any rank's failed
+            self._failed(e)
+        if self.job is None:
+            self.finish()  # written: complete it now
 
-    # from_rank0's broadcast: the directory exists before anyone writes into it (or all stop).
-    from_rank0(start, is_main)
-    # get_state_dict: the model's and AdamW's state keyed by parameter name, as sharded DTensors.
-    model_state, optim_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    try:
-        yield {"model": model_state, "optimizer": optim_state}, tmp  # the lesson's dcp.save
-    except dcp.api.CheckpointException as e:  # raised on every rank if any rank's write failed
-        # (a full disk): the partial directory goes, the previous checkpoints stay as they were.
-        if is_main:
+    def finish(self) -> None:
+        """Complete the checkpoint being written, if any: wait for the async save in flight (a
+        failure raises on every rank), then rank 0 adds the train state and renames the
+        directory into place, and every rank learns whether it could (from_rank0)."""
+        if self._pending is None:
+            return
+        if self.job is not None:
+            future, self.job = self.job, None
+            try:
+                future.result()
+            except dcp.api.CheckpointException as e:
+                self._failed(e)
+        (path, tmp, train_state), self._pending = self._pending, None
+
+        def complete() -> None:  # rank 0's part: the train state, then the rename
+            try:
+                atomic_save(train_state, os.path.join(tmp, TRAIN_STATE))
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise save_failed(path, e) from e
+            # Atomic as checkpoints.save_checkpoint's files: a directory is complete once renamed.
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(tmp, path)
+            keep = self.args.keep_checkpoints
+            for old in list_checkpoints(self.args.out_dir, CHECKPOINT_DIR_RE)[:-keep]:
+                shutil.rmtree(old)
+
+        # Once it returns, the checkpoint is complete for every rank; if rank 0's part failed,
+        # every rank raises its error, instead of the others waiting for rank 0.
+        from_rank0(complete, self.is_main)
+
+    def _failed(self, e) -> None:
+        """A write failed on some rank (a full disk): the partial directory goes, the previous
+        checkpoints stay as they were, and every rank raises one TrainingError."""
+        (path, tmp, _), self._pending = self._pending, None
+        if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         # failures: {rank: (error, traceback)}. Sent between ranks without its context, a full
         # disk shows as torch.save's RuntimeError ("unexpected pos"), not as the OSError.
         cause = next(iter(e.failures.values()))[0]
         raise save_failed(path, cause) from e
 
-    def finish() -> None:  # rank 0's part: the train state, then the rename that completes it
-        train_state = {
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-            "step": step,
-            "config": config.to_dict(),
-            "tokenizer_sha256": tokenizer_digest(tokenizer),
-            "corpus_sha256": tokenizer.corpus_sha256,  # what the data is (check_same_data)
-            "args": vars(args),
-            "data": data_position,
-        }
-        try:
-            atomic_save(train_state, os.path.join(tmp, TRAIN_STATE))
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise save_failed(path, e) from e
-        # Atomic as checkpoints.save_checkpoint's files: a directory is complete once renamed.
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
-        for old in list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[: -args.keep_checkpoints]:
-            shutil.rmtree(old)
-
-    # On return, the checkpoint is complete for every rank; if rank 0's part failed, every rank
-    # raises its error (from_rank0's broadcast), instead of the others waiting for rank 0.
-    from_rank0(finish, is_main)
-
 
 @contextlib.contextmanager
 def load_shards(
-    path: str, state: TrainingState, args
-) -> Iterator[tuple[dict, tuple[int, list[dict] | None]]]:
-    """Around the lesson's dcp.load(shards, **safe_load_options(path)): yields (shards, start),
-    the sharded model's and AdamW's state to load into, in place, and the checkpoint's (step,
-    data position) to go on from (checkpoints.resume's). Its train state is checked against this
-    run before anything changes; after the load, the model and optimizer get the state, and the
-    schedule and RNG theirs.
+    path: str | None, state: TrainingState, args
+) -> Iterator[tuple[dict | None, tuple[int, list[dict] | None]]]:
+    """Around the lesson's dcp.load(to_load, **safe_load_options(path)): yields (to_load,
+    start), the sharded model's and AdamW's state to load into, in place, and the checkpoint's
+    (step, data position) to go on from (checkpoints.resume's); (None, (0, None)) without a
+    checkpoint to resume (path None). Its train state is checked against this run before
+    anything changes; after the load, the model and optimizer get the state, and the schedule
+    and RNG theirs.
 
     DCP reads, on each rank, just the pieces of the tensors that rank's shards cover, whatever the
     number of ranks that wrote them: a run can resume on a different number of ranks.
     """
+    if path is None:
+        yield None, (0, None)
+        return
     model, optimizer = state.model, state.optimizer
     train_state = load_checkpoint(os.path.join(path, TRAIN_STATE))
     from lib.resume_checks import check_resumable  # (before changing anything)
@@ -222,31 +264,40 @@ def load_shards(
 # The end of a run: model.pt from the last checkpoint
 
 
-def finish_run(args, state: TrainingState, device) -> None:
-    """The end of a sharded lesson's run: model.pt, config.json, tokenizer.json and the sample
-    (training.finish_run), on rank 0, from the last checkpoint, which the loop always writes at
-    the last step. Every tensor is there under its full name, whatever layout wrote it (FSDP,
-    TP, pipeline stages): rank 0 reads it back alone, with no collective, and every rank learns
-    whether it could (from_rank0). Like resuming, it needs --out-dir on a filesystem rank 0 can
-    read."""
+def finish_run(args, saves: ShardedSaves, device) -> None:
+    """The end of a sharded lesson's run, on rank 0, with no collective: model.pt written one
+    tensor at a time from the checkpoint of the last step (which the loop always writes; every
+    tensor is there under its full name, whatever layout wrote it), then config.json and
+    tokenizer.json: no process ever holds the whole model. The sample needs the whole model in
+    one process: made where it was anyway (one process), else skipped with a word on how to get
+    one. Every rank learns whether rank 0 could write (from_rank0). Like resuming, it needs
+    --out-dir on a filesystem rank 0 can read."""
+    saves.finish()  # the last checkpoint, complete
+    state = saves.state
+    last = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[-1]
+
+    def read(name: str, meta: torch.Tensor) -> torch.Tensor:
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            safe_load({"model": {name: value}}, last, no_dist=True)
+        return value
 
     def write() -> None:
-        plain = LlamaForPretraining(state.config)
-        load_checkpoint_weights(plain, list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[-1])
-        training.finish_run(args, plain, state.config, state.tokenizer, device)
+        training.save_final_files(args, read, state.config, state.tokenizer, device)
+        if not args.sample_tokens:
+            return
+        if dist.get_world_size() > 1:
+            print(f"sample: none (the model is sharded over {dist.get_world_size()} processes "
+                  f"and none holds it whole): python -m tools.generate --out-dir {args.out_dir} "
+                  f"--prompt {shlex.quote(args.sample_prompt)}")  # fmt: skip
+            return
+        from lib.finished_run import load_model  # the whole model, in this one process
+
+        model, _ = load_model(args.out_dir, device, torch.float32)
+        training.print_sample(args, model, state.tokenizer)
 
     from_rank0(write, dist.get_rank() == 0)
-
-
-def load_checkpoint_weights(model, path: str) -> None:
-    """Load the model weights of the DCP checkpoint `path` into a whole (plain) `model`, in this
-    process alone: no collective, so rank 0 can do it by itself; safe_load: no pickle in the
-    directory can run code."""
-    weights = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
-        safe_load(weights, path, no_dist=True)
-    model.load_state_dict(weights["model"])
 
 
 # -------------------------------------------------------------------------------------------------

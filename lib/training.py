@@ -206,20 +206,16 @@ def data_positions(batches) -> list[dict] | None:
 # Model, optimizer, schedule, precision, attention masks
 
 
-def build_model(args, settings, vocab_size: int, device: torch.device):
+def build_model(args, settings, vocab_size: int):
     """(model, config) to train: the settings' preset shaped by the flags, or --init-from's
-    architecture. Built on the meta device (shapes, no storage), then given storage on `device`
-    and its initial weights (materialize); with device "meta", left there: a sharding lesson
-    shards it first, then materializes its own part."""
+    architecture, built on the meta device: shapes, no storage. A lesson then gives it storage
+    (to_empty; a sharding lesson shards it first: its own part only) and values (init_weights)."""
     if args.init_from is not None:
         config = model_config.model_shape(args)  # its config.json (checked with the flags)
     else:
         config = model_config.preset_config(args, settings.model, vocab_size)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
-    if device.type != "meta":
-        model.to_empty(device=device)  # storage, with no values yet
-        init_weights(model, config, args, device)
     return model, config
 
 
@@ -398,6 +394,14 @@ def evaluate(model, loader, device, settings, attn_mask) -> tuple[torch.Tensor, 
 def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
     """The end of a run, on the process that writes files: the final files, the peak memory
     (--plan, GPU) and a sample of the trained model (--sample-tokens)."""
+    save_final_files(args, model, config, tokenizer, device)
+    if args.sample_tokens:
+        print_sample(args, model.to(device), tokenizer)
+
+
+def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> None:
+    """checkpoints.save_final (model: the model, or a function reading it one tensor at a time),
+    an error in one line (a full disk), and the peak GPU memory (--plan)."""
     try:
         save_final(args.out_dir, model, config, tokenizer)
     except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
@@ -408,9 +412,12 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
     if args.plan and device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 1e9
         print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
-    if args.sample_tokens:
-        text = sample_text(model.to(device), tokenizer, args.sample_prompt, args.sample_tokens)
-        print(f"sample:\n{text}")
+
+
+def print_sample(args, model, tokenizer) -> None:
+    """--sample-tokens' sample of the trained model, after "sample:" (sample_text)."""
+    text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
+    print(f"sample:\n{text}")
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
