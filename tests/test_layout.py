@@ -137,8 +137,9 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     lesson, tmp_path, stdlib_cache
 ):
     # Only the run's size is changed from the defaults (train_ep.py's needs experts): the default
-    # corpus (so no lib/corpus.py), the default tokenizer training, evaluation, checkpoints, a resume,
-    # the sample at the end and every figure logged each step (a mixture of experts' routing).
+    # corpus (so no lib/corpus.py), the default tokenizer training, evaluation, checkpoints, a
+    # resume, the sample at the end and every figure logged each step (a mixture of experts'
+    # routing).
     folder = tmp_path / "copy"
     folder.mkdir()
     for name in files_to_copy(lesson):

@@ -41,4 +41,5 @@ def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_di
     with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package: pip"):
         flags.run_settings(parser, args, 1, torch.device("cpu"))
     args = parser.parse_args(cmd(corpus, cache_dir, "unused"))
-    flags.run_settings(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error
+    # without the flag: no import, no error
+    flags.run_settings(parser, args, 1, torch.device("cpu"))
