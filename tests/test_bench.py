@@ -365,7 +365,7 @@ def test_timing_nanogpts_step_needs_its_checkout():
      (["--data", "/no/such/corpus"], "error: --data '/no/such/corpus': no .txt/.jsonl")],
 )  # fmt: skip
 def test_bench_loader_refuses_bad_input_in_one_line(tmp_path, flags, message):
-    # Before: a traceback for each (its own argparse types, and no stopping.run).
+    # Before: a traceback for each (its own argparse types, and no exits.run).
     tool = [sys.executable, "-m", "tools.bench_loader"]
     command = [*tool, "--bench", "--cache-dir", str(tmp_path), *flags]
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)

@@ -349,7 +349,7 @@ FSDP = "train_fsdp.py"
 PROMPT = 30
 
 
-# DataLoader workers ignore SIGTERM (stopping.ignore_stop_signals), which is all that Python's
+# DataLoader workers ignore SIGTERM (exits.ignore_stop_signals), which is all that Python's
 # exit sends the workers of a loader still open; a run that ends in an error must end them.
 @pytest.mark.parametrize("script, world, workers", [(DP, 1, 1), (FSDP, 2, 2)])
 def test_a_failed_save_with_dataloader_workers_ends_the_run_and_its_workers_at_once(

@@ -100,7 +100,7 @@ def test_cli_json_output_has_the_documented_fields():
 
 
 def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
-    # The train scripts' own shape flags (model_flags.add_shape_flags), in-process.
+    # The train scripts' own shape flags (model_config.add_shape_flags), in-process.
     argv = ["--model", "1b", "--num-layers", "8", "--ffn-size", "4096", "--vocab-size", "4096"]
     monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv, "--json"])
     memory_plan.main()

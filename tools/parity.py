@@ -379,6 +379,6 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # the run under way was stopped (launch); no traceback
         sys.exit(130)
-    except ValueError as e:  # bad input (flags.ArgumentParser's too): one line, as stopping.run
+    except ValueError as e:  # bad input (flags.ArgumentParser's too): one line, as exits.run
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
