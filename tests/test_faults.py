@@ -407,7 +407,7 @@ def test_a_dataloader_worker_dies_with_its_training_process_even_one_killed_at_o
     program = (
         "import os, sys, time, torch\n"
         "from torch.utils.data import DataLoader\n"
-        "from stopping import ignore_stop_signals\n"
+        "from lib.exits import ignore_stop_signals\n"
         "class Slow(torch.utils.data.Dataset):\n"
         "    def __len__(self): return 10\n"
         "    def __getitem__(self, i): time.sleep(60); return i\n"  # busy in a batch
