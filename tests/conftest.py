@@ -4,8 +4,8 @@ The training tests share one corpus, one cache and the runs that several of them
 (`trained`, `shared_run`): each run made once for the whole test run. Under `-n auto` each
 pytest-xdist worker is a session of its own, with a cache of its own; the corpus and the runs
 are made by the first worker that needs them, while any other waits on a lock (`once`). The tests
-of what reads a run's outputs (tools/generate.py, tools/export_hf.py) need no training: an out-dir is
-model.pt + config.json + tokenizer.json, and `checkpoints.save_final` writes exactly what the
+of what reads a run's outputs (tools/generate.py, tools/export_hf.py) need no training: an out-dir
+is model.pt + config.json + tokenizer.json, and `checkpoints.save_final` writes exactly what the
 training scripts write (`make_out_dir`, `out_dir`, built in-process in well under a second).
 """
 

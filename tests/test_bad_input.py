@@ -365,9 +365,9 @@ def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, c
 
 @pytest.mark.parametrize(
     "module",
-    ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "bench",
-     "bench_loader", "generate", "export_hf", "memory_plan", "plot_metrics", "profile_step",
-     "gpu_proof"],
+    ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "tools.bench",
+     "tools.bench_loader", "tools.generate", "tools.export_hf", "tools.memory_plan",
+     "tools.plot_metrics", "tools.profile_step", "tools.gpu_report"],
 )  # fmt: skip
 def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, module):
     class Parsed(Exception):
@@ -377,7 +377,7 @@ def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, mod
         raise Parsed(parser)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
-    monkeypatch.setattr(sys, "argv", [f"{module}.py"])
+    monkeypatch.setattr(sys, "argv", [f"{module.replace('.', '/')}.py"])  # tools/bench.py
     with pytest.raises(Parsed) as parsed:
         importlib.import_module(module).main()
     assert parsed.value.args[0].allow_abbrev is False
@@ -386,7 +386,8 @@ def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, mod
 @pytest.mark.parametrize(
     "module",
     ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "train_cp",
-     "train_ep", "generate", "memory_plan", "bench", "profile_step", "parity", "gpu_proof"],
+     "train_ep", "tools.generate", "tools.memory_plan", "tools.bench", "tools.profile_step",
+     "tools.parity", "tools.gpu_report"],
 )  # fmt: skip
 def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, module):
     # The lessons' own flags too (--tp, --pp, --cp, --replicate, ...): stop main() at its parser.
@@ -397,7 +398,7 @@ def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, modu
         raise Parsed(parser)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
-    monkeypatch.setattr(sys, "argv", [f"{module}.py"])
+    monkeypatch.setattr(sys, "argv", [f"{module.replace('.', '/')}.py"])  # tools/bench.py
     with pytest.raises(Parsed) as parsed:
         importlib.import_module(module).main()
     numbers = [

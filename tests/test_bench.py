@@ -1,10 +1,10 @@
-"""Specification of tools/bench.py: one row per strategy with its tokens/s, step time, MFU, memory and
-ratio to the plain single-process step, a line on the data pipeline, the same figures in --json,
+"""Specification of tools/bench.py: one row per strategy with its tokens/s, step time, MFU, memory
+and ratio to the plain single-process step, a line on the data pipeline, the same figures in --json,
 and a clean refusal of bad input.
 
-tools/bench.py is launched as a user would (`python -m tools.bench`, and torchrun with 2 gloo ranks) on the
-training tests' corpus, with the tiny preset and a few steps: these tests hold what it reports
-and that the figures agree with each other, not how fast this machine is.
+tools/bench.py is launched as a user would (`python -m tools.bench`, and torchrun with 2 gloo ranks)
+on the training tests' corpus, with the tiny preset and a few steps: these tests hold what it
+reports and that the figures agree with each other, not how fast this machine is.
 """
 
 import json
@@ -33,7 +33,8 @@ def bench_argv(corpus, cache, json_path, **overrides) -> list[str]:
 
 @pytest.fixture(scope="module")
 def benched(tmp_path_factory, corpus):
-    """benched(world) -> (stdout, report of --json) of tools/bench.py with every strategy, run once."""
+    """benched(world) -> (stdout, report of --json) of tools/bench.py with every strategy, run
+    once."""
     cache = tmp_path_factory.mktemp("bench_cache")
     runs = {}
 
@@ -364,8 +365,9 @@ def test_timing_nanogpts_step_needs_its_checkout():
      (["--data", "/no/such/corpus"], "error: --data '/no/such/corpus': no .txt/.jsonl")],
 )  # fmt: skip
 def test_bench_loader_refuses_bad_input_in_one_line(tmp_path, flags, message):
-    # Before: a traceback for each (its own argparse types, and no stopping.run).
-    command = [sys.executable, "-m", "tools.bench_loader", "--bench", "--cache-dir", str(tmp_path), *flags]
+    # Before: a traceback for each (its own argparse types, and no exits.run).
+    tool = [sys.executable, "-m", "tools.bench_loader"]
+    command = [*tool, "--bench", "--cache-dir", str(tmp_path), *flags]
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr

@@ -82,8 +82,9 @@ def test_a_bad_config_is_refused_naming_the_file_line_and_key(tmp_path, text, me
 
 
 def test_a_tool_without_config_refuses_the_flag_rather_than_reading_the_file(tmp_path):
-    # Before: tools/memory_plan.py, tools/bench.py and tools/generate.py checked the file against their flags, then
-    # refused a valid one as "unrecognized arguments"; a broken one was named as if it counted.
+    # Before: tools/memory_plan.py, tools/bench.py and tools/generate.py checked the file against
+    # their flags, then refused a valid one as "unrecognized arguments"; a broken one was named as
+    # if it counted.
     tool = flags.ArgumentParser(description="a tool")
     tool.add_argument("--seq-length", type=int, default=8)
     for text in ("seq-length = 64\n", "seq-length = 'x'\n"):

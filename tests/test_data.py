@@ -476,7 +476,8 @@ def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, stre
     from lib import training
     from lib.streaming import stream_fingerprint  # (the parameter `streaming` hides the module)
 
-    # The session's corpus and cache (conftest.py); "corpus" is this module's name for lib/corpus.py.
+    # The session's corpus and cache (conftest.py); "corpus" is this module's name for
+    # lib/corpus.py.
     docs, cache = request.getfixturevalue("corpus"), request.getfixturevalue("cache_dir")
     args, plan = build_args(docs, cache, **(STREAMING if streaming else {}))
     *_, tokenizer = training.build_datasets(args, plan.tokenizer)

@@ -377,7 +377,8 @@ def test_from_hf_names_the_file_it_cannot_read(
 
 
 def test_an_export_source_that_is_not_a_folder_is_named_as_given(tmp_path, monkeypatch, capsys):
-    # The message named --out-dir, a flag tools/export_hf.py does not have (its source is positional).
+    # The message named --out-dir, a flag tools/export_hf.py does not have
+    # (its source is positional).
     (tmp_path / "a_file").write_text("not a run\n")
     for src in (tmp_path / "missing", tmp_path / "a_file"):
         code, stdout, err = run_main(monkeypatch, capsys, str(src), str(tmp_path / "hf"))

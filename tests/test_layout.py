@@ -2,7 +2,11 @@
 modules, so that copying a lesson never means copying another lesson.
 
     a lesson (train_*.py) or a tool (tools/bench.py, tools/profile_step.py) imports no lesson;
-    the modules of the repository root import each other without a cycle.
+    the repository's modules (the root's, lib/'s and tools/') import each other without a cycle.
+
+A module is named as Python imports it: `train_dp` and `model` at the root, `lib.flags` in the
+library package, `tools.bench` in the tools package, and `lib` and `tools` the packages themselves
+(their __init__.py).
 """
 
 import ast
@@ -14,22 +18,49 @@ from pathlib import Path
 import pytest
 from harness import LAUNCH_TIMEOUT, LESSONS, REPO, describe, launch_env
 
+PACKAGES = ("lib", "tools")
+
+
+def repository_modules() -> dict[str, Path]:
+    """{module name: its file}: the root's .py files, and lib/'s and tools/' with their packages."""
+    modules = {path.stem: path for path in Path(REPO).glob("*.py")}
+    for package in PACKAGES:
+        for path in (Path(REPO) / package).glob("*.py"):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            modules[name] = path
+    return modules
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """The repository modules an import statement loads: `from lib import flags` and
+    `from lib.flags import x` load lib.flags, and either loads the package lib first."""
+    if isinstance(node, ast.Import):
+        names = {alias.name for alias in node.names}
+    elif node.module and node.level == 0:
+        names = {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    else:
+        return set()
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        # every prefix is imported: the package, then the module in it
+        found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return found & known
+
 
 def root_imports(module_level: bool = False) -> dict[str, set[str]]:
-    """{module: the repository-root modules it imports}, for every .py file in the root;
-    module_level: only the imports at module level, what must be there for the module to import
-    at all (an import inside a function waits until that function runs)."""
-    modules = {path.stem: path for path in Path(REPO).glob("*.py")}
+    """{module: the repository modules it imports}, for every module of the root, lib/ and
+    tools/; module_level: only the imports at module level, what must be there for the module to
+    import at all (an import inside a function waits until that function runs)."""
+    modules = repository_modules()
     imports = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
         found = set()
         for node in tree.body if module_level else ast.walk(tree):
-            if isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
-        imports[name] = found & modules.keys() - {name}
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found |= imported_modules(node, modules.keys())
+        imports[name] = found - {name}
     return imports
 
 
@@ -38,12 +69,12 @@ def test_every_lesson_is_in_the_repository_root_and_the_list():
 
 
 def test_no_module_imports_a_lesson():
-    lessons = {Path(lesson).stem for lesson in LESSONS} | {"bench", "profile_step"}
+    lessons = {Path(lesson).stem for lesson in LESSONS} | {"tools.bench", "tools.profile_step"}
     offenders = {m: sorted(deps & lessons) for m, deps in root_imports().items() if deps & lessons}
     assert not offenders, f"these import a lesson or tool: {offenders}"
 
 
-def test_the_root_modules_import_each_other_without_a_cycle():
+def test_the_modules_import_each_other_without_a_cycle():
     imports = root_imports()
     done, on_path = set(), []
 
@@ -63,9 +94,9 @@ def test_the_root_modules_import_each_other_without_a_cycle():
         visit(module)
 
 
-# The scripts a user runs, which no lesson or library module may need at import time.
-TOOLS = {"generate", "export_hf", "plot_metrics", "memory_plan", "parity", "gpu_proof", "bench",
-         "bench_loader", "bench_nanogpt", "profile_step"}  # fmt: skip
+# The scripts a user runs (tools/, with its package), which no lesson or library module may need
+# at import time.
+TOOLS = {name for name in repository_modules() if name.split(".")[0] == "tools"}
 # Each lesson's neighbour: the lesson whose diff from it is its concept (README's table).
 NEIGHBOURS = {"train_ddp.py": "train_dp.py", "train_zero1.py": "train_ddp.py",
               "train_fsdp.py": "train_zero1.py", "train_tp.py": "train_fsdp.py",
@@ -74,17 +105,25 @@ NEIGHBOURS = {"train_ddp.py": "train_dp.py", "train_zero1.py": "train_ddp.py",
 
 
 def files_to_copy(lesson: str) -> set[str]:
-    """What a learner copies to run `lesson` with its default flags: the lesson and every root
-    module it imports at module level, transitively."""
+    """What a learner copies to run `lesson` with its default flags: the lesson and every module
+    it imports at module level, transitively, as paths from the repository root (lib/flags.py,
+    with lib/__init__.py: the copy keeps the lib/ folder)."""
     imports, todo, seen = root_imports(module_level=True), [Path(lesson).stem], {Path(lesson).stem}
     while todo:
         for dep in imports[todo.pop()] - seen:
             seen.add(dep)
             todo.append(dep)
-    return {f"{name}.py" for name in seen}
+    modules = repository_modules()
+    return {modules[name].relative_to(REPO).as_posix() for name in seen}
+
+
+def package_markers(files: set[str]) -> set[str]:
+    """The packages' __init__.py among files: a one-line docstring each (test below), no code."""
+    return {name for name in files if Path(name).name == "__init__.py"}
 
 
 def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
+    assert {"tools.generate", "tools.bench", "tools.memory_plan"} <= TOOLS  # the folder is read
     offenders = {
         m: sorted(deps & TOOLS) for m, deps in root_imports(module_level=True).items()
         if m not in TOOLS and deps & TOOLS
@@ -92,11 +131,18 @@ def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
     assert not offenders, f"these import a tool at module level: {offenders}"
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_package_init_holds_only_its_docstring(package):
+    # A lesson's copy takes lib/__init__.py for the package alone: it must run nothing.
+    tree = ast.parse((Path(REPO) / package / "__init__.py").read_text())
+    assert ast.get_docstring(tree) and len(tree.body) == 1
+
+
 def test_importing_train_dp_or_generate_does_not_load_torch_dynamo():
     # torch._dynamo takes ~1.2 s to import: a run pays it at AdamW's first step (torch.optim
     # imports it) or at --compile, but not tools/generate.py, nor a refused flag, at import time
     # (torch.compiler.set_stance, for one, imports it when called: training.sample_text).
-    probe = "import sys, train_dp, generate; print('torch._dynamo' in sys.modules)"
+    probe = "import sys, train_dp, tools.generate; print('torch._dynamo' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=launch_env(),
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -105,8 +151,11 @@ def test_importing_train_dp_or_generate_does_not_load_torch_dynamo():
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_each_lesson_says_which_files_come_with_it_and_names_its_neighbour(lesson):
+    # The files under lib/ are named by their path (lib/flags.py); a package's __init__.py, which
+    # holds no code, need not be named.
     docstring = ast.get_docstring(ast.parse((Path(REPO) / lesson).read_text()))
-    missing = sorted(f for f in files_to_copy(lesson) - {lesson} if f not in docstring)
+    files = files_to_copy(lesson) - {lesson} - package_markers(files_to_copy(lesson))
+    missing = sorted(f for f in files if f not in docstring)
     assert not missing, f"{lesson}'s docstring does not name the files it imports: {missing}"
     if lesson in NEIGHBOURS:
         assert f"diff {NEIGHBOURS[lesson]} {lesson}" in docstring
@@ -115,10 +164,14 @@ def test_each_lesson_says_which_files_come_with_it_and_names_its_neighbour(lesso
 def test_copying_a_lesson_takes_few_files_and_lines():
     # The layout's figures: a lesson copies the shared library and its own modules, no more, and
     # train_ddp.py with its files is at most 3,000 lines (comments, docstrings, blanks included).
-    ddp = files_to_copy("train_ddp.py")
+    # The counts are of modules: lib/__init__.py, a one-line docstring, is not one.
+    def modules(lesson: str) -> set[str]:
+        return files_to_copy(lesson) - package_markers(files_to_copy(lesson))
+
+    ddp = modules("train_ddp.py")
     assert len(ddp) <= 10
     assert sum(len((Path(REPO) / name).read_text().splitlines()) for name in ddp) <= 3000
-    assert max(len(files_to_copy(lesson)) for lesson in LESSONS) <= 14
+    assert max(len(modules(lesson)) for lesson in LESSONS) <= 14
 
 
 # -------------------------------------------------------------------------------------------------
@@ -137,11 +190,13 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     lesson, tmp_path, stdlib_cache
 ):
     # Only the run's size is changed from the defaults (train_ep.py's needs experts): the default
-    # corpus (so no lib/corpus.py), the default tokenizer training, evaluation, checkpoints, a resume,
-    # the sample at the end and every figure logged each step (a mixture of experts' routing).
+    # corpus (so no lib/corpus.py), the default tokenizer training, evaluation, checkpoints, a
+    # resume, the sample at the end and every figure logged each step (a mixture of experts'
+    # routing).
     folder = tmp_path / "copy"
     folder.mkdir()
-    for name in files_to_copy(lesson):
+    for name in files_to_copy(lesson):  # lib/ keeps its folder
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(REPO) / name, folder / name)
     env = launch_env(TOKENIZERS_PARALLELISM="true")  # one process: both cores tokenize
     env.pop("PYTHONPATH", None)  # the copy alone: nothing may come from the repository

@@ -100,7 +100,7 @@ def test_cli_json_output_has_the_documented_fields():
 
 
 def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
-    # The train scripts' own shape flags (model_flags.add_shape_flags), in-process.
+    # The train scripts' own shape flags (model_config.add_shape_flags), in-process.
     argv = ["--model", "1b", "--num-layers", "8", "--ffn-size", "4096", "--vocab-size", "4096"]
     monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv, "--json"])
     memory_plan.main()
@@ -248,9 +248,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     assert p["strategies"]["zero3"]["params_gb"] == 4e6 / 8 / 1e9
     # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
     # 1/2 gradient shard across the 2 groups: the only bytes between groups.
-    c = memory.communication_bytes(
-        SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", replicate=2
-    )
+    c = memory.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", replicate=2)
     across = 2 * 0.5 * 4e6 / 2
     assert c["hsdp_across_groups"] == across
     assert c["data_parallel"]["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
@@ -307,8 +305,8 @@ def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
 
 
 def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    """tools/memory_plan.py's main() with argv, as `python -m tools.memory_plan` runs it (exits.run):
-    (exit code, stdout, stderr)."""
+    """tools/memory_plan.py's main() with argv, as `python -m tools.memory_plan` runs it
+    (exits.run): (exit code, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
     code = 0
     try:
@@ -444,9 +442,7 @@ def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_ra
     got = memory.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=4)
     assert got == 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
     assert memory.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=1) == 0
-    p = memory.plan(
-        count_parameters(MOE_SHAPE), 8, "bf16", MOE_SHAPE, B, S, micro_batches=2, ep=4
-    )
+    p = memory.plan(count_parameters(MOE_SHAPE), 8, "bf16", MOE_SHAPE, B, S, micro_batches=2, ep=4)
     assert p["ep_comm_gb"] == got / 1e9 and p["micro_batches"] == 2
 
 

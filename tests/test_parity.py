@@ -1,5 +1,5 @@
-"""Specification of tools/parity.py: it runs strategies as a user would, measures each one's distance
-from single-process training, and fails when a run drifts outside the tests' bounds.
+"""Specification of tools/parity.py: it runs strategies as a user would, measures each one's
+distance from single-process training, and fails when a run drifts outside the tests' bounds.
 
 Every strategy's own parity is proven by its own test module; here one strategy (DDP, the
 cheapest launch) stands for all, and the comparison is checked on runs doctored to drift.

@@ -295,7 +295,8 @@ def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
 
 
 def test_profile_step_refuses_compile_without_a_cpp_compiler(tmp_path, monkeypatch, capsys):
-    # As train_dp.py does (flags.compiler_missing): before the model is built, not in its first step.
+    # As train_dp.py does (flags.compiler_missing): before the model is built, not in its
+    # first step.
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(sys, "argv", ["tools/profile_step.py", "--compile"])
     with pytest.raises(SystemExit) as stopped:

@@ -1,4 +1,5 @@
-"""Specification of tools/plot_metrics.py: read metrics.jsonl as the training scripts write it, plot it.
+"""Specification of tools/plot_metrics.py: read metrics.jsonl as the training scripts write it,
+plot it.
 
 Reading needs only the standard library and is always tested; drawing is tested where
 matplotlib is installed (`pip install -r requirements-plot.txt`).

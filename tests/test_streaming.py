@@ -243,15 +243,16 @@ def test_a_corpus_that_validation_uses_up_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("argv", "message"),
     [
         (["--num-proc", "2"], "--streaming tokenizes as it reads"),
         (["--val-fraction", "0.1"], "--val-fraction does not apply to --streaming"),
     ],
 )
-def test_streaming_refuses_flags_of_a_corpus_cached_whole(flags, message):
+def test_streaming_refuses_flags_of_a_corpus_cached_whole(argv, message):
+    # (argv, not flags: the module lib.flags, once cli, is `flags` here)
     parser = flags.build_parser("test")
-    args = parser.parse_args(["--streaming", *flags])
+    args = parser.parse_args(["--streaming", *argv])
     with pytest.raises(ValueError, match=message):
         flags.run_settings(parser, args, 1, torch.device("cpu"))
 

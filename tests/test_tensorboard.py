@@ -30,7 +30,7 @@ def test_tensorboard_gets_every_logged_value(corpus, cache_dir, tmp_path):
 
 
 def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_dir, monkeypatch):
-    # flags.run_settings's errors are ValueErrors that stopping.run prints in one line (exit code 2)
+    # flags.run_settings's errors are ValueErrors that exits.run prints in one line (exit code 2)
     # (tests/test_bad_input.py holds that for every such error).
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -41,4 +41,5 @@ def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_di
     with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package: pip"):
         flags.run_settings(parser, args, 1, torch.device("cpu"))
     args = parser.parse_args(cmd(corpus, cache_dir, "unused"))
-    flags.run_settings(parser, args, 1, torch.device("cpu"))  # without the flag: no import, no error
+    # without the flag: no import, no error
+    flags.run_settings(parser, args, 1, torch.device("cpu"))

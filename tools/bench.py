@@ -1,7 +1,8 @@
 """Time the training step of every parallel strategy: tokens/s, step time, MFU, peak memory.
 
-    python -m tools.bench                                            # every strategy, on this machine
-    python -m tools.bench --model 1b --seq-length 2048 --micro-batch-size 4 --precision bf16 --compile
+    python -m tools.bench                                          # every strategy, on this machine
+    python -m tools.bench --model 1b --seq-length 2048 --micro-batch-size 4 --precision bf16 \
+        --compile
     python -m tools.bench --strategies single,ddp --json bench.json  # a subset; results for tools
     torchrun --standalone --nproc_per_node=8 -m tools.bench --model 1b --seq-length 2048 --compile
     torchrun --standalone --nproc_per_node=2 -m tools.bench          # no GPU: 2 CPU ranks, gloo
@@ -139,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-mode", choices=["pack", "pad"], default="pack", help="example layout")
     g.add_argument("--cache-dir", default=".cache", help="tokenizer and tokenized-data cache")
     g.add_argument(
-        "--num-workers", type=flags.number_arg(int, 0), default=1, help="DataLoader worker processes"
+        "--num-workers",
+        type=flags.number_arg(int, 0),
+        default=1,
+        help="DataLoader worker processes",
     )
     return p
 

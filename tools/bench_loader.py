@@ -63,7 +63,10 @@ def main() -> None:
         "--batch-size", type=flags.number_arg(int, 1), default=32, help="examples per batch"
     )
     parser.add_argument(
-        "--num-workers", type=flags.number_arg(int, 0), default=0, help="DataLoader worker processes"
+        "--num-workers",
+        type=flags.number_arg(int, 0),
+        default=0,
+        help="DataLoader worker processes",
     )
     parser.add_argument(
         "--data-mode", choices=["pack", "pad"], default="pack", help="example layout"

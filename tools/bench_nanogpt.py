@@ -1,10 +1,11 @@
 """Time train_dp.py against nanoGPT's CPU recipe, side by side, on one character-level corpus.
 
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT                 # the comparison, 2 rounds
-    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --rounds 3 --busy 1   # beside a busy process
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --rounds 3 \
+        --busy 1                                                       # beside a busy process
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
-    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --step         # the step alone, one process
-    python -m tools.bench_nanogpt --transformers                 # the step alone vs LlamaForCausalLM
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --step       # the step alone, one process
+    python -m tools.bench_nanogpt --transformers                # the step alone vs LlamaForCausalLM
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --compile      # this suite with --compile
 
 nanoGPT is not a dependency: pass a checkout of github.com/karpathy/nanoGPT (its train.py,

@@ -1,8 +1,8 @@
 """Continue a prompt with a model trained by any train_*.py script.
 
     python -m tools.generate --out-dir out --prompt "def " --max-new-tokens 100
-    python -m tools.generate --out-dir out --prompt "import os" --temperature 0          # greedy
-    python -m tools.generate --out-dir out --prompt "class " --top-p 0.9 --seed 1        # reproducible
+    python -m tools.generate --out-dir out --prompt "import os" --temperature 0       # greedy
+    python -m tools.generate --out-dir out --prompt "class " --top-p 0.9 --seed 1     # reproducible
 
 Reads the three files every training script writes at the end of a run (`model.pt`,
 `config.json`, `tokenizer.json`) and prints the prompt followed by its continuation. The prompt

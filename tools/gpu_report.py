@@ -1,6 +1,6 @@
 """Prove the suite on a CUDA GPU in one command: the GPU tests, then tools/bench.py on two presets.
 
-    python -m tools.gpu_report                      # everything, into gpu_report/ (about 10 minutes)
+    python -m tools.gpu_report                     # everything, into gpu_report/ (about 10 minutes)
     python -m tools.gpu_report --out /tmp/r --skip-bench   # the tests alone
     python -m tools.gpu_report --skip-tests                # the benchmarks alone
 
@@ -8,9 +8,9 @@
    FlexAttention, --micro-batch-size auto, activation checkpointing, CPU offload), tracks fp32
    and resumes exactly (tests/gpu/test_gpu_training.py says what each test checks, and why its
    tolerance). Run in parallel with pytest-xdist where it is installed.
-2. `tools/bench.py` for `small` at seq 1024 and `1b` at seq 2048 (bf16, --compile, vocabulary 32000):
-   tokens/s, MFU and peak memory of every strategy, and what DDP, ZeRO-1 and FSDP cost at
-   world size 1 (BENCHMARKS.md's targets).
+2. `tools/bench.py` for `small` at seq 1024 and `1b` at seq 2048 (bf16, --compile, vocabulary
+   32000): tokens/s, MFU and peak memory of every strategy, and what DDP, ZeRO-1 and FSDP cost
+   at world size 1 (BENCHMARKS.md's targets).
 
 Everything lands in --out: report.md (ready to paste into BENCHMARKS.md: date, device, torch,
 driver, commit, each exact command and its output), gpu_tests.log, and each benchmark's .txt
@@ -54,7 +54,7 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = 124
-            f.write(f"\ngpu_proof.py: stopped after {timeout:.0f} s\n")
+            f.write(f"\ntools/gpu_report.py: stopped after {timeout:.0f} s\n")
     return code, time.perf_counter() - start
 
 
@@ -96,7 +96,10 @@ def main() -> int:
     p.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
     p.add_argument("--skip-bench", action="store_true", help="only the tests")
     p.add_argument(
-        "--workers", type=flags.number_arg(int, 1), default=4, help="parallel test processes (xdist)"
+        "--workers",
+        type=flags.number_arg(int, 1),
+        default=4,
+        help="parallel test processes (xdist)",
     )
     p.add_argument(
         "--presets", default="small,1b", help=f"benchmarks to run, of {', '.join(BENCHES)}"
@@ -140,11 +143,14 @@ def main() -> int:
         report += ["## tools/bench.py", ""]
         for name in presets:
             txt, js = out / f"bench_{name}.txt", out / f"bench_{name}.json"
-            cmd = [sys.executable, "-m", "tools.bench", *BENCHES[name], *BENCH_COMMON, "--json", str(js)]
+            bench = [sys.executable, "-m", "tools.bench"]
+            cmd = [*bench, *BENCHES[name], *BENCH_COMMON, "--json", str(js)]
             code, seconds = run(cmd, txt, timeout=1200)
             failed |= code != 0
             table = [line for line in txt.read_text().splitlines() if not line.startswith("bench:")]
-            start = next((i for i, line in enumerate(table) if line.startswith("tools/bench.py,")), 0)
+            start = next(
+                (i for i, line in enumerate(table) if line.startswith("tools/bench.py,")), 0
+            )
             report += [f"exit {code}, {seconds:.0f} s", "", "```text", *table[start:], "```", ""]
             save()
     print("\n".join(report))

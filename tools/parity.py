@@ -1,7 +1,7 @@
 """Proof you can see: every parallel strategy of the suite trains like one process.
 
-    python -m tools.parity                              # every strategy on CPU (gloo): ~10 min, 2 cores
-    python -m tools.parity --only ddp,cp,tp-sp          # some of them (the reference always runs)
+    python -m tools.parity                          # every strategy on CPU (gloo): ~10 min, 2 cores
+    python -m tools.parity --only ddp,cp,tp-sp      # some of them (the reference always runs)
     python -m tools.parity --png docs/parity.png --json parity.json   # renew the README's picture
 
 Each strategy runs the same short training -- same corpus, tokenizer, seed, global batch of
@@ -187,7 +187,9 @@ def compare(out: Path, reference: Path) -> dict:
     weights = torch.load(out / "model.pt", weights_only=True)
     reference_weights = torch.load(reference / "model.pt", weights_only=True)
     if weights.keys() != reference_weights.keys():
-        raise SystemExit(f"tools/parity.py: {out.name}'s model.pt has other tensors than the reference")
+        raise SystemExit(
+            f"tools/parity.py: {out.name}'s model.pt has other tensors than the reference"
+        )
     weight_diff, excess = 0.0, 0.0  # excess > 1: outside ATOL + RTOL * |reference| somewhere
     for key, want in reference_weights.items():
         diff = (weights[key].float() - want.float()).abs()
@@ -377,6 +379,6 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # the run under way was stopped (launch); no traceback
         sys.exit(130)
-    except ValueError as e:  # bad input (flags.ArgumentParser's too): one line, as stopping.run
+    except ValueError as e:  # bad input (flags.ArgumentParser's too): one line, as exits.run
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

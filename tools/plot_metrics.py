@@ -195,7 +195,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # As stopping.run, without importing torch: bad input is one line on stderr, exit code 2.
+    # As exits.run, without importing torch: bad input is one line on stderr, exit code 2.
     try:
         main()
     except ValueError as e:

@@ -1,10 +1,11 @@
 """Profile one training step as train_dp.py runs it, next to a lean reference step.
 
-    python -m tools.profile_step                        # tiny, train_dp.py's default batch, on the CPU
-    python -m tools.profile_step --threads 1            # one CPU thread (steadier timings)
+    python -m tools.profile_step                    # tiny, train_dp.py's default batch, on the CPU
+    python -m tools.profile_step --threads 1        # one CPU thread (steadier timings)
     python -m tools.profile_step --threads 1 --clock cpu   # CPU time: steadier on a busy machine
-    python -m tools.profile_step --compile              # per-layer torch.compile, as train_dp --compile
-    python -m tools.profile_step --model small --seq-length 1024 --batch-size 8 --precision bf16  # GPU
+    python -m tools.profile_step --compile          # per-layer torch.compile, as train_dp --compile
+    python -m tools.profile_step --model small --seq-length 1024 --batch-size 8 \
+        --precision bf16                            # GPU
 
 It prints
   1. torch.profiler's table of our step (the top --rows operators by self time): where the time

@@ -2,10 +2,10 @@
 bf16 and fp16, with and without --compile, with FlexAttention document masks, --micro-batch-size
 auto, activation checkpointing and FSDP CPU offload, and resumes exactly.
 
-Every test here skips where CUDA is absent, so the CPU suite stays green; `python -m tools.gpu_report`
-runs them with the benchmarks on a GPU machine (BENCHMARKS.md). The runs are short (tiny model,
-30 steps of 16 x 64 tokens) so the whole file takes minutes, and they run in parallel
-(`pytest -n 4`): nothing here times anything, the benchmarks do.
+Every test here skips where CUDA is absent, so the CPU suite stays green;
+`python -m tools.gpu_report` runs them with the benchmarks on a GPU machine (BENCHMARKS.md). The
+runs are short (tiny model, 30 steps of 16 x 64 tokens) so the whole file takes minutes, and they
+run in parallel (`pytest -n 4`): nothing here times anything, the benchmarks do.
 
 Tolerances, and why:
 - fp32 against fp32 (activation checkpointing, CPU offload, FlexAttention, --micro-batch-size
