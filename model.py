@@ -447,7 +447,8 @@ def initial_weight(config: LlamaConfig, name: str, shape, seed: int, device=None
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2")):
         std /= math.sqrt(2 * config.num_hidden_layers)
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    generator = torch.Generator(device or "cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    generator = torch.Generator(device or "cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 

@@ -226,10 +226,10 @@ def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
     save_tensor_by_tensor), config.json and tokenizer.json: all tools/generate.py needs; and
     tokenizer_config.json, naming the special tokens as Hugging Face does (lib/hf_tokenizer.py)."""
     path = os.path.join(out_dir, "model.pt")
-    if callable(model):
-        save_tensor_by_tensor(config, model, path)
-    else:
+    if isinstance(model, torch.nn.Module):
         atomic_save(model.state_dict(), path)
+    else:
+        save_tensor_by_tensor(config, model, path)
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)

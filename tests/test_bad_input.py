@@ -575,13 +575,13 @@ def test_resuming_with_other_shape_flags_is_refused_naming_the_fields(trained, c
     ckpt = load_checkpoint(trained(DP), 8)
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     args, plan = build_args(corpus, cache_dir, num_layers=3, ffn_size=256)
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size(), torch.device("cpu"))
+    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
     expect = "intermediate_size 512 (now 256), num_hidden_layers 4 (now 3); resume with that run's"
     with pytest.raises(ValueError, match=re.escape(expect + " --model, shape flags")):
         resume_checks.check_resumable(ckpt, config, args, tokenizer)
     # Flags that make the checkpoint's own shape are no change: tiny has 4 layers.
     args, plan = build_args(corpus, cache_dir, num_layers=4)
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size(), torch.device("cpu"))
+    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
     resume_checks.check_resumable(ckpt, config, args, tokenizer)
 
 

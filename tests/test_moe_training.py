@@ -190,16 +190,16 @@ def test_a_moe_checkpoint_resumed_dense_is_refused_naming_the_field(launched, co
     ckpt = load_checkpoint(run, 4)
     tokenizer = data.load_tokenizer(str(run / "tokenizer.json"))
     args, plan = build_args(corpus, cache_dir, data_mode="pad")
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size(), torch.device("cpu"))
+    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
     with pytest.raises(ValueError, match=re.escape(f"config num_local_experts {E} (now 0); ")):
         resume_checks.check_resumable(ckpt, config, args, tokenizer)
     # Another number of experts per token, or another coefficient, is another model too.
     args, plan = build_args(corpus, cache_dir, **{**MOE, "experts_per_token": 1})
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size(), torch.device("cpu"))
+    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
     with pytest.raises(ValueError, match=re.escape(f"num_experts_per_tok {K} (now 1); ")):
         resume_checks.check_resumable(ckpt, config, args, tokenizer)
     args, plan = build_args(corpus, cache_dir, **MOE)  # the same flags: resumable
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size(), torch.device("cpu"))
+    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
     resume_checks.check_resumable(ckpt, config, args, tokenizer)
 
 

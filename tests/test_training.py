@@ -424,7 +424,7 @@ def test_the_flags_are_checked_without_changing_them(corpus, cache_dir):
 def test_shape_flags_override_the_preset_in_the_plan_the_model_and_the_summary(corpus, cache_dir):
     shape = dict(num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=4, ffn_size=320)
     args, plan = build_args(corpus, cache_dir, **shape)
-    model, config = training.build_model(args, plan, 321, torch.device("cpu"))  # the tokenizer's vocabulary
+    model, config = training.build_model(args, plan, 321)  # the tokenizer's vocabulary
     assert config.to_dict() == {
         **LlamaConfig.from_preset("tiny").to_dict(),  # the rest stays tiny's
         "vocab_size": 321, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 8,
