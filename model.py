@@ -1,16 +1,17 @@
-"""A Llama decoder written by hand, small enough to read in one sitting, and text generation.
+"""A Llama decoder written by hand, small enough to read in one sitting, and its initial weights.
 
 Llama 2/3's architecture: token embeddings -> N x [RMSNorm -> grouped-query attention with rotary
 position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. With
-`num_local_experts > 0` the MLP is Mixtral's mixture of experts (lib/moe.py). Parameter names follow
-Meta's code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`), `LlamaConfig`'s fields
-Hugging Face's `config.json`, and RoPE Hugging Face's `rotate_half` layout: weights map 1:1.
+`num_local_experts > 0` the MLP is Mixtral's mixture of experts (lib/moe.py). Parameter names
+follow Meta's code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`), `LlamaConfig`'s
+fields Hugging Face's `config.json`, and RoPE Hugging Face's `rotate_half` layout: weights map 1:1.
 No training or distributed code: every strategy wraps or shards this module from the outside.
 
     model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
-    text = generate_text(model, tokenizer, "def ", 64)     # KV-cache sampling, decoded
+    logits = model(next_ids, kv_caches=caches)             # one step of KV-cache decoding
+                                                           # (lib/sampling.py generates text)
 """
 
 import functools
@@ -393,40 +394,6 @@ class LlamaForPretraining(nn.Module):
         num_tokens = (targets != IGNORE_INDEX).sum()
         return loss_sum, num_tokens
 
-    @torch.no_grad()
-    def generate(
-        self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-        generator: torch.Generator | None = None, use_cache: bool = True,
-    ) -> torch.Tensor:  # fmt: skip
-        """Continue input_ids (B, T) by up to max_new_tokens; returns (B, T + generated). With the
-        KV cache the prompt runs once, then each step feeds the newest token. temperature 0 is
-        greedy. Stops once every sequence has produced eos_id (then repeated)."""
-        B, T = input_ids.shape
-        total = T + max_new_tokens
-        if total > self.config.max_position_embeddings:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"model's max_position_embeddings "
-                             f"({self.config.max_position_embeddings})")  # fmt: skip
-        config, dtype = self.config, self.tok_embeddings.weight.dtype
-        caches = [
-            KVCache(B, config.num_key_value_heads, total, config.head_dim, input_ids.device, dtype)
-            for _ in self.layers
-        ] if use_cache else None  # fmt: skip
-        tokens = next_input = input_ids
-        finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            logits = self(next_input if use_cache else tokens, kv_caches=caches)[:, -1, :]  # (B, V)
-            next_token = sample(logits.float(), temperature, top_k, top_p, generator)  # (B,)
-            if eos_id is not None:
-                next_token = torch.where(finished, eos_id, next_token)
-                finished |= next_token == eos_id
-            tokens = torch.cat((tokens, next_token[:, None]), dim=1)
-            next_input = next_token[:, None]  # (B, 1)
-            if eos_id is not None and bool(finished.all()):
-                break
-        return tokens
-
 
 # -------------------------------------------------------------------------------------------------
 # Initial weights, the same however the model is split
@@ -461,59 +428,3 @@ def reset_buffers(module: nn.Module, config: LlamaConfig) -> None:
             sub.rope_cos, sub.rope_sin = rope_cos_sin(config, sub.rope_cos.device)
         if hasattr(sub, "reset_router_stats"):
             sub.reset_router_stats()
-
-
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """Pick one token id per row of logits (B, V): greedy at temperature 0, else sampled."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if top_p is not None:
-        # Keep the smallest set of most likely tokens whose probability adds up to top_p.
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative - sorted_logits.softmax(dim=-1) > top_p  # mass before this token > p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
-
-
-# -------------------------------------------------------------------------------------------------
-# Text in, text out: what tools/generate.py prints and every train script's sample at the end
-
-
-def generate_text(model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
-                  *sampling, **named_sampling) -> str:  # fmt: skip
-    """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
-    document (the tokenizer's eot_id) or of the model's context; sampling as generate_ids."""
-    ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
-    return tokenizer.decode(ids)  # skips the special tokens: BOT, EOT
-
-
-def generate_ids(
-    model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
-    temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None,
-    seed: int | None = None, use_cache: bool = True,
-) -> tuple[list[int], bool]:  # fmt: skip
-    """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
-    model's context cut them short. temperature 0 is greedy; `seed` makes sampling reproducible."""
-    model.eval()
-    device = model.tok_embeddings.weight.device
-    ids = [tokenizer.bot_id, *tokenizer.encode(prompt)]
-    context = model.config.max_position_embeddings
-    room = context - len(ids)
-    if room <= 0:
-        raise ValueError(f"the prompt is {len(ids)} tokens, no shorter than the model's context "
-                         f"of {context}")  # fmt: skip
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(
-        torch.tensor([ids], device=device), min(max_new_tokens, room), temperature=temperature,
-        top_k=top_k, top_p=top_p, eos_id=tokenizer.eot_id, generator=generator,
-        use_cache=use_cache,
-    )[0].tolist()  # T + generated  # fmt: skip
-    cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
-    return out, cut

@@ -80,7 +80,7 @@ def main():
     # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
     # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
     # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
-    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
     # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.

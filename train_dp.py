@@ -46,7 +46,7 @@ def main():
     # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
     # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
     # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
-    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     model.to_empty(device=device)
     training.init_weights(model, config, args, device)

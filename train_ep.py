@@ -68,7 +68,7 @@ def main():
     # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
     # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
     # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
-    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # rank = dp_rank * ep + ep_rank: each rank keeps E / ep experts of every layer, and each MoE
     # layer dispatches its tokens over its EP group, ep_mesh["ep"] (ep consecutive ranks);
@@ -149,7 +149,8 @@ def main():
     # ---- training loop -------------------------------------------------------------------------
     E = config.num_local_experts
     layout = f"experts: {E} per layer over the {args.ep} ranks of each EP group ({E // args.ep} "
-    layout += f"each), {dp} groups; " + sharding.describe(args, world_size)  # FSDP's, HSDP's
+    layout += f"each), {dp} groups; the experts' FSDP over {dp} ranks; "
+    layout += sharding.describe(args, world_size)  # FSDP's, HSDP's
     plan = dict(replicate=args.replicate, ep=args.ep)  # --plan's layout
     loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
     for step in loop:

@@ -76,7 +76,7 @@ def main():
     # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
     # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
     # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
-    model, config = training.build_model(args, settings, tokenizer.get_vocab_size())
+    model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
     if tp > 1:  # Megatron's plan in every layer, then the embedding, the norms and lm_head
@@ -144,7 +144,8 @@ def main():
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    layout = f"dp {dp} x tp {tp}, sequence parallel {args.sequence_parallel}, FSDP {dp > 1}"
+    layout = f"dp {dp} x tp {tp} (tensor parallel {tp > 1}, sequence parallel "
+    layout += f"{args.sequence_parallel}, FSDP {dp > 1})"
     plan = dict(tp=tp, sequence_parallel=args.sequence_parallel)  # --plan's layout
     loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
     for step in loop:

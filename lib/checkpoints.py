@@ -11,7 +11,6 @@ import dataclasses
 import errno
 import fcntl
 import json
-import mmap
 import os
 import re
 import shlex
@@ -19,7 +18,6 @@ import shutil
 import socket
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ import torch
 from data import corpus_digest, tokenizer_digest
 from lib.distributed import world_size_from_env
 from lib.exits import TrainingError
-from model import LlamaConfig, LlamaForPretraining
+from model import LlamaConfig
 
 # -------------------------------------------------------------------------------------------------
 # Every file is written atomically: to a temporary name beside it, flushed to disk, then renamed
@@ -55,34 +53,6 @@ def atomic_save(obj, path: str, write=torch.save) -> None:
         if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
             # torch.save's zip writer wraps a failed write in a RuntimeError: raise the OSError
             raise e.__context__ from e
-        raise
-
-
-def save_tensor_by_tensor(config: LlamaConfig, read, path: str) -> None:
-    """A model.pt of the config's model, that torch.load reads as any other, written without
-    ever holding the whole model: read(name, meta_tensor) returns one tensor at a time (a
-    sharded lesson reads it from its last checkpoint). torch.save first writes the file with
-    room for every tensor but no data (torch.serialization.skip_data; the tensors handed to it
-    are allocated but never touched, so they take no memory); then each tensor is copied into
-    its place through the file mapped shared (torch.load's mmap), mapped and unmapped again for
-    each, so that only one tensor's pages are held at a time."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with torch.device("meta"):
-        shapes = LlamaForPretraining(config).state_dict()
-    try:
-        with torch.serialization.skip_data():
-            torch.save({k: torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}, tmp)
-        for name, meta in shapes.items():
-            with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-                mapped = torch.load(tmp, mmap=True, weights_only=True)
-            mapped[name].copy_(read(name, meta))
-            del mapped  # unmapped: its pages go to the file
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except Exception:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         raise
 
 
@@ -163,12 +133,6 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def checkpoint_state(state: TrainingState, step: int, args, data_position=None) -> dict:
     """Everything a resumed run needs to continue exactly as if it had never stopped. step: the
     optimizer steps done, also the position in a cached dataset; data_position: a stream's."""
@@ -181,55 +145,30 @@ def checkpoint_state(state: TrainingState, step: int, args, data_position=None) 
     }  # fmt: skip
 
 
-def restore_checkpoint(ckpt, state: TrainingState, args) -> tuple[int, list[dict] | None]:
-    """Load a checkpoint's state into fresh objects (ValueError, changing nothing, for another
-    run's); returns the step to go on from, and a stream's position in the data."""
-    from lib.resume_checks import check_resumable  # only when resuming
-
-    check_resumable(ckpt, state.config, args, state.tokenizer)
-    fresh_lrs = [group["lr"] for group in state.optimizer.param_groups]
-    state.model.load_state_dict(ckpt["model"])
-    state.optimizer.load_state_dict(ckpt["optimizer"])
-    resume_schedule(state.scheduler, state.optimizer, fresh_lrs, ckpt["step"])
-    state.scaler.load_state_dict(ckpt["scaler"])
-    set_rng_state(ckpt["rng"])
-    return ckpt["step"], ckpt.get("data")
-
-
 def resume(path: str | None, state: TrainingState, args) -> tuple[int, list[dict] | None]:
     """(step, data position) to start from: (0, None) without a checkpoint to resume (path None);
     else the checkpoint's, once loaded into the fresh model, optimizer, scheduler and scaler
     (ValueError, changing nothing, if it is another run's: restore_checkpoint)."""
     if path is None:
         return 0, None
+    from lib.resuming import restore_checkpoint  # only when resuming
+
     start = restore_checkpoint(load_checkpoint(path), state, args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"resumed from {path} at step {start[0]}")
     return start
 
 
-def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:
-    """Bring the fresh scheduler of this run's flags (a larger --max-steps extends the run) to
-    `step`: from fresh_lrs, the learning rates it set before optimizer.load_state_dict, stepped
-    `step` times as an uninterrupted run did: the same floats, bit for bit (unlike a formula)."""
-    for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
-        group["lr"] = lr
-    with warnings.catch_warnings():
-        # Stepping the schedule before any optimizer.step() is the point here, not a mistake.
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
-        for _ in range(step):
-            scheduler.step()
-
-
 def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
-    """model.pt (a plain state_dict: of `model`, or written tensor by tensor from a function,
-    save_tensor_by_tensor), config.json and tokenizer.json: all tools/generate.py needs; and
-    tokenizer_config.json, naming the special tokens as Hugging Face does (lib/hf_tokenizer.py)."""
+    """model.pt (a plain state_dict of `model`; or written by `model`, a function of its path:
+    a sharded lesson's, one tensor at a time), config.json and tokenizer.json: all
+    tools/generate.py needs; and tokenizer_config.json, naming the special tokens as Hugging Face
+    does (lib/hf_tokenizer.py)."""
     path = os.path.join(out_dir, "model.pt")
     if isinstance(model, torch.nn.Module):
         atomic_save(model.state_dict(), path)
     else:
-        save_tensor_by_tensor(config, model, path)
+        model(path)
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)

@@ -2,7 +2,7 @@
 from an out-dir (model.pt, config.json, tokenizer.json, which every train script writes at its end).
 
     model, tokenizer = load_model("out", "cpu")
-    text = generate_text(model, tokenizer, "def ", 64)     # model.py's sampling
+    text = generate_text(model, tokenizer, "def ", 64)     # lib/sampling.py
 
 The train scripts import this only for --init-from (init_from_config, check_init_from).
 """

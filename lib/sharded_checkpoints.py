@@ -18,7 +18,9 @@ already reads that way.
 """
 
 import contextlib
+import functools
 import io
+import mmap
 import os
 import pickle
 import shlex
@@ -50,13 +52,12 @@ from lib.checkpoints import (
     newest_readable,
     refuse_other_checkpoints,
     resume_never_error,
-    resume_schedule,
     rng_state,
     save_failed,
-    set_rng_state,
     start_from,
 )
 from lib.distributed import from_rank0
+from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
 # AdamW's state keyed per parameter ("state.layers.3.attention.wq.weight.exp_avg",
@@ -227,7 +228,7 @@ def load_shards(
         return
     model, optimizer = state.model, state.optimizer
     train_state = load_checkpoint(os.path.join(path, TRAIN_STATE))
-    from lib.resume_checks import check_resumable  # (before changing anything)
+    from lib.resuming import check_resumable  # (before changing anything)
 
     check_resumable(train_state, state.config, args, state.tokenizer)
     fresh_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -254,6 +255,8 @@ def load_shards(
         options=STATE_DICT_OPTIONS,
     )  # fmt: skip
     # The schedule of this run's --max-steps, at the checkpoint's step (see resume_schedule).
+    from lib.resuming import resume_schedule, set_rng_state
+
     resume_schedule(state.scheduler, optimizer, fresh_lrs, train_state["step"])
     set_rng_state(train_state["rng"])
     if dist.get_rank() == 0:
@@ -284,7 +287,8 @@ def finish_run(args, saves: ShardedSaves, device) -> None:
         return value
 
     def write() -> None:
-        training.save_final_files(args, read, state.config, state.tokenizer, device)
+        write = functools.partial(save_tensor_by_tensor, state.config, read)
+        training.save_final_files(args, write, state.config, state.tokenizer, device)
         if not args.sample_tokens:
             return
         if dist.get_world_size() > 1:
@@ -298,6 +302,35 @@ def finish_run(args, saves: ShardedSaves, device) -> None:
         training.print_sample(args, model, state.tokenizer)
 
     from_rank0(write, dist.get_rank() == 0)
+
+
+def save_tensor_by_tensor(config, read, path: str) -> None:
+    """A model.pt of the config's model, that torch.load reads as any other, written without
+    ever holding the whole model: read(name, meta_tensor) returns one tensor at a time (a
+    sharded lesson reads it from its last checkpoint). torch.save first writes the file with
+    room for every tensor but no data (torch.serialization.skip_data; the tensors handed to it
+    are allocated but never touched, so they take no memory); then each tensor is copied into
+    its place through the file mapped shared (torch.load's mmap), mapped and unmapped again for
+    each, so that only one tensor's pages are held at a time."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with torch.device("meta"):
+        shapes = LlamaForPretraining(config).state_dict()
+    try:
+        with torch.serialization.skip_data():
+            torch.save({k: torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}, tmp)
+        for name, meta in shapes.items():
+            with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+                mapped = torch.load(tmp, mmap=True, weights_only=True)
+            mapped[name].copy_(read(name, meta))
+            del mapped  # unmapped: its pages go to the file
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
 
 
 # -------------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from model import (
     IGNORE_INDEX,
     LlamaConfig,
     LlamaForPretraining,
-    generate_text,
     initial_weight,
     reset_buffers,
 )
@@ -206,14 +205,14 @@ def data_positions(batches) -> list[dict] | None:
 # Model, optimizer, schedule, precision, attention masks
 
 
-def build_model(args, settings, vocab_size: int):
+def build_model(args, preset: str | None, vocab_size: int):
     """(model, config) to train: the settings' preset shaped by the flags, or --init-from's
     architecture, built on the meta device: shapes, no storage. A lesson then gives it storage
     (to_empty; a sharding lesson shards it first: its own part only) and values (init_weights)."""
-    if args.init_from is not None:
+    if getattr(args, "init_from", None) is not None:  # (the tools have no --init-from)
         config = model_config.model_shape(args)  # its config.json (checked with the flags)
     else:
-        config = model_config.preset_config(args, settings.model, vocab_size)
+        config = model_config.preset_config(args, preset, vocab_size)
     with torch.device("meta"):
         model = LlamaForPretraining(config)
     return model, config
@@ -230,7 +229,7 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
     parameter. The buffers too (model.reset_buffers)."""
     reset_buffers(model, config)
     source = None
-    if args.init_from is not None:
+    if getattr(args, "init_from", None) is not None:
         from lib.finished_run import open_weights  # only for --init-from
 
         source, *_ = open_weights(args.init_from)
@@ -424,4 +423,6 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """`prompt` and a continuation: generate_text with seed 0, what `python -m tools.generate
     --seed 0 --prompt ... --max-new-tokens ...` prints on CPU too."""
     with torch.compiler.set_stance("force_eager"):  # compiled layers: a compile per new shape
+        from lib.sampling import generate_text  # at the end of a run
+
         return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

@@ -33,7 +33,7 @@ from harness import (
 )
 
 import data
-from lib import distributed, flags, model_config, resume_checks, training
+from lib import distributed, flags, model_config, resuming, training
 from model import LlamaConfig
 
 
@@ -514,20 +514,20 @@ def test_a_resume_compares_the_documents_not_how_data_spells_them(
     tokenizer.corpus_sha256 = ckpt["corpus_sha256"]  # as build_datasets sets it: the same data
     for spelled in (f"{corpus}//", f"{corpus}/../{corpus.name}", tmp_path / "a-copy"):
         args, _ = build_args(spelled, cache_dir)
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
     tokenizer.corpus_sha256 = "0" * 64  # other documents, under the same --data
     args, _ = build_args(corpus, cache_dir)
     with pytest.raises(ValueError, match=f"--data {corpus} is not the data the checkpoint was "
                                          "trained on: its documents differ"):  # fmt: skip
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
     # A checkpoint from before the fingerprint: --data is all it has, compared as one path.
     del ckpt["corpus_sha256"]
     args, _ = build_args(f"{corpus}//", cache_dir)
-    resume_checks.check_resumable(ckpt, config, args, tokenizer)
+    resuming.check_resumable(ckpt, config, args, tokenizer)
     args, _ = build_args(tmp_path / "other", cache_dir)
     expect = f"made with --data '{corpus}' (now '{tmp_path / 'other'}')"
     with pytest.raises(ValueError, match=re.escape(expect)):
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
 
 
 def test_turning_the_document_mask_on_or_off_at_a_resume_is_refused(trained, corpus, cache_dir):
@@ -537,12 +537,12 @@ def test_turning_the_document_mask_on_or_off_at_a_resume_is_refused(trained, cor
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     args, _ = build_args(corpus, cache_dir, document_mask=True)
     with pytest.raises(ValueError, match="made with --document-mask False \\(now True\\)"):
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
     del ckpt["args"]["document_mask"]  # a checkpoint from before the flag: made without it
     with pytest.raises(ValueError, match="made with --document-mask False \\(now True\\)"):
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
     args, _ = build_args(corpus, cache_dir, attention="sdpa")  # the kernel may change
-    resume_checks.check_resumable(ckpt, config, args, tokenizer)
+    resuming.check_resumable(ckpt, config, args, tokenizer)
 
 
 def test_a_resume_notes_that_init_from_is_not_used(trained, out_dir, corpus, cache_dir, capsys):
@@ -551,7 +551,7 @@ def test_a_resume_notes_that_init_from_is_not_used(trained, out_dir, corpus, cac
     ckpt = load_checkpoint(trained(DP), 8)
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     args, _ = build_args(corpus, cache_dir, model=None, vocab_size=None, init_from=out_dir)
-    resume_checks.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
+    resuming.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
     assert (
         f"note: --init-from {out_dir} is not used: the run resumes from its own checkpoint (at "
         f"step 8)" in capsys.readouterr().out
@@ -564,10 +564,10 @@ def test_a_checkpoint_from_before_txt_split_counts_as_auto(trained, corpus, cach
     config = LlamaConfig(**ckpt["config"])
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     args, _ = build_args(corpus, cache_dir)
-    resume_checks.check_resumable(ckpt, config, args, tokenizer)  # auto: resumable
+    resuming.check_resumable(ckpt, config, args, tokenizer)  # auto: resumable
     args, _ = build_args(corpus, cache_dir, txt_split="paragraph")
     with pytest.raises(ValueError, match="--txt-split 'auto' \\(now 'paragraph'\\)"):
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
 
 
 def test_resuming_with_other_shape_flags_is_refused_naming_the_fields(trained, corpus, cache_dir):
@@ -575,14 +575,14 @@ def test_resuming_with_other_shape_flags_is_refused_naming_the_fields(trained, c
     ckpt = load_checkpoint(trained(DP), 8)
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
     args, plan = build_args(corpus, cache_dir, num_layers=3, ffn_size=256)
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
+    _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
     expect = "intermediate_size 512 (now 256), num_hidden_layers 4 (now 3); resume with that run's"
     with pytest.raises(ValueError, match=re.escape(expect + " --model, shape flags")):
-        resume_checks.check_resumable(ckpt, config, args, tokenizer)
+        resuming.check_resumable(ckpt, config, args, tokenizer)
     # Flags that make the checkpoint's own shape are no change: tiny has 4 layers.
     args, plan = build_args(corpus, cache_dir, num_layers=4)
-    _, config = training.build_model(args, plan, tokenizer.get_vocab_size())
-    resume_checks.check_resumable(ckpt, config, args, tokenizer)
+    _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
+    resuming.check_resumable(ckpt, config, args, tokenizer)
 
 
 def test_a_checkpoint_of_the_old_vocab_size_default_resumes_with_the_new_one(
@@ -595,7 +595,7 @@ def test_a_checkpoint_of_the_old_vocab_size_default_resumes_with_the_new_one(
     args, _ = build_args(corpus, cache_dir, vocab_size=None)
     assert model_config.vocab_size(args) == ckpt["args"]["vocab_size"]
     tokenizer = data.load_tokenizer(str(trained(DP) / "tokenizer.json"))
-    resume_checks.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
+    resuming.check_resumable(ckpt, LlamaConfig(**ckpt["config"]), args, tokenizer)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 from harness import DP, cmd, read_metrics, run_script, snapshot
 
-from lib import flags, training
+from lib import flags, pipeline, training
 
 
 def write(path, text: str):
@@ -43,10 +43,10 @@ def test_config_values_are_used_and_the_command_line_wins(tmp_path):
 
 
 def test_a_lesson_s_own_flags_come_from_the_file_too(tmp_path):
-    import train_pp
-
+    parser = flags.build_parser("test", sharded=True)
+    pipeline.add_flags(parser)  # train_pp.py's own flags
     config = write(tmp_path / "pp.toml", 'schedule = "gpipe"\nstages_per_rank = 3\n')
-    args = train_pp.build_parser().parse_args(["--config", config])
+    args = parser.parse_args(["--config", config])
     assert (args.schedule, args.stages_per_rank) == ("gpipe", 3)
 
 
@@ -155,7 +155,7 @@ def test_a_run_records_its_settings_and_extends_with_a_larger_max_steps(
     assert set(resolved) == set(vars(flags.build_parser("test").parse_args([])))
     assert first["plan"] == {
         "model": "tiny", "tokenizer": None, "devices": 1, "micro_batch_size": 8,
-        "accumulation": 1, "precision": "fp32", "attention": "sdpa",
+        "accumulation": 1, "precision": "fp32", "attention": "sdpa", "grad_clip": 1.0,
     }  # fmt: skip
     train, _ = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3, 4]

@@ -186,7 +186,7 @@ def test_cp2_pads_checkpoints_accumulates_and_replicates_like_one_process(
     proc = run_script(
         CP, cmd(corpus, cache_dir, out, data_mode="pad") + flags + ["--replicate", "2"], world=2
     )
-    assert "sharding: HSDP 2 x 1" in proc.stdout, proc.stdout
+    assert "; HSDP 2 x 1 (replicas x shard group)" in proc.stdout, proc.stdout
     reference = trained(DP, data_mode="pad")
     assert_state_dicts_close(load_weights(out), load_weights(reference))
     assert_same_losses(out, reference)

@@ -670,7 +670,7 @@ def test_build_datasets_prints_the_corpus_in_tokens_and_the_share_of_an_epoch(
         f"data: 28 train documents = {tokens:,} tokens -> {len(train):,} sequences of 32 (pack); "
         f"4 validation documents = " in out
     )
-    assert f" tokens -> {len(val)} sequences\n" in out
+    assert f" tokens -> {len(val.dataset)} sequences\n" in out  # (val: the first --eval-batches)
     assert f"this run: 30 steps x 8 sequences = 240 sequences = {30 / steps:.2f} epochs" in out
 
     monkeypatch.setenv("RANK", "1")  # printed once, by global rank 0

@@ -194,7 +194,7 @@ def test_fsdp_resume_is_bit_identical(launched, corpus, cache_dir, tmp_path, fla
     full, out = launched(FSDP, 2, *flags), tmp_path / "resumed"
     argv = cmd(corpus, cache_dir, out) + list(flags)
     proc = assert_resumes_bit_identically(FSDP, full, out, argv, 2, tmp_path)
-    hsdp = "sharding: HSDP 2 x 1 (replicas x shard group)" in proc.stdout
+    hsdp = "parallelism: HSDP 2 x 1 (replicas x shard group)" in proc.stdout
     assert hsdp == (flags == HSDP), proc.stdout
 
 

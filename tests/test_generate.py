@@ -1,3 +1,4 @@
+
 """Specification of tools/generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
 
 The out-dir comes from conftest.py (a tiny random model saved with checkpoints.save_final, exactly
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib import exits, training
+from lib import exits, sampling, training
 from lib.finished_run import load_model
-from model import generate_ids, generate_text
+from lib.sampling import generate_ids, generate_text
 from tools import generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_the_same_seed_gives_the_same_sample_and_other_seeds_others(out_dir):
 def test_the_prompt_is_prefixed_with_bot(out_dir, monkeypatch):
     model, tokenizer = load_model(str(out_dir))
     seen = []
-    monkeypatch.setattr(model, "generate", lambda ids, *a, **k: seen.append(ids) or ids)
+    monkeypatch.setattr(sampling, "generate", lambda model, ids, *a, **k: seen.append(ids) or ids)
     generate_text(model, tokenizer, PROMPT, 5)
     assert seen[0][0].tolist() == [tokenizer.bot_id, *tokenizer.encode(PROMPT)]
 

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import masks
+from lib import sampling
+from lib.sampling import sample
 from model import (
     IGNORE_INDEX,
     PRESETS,
@@ -19,7 +21,6 @@ from model import (
     apply_rope,
     count_parameters,
     rope_cos_sin,
-    sample,
 )
 
 VOCAB = 97
@@ -526,7 +527,7 @@ def test_a_tiny_model_overfits_one_batch():
 def test_cached_and_uncached_generation_give_the_same_tokens(sharp_model, temperature):
     prompt = random_tokens(2, 5)
     outputs = [
-        sharp_model.generate(
+        sampling.generate(sharp_model,
             prompt, 20, temperature=temperature, use_cache=use_cache,
             generator=torch.Generator().manual_seed(7),
         )
@@ -539,13 +540,14 @@ def test_cached_and_uncached_generation_give_the_same_tokens(sharp_model, temper
 
 def test_greedy_generation_is_deterministic(sharp_model):
     prompt = random_tokens(2, 5)
-    first = sharp_model.generate(prompt, 15, temperature=0)
-    assert torch.equal(first, sharp_model.generate(prompt, 15, temperature=0))
-    assert torch.equal(first, sharp_model.generate(prompt, 15, temperature=0, use_cache=False))
+    first = sampling.generate(sharp_model, prompt, 15, temperature=0)
+    assert torch.equal(first, sampling.generate(sharp_model, prompt, 15, temperature=0))
+    uncached = sampling.generate(sharp_model, prompt, 15, temperature=0, use_cache=False)
+    assert torch.equal(first, uncached)
 
 
 def test_greedy_generation_picks_the_most_likely_next_token(sharp_model):
-    out = sharp_model.generate(random_tokens(1, 5), 6, temperature=0)
+    out = sampling.generate(sharp_model, random_tokens(1, 5), 6, temperature=0)
     logits = sharp_model(out[:, :-1])  # (1, 10, vocab): the prediction after every prefix
     assert torch.equal(logits[0, 4:].argmax(dim=-1), out[0, 5:])
 
@@ -553,7 +555,7 @@ def test_greedy_generation_picks_the_most_likely_next_token(sharp_model):
 def test_sampling_follows_the_generator_seed(sharp_model):
     prompt = random_tokens(1, 5)
     seeded = [
-        sharp_model.generate(prompt, 20, generator=torch.Generator().manual_seed(s))
+        sampling.generate(sharp_model, prompt, 20, generator=torch.Generator().manual_seed(s))
         for s in (1, 1, 2)
     ]
     assert torch.equal(seeded[0], seeded[1])
@@ -562,28 +564,29 @@ def test_sampling_follows_the_generator_seed(sharp_model):
 
 def test_top_k_1_equals_greedy(sharp_model):
     prompt = random_tokens(2, 5)
-    top1 = sharp_model.generate(prompt, 15, top_k=1, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(top1, sharp_model.generate(prompt, 15, temperature=0))
+    seeded = torch.Generator().manual_seed(0)
+    top1 = sampling.generate(sharp_model, prompt, 15, top_k=1, generator=seeded)
+    assert torch.equal(top1, sampling.generate(sharp_model, prompt, 15, temperature=0))
 
 
 def test_generation_stops_right_after_eos(sharp_model):
     prompt = random_tokens(1, 5)
-    greedy = sharp_model.generate(prompt, 20, temperature=0)[0, 5:]
+    greedy = sampling.generate(sharp_model, prompt, 20, temperature=0)[0, 5:]
     eos_id = int(greedy[3])
     first_eos = int((greedy == eos_id).nonzero()[0])  # the first time the model emits it
-    out = sharp_model.generate(prompt, 20, temperature=0, eos_id=eos_id)
+    out = sampling.generate(sharp_model, prompt, 20, temperature=0, eos_id=eos_id)
     assert out.shape == (1, 5 + first_eos + 1)
     assert torch.equal(out[0, 5:], greedy[: first_eos + 1])
 
 
 def test_finished_rows_keep_receiving_eos_while_others_continue(sharp_model):
     prompt = random_tokens(2, 5, seed=4)
-    greedy = sharp_model.generate(prompt, 12, temperature=0)[:, 5:]
+    greedy = sampling.generate(sharp_model, prompt, 12, temperature=0)[:, 5:]
     eos_id = int(greedy[0, 0])  # row 0 finishes at once
     row1_eos = (greedy[1] == eos_id).nonzero()
     length = int(row1_eos[0]) + 1 if len(row1_eos) else 12  # stops once every row has finished
     assert length > 1, "row 1 must outlive row 0 for this test to mean anything"
-    out = sharp_model.generate(prompt, 12, temperature=0, eos_id=eos_id)[:, 5:]
+    out = sampling.generate(sharp_model, prompt, 12, temperature=0, eos_id=eos_id)[:, 5:]
     assert out.shape == (2, length)
     assert (out[0] == eos_id).all()
     assert torch.equal(out[1], greedy[1, :length])
@@ -591,11 +594,11 @@ def test_finished_rows_keep_receiving_eos_while_others_continue(sharp_model):
 
 def test_generating_past_max_position_embeddings_raises(model):
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        model.generate(random_tokens(1, 60), 5)
+        sampling.generate(model, random_tokens(1, 60), 5)
 
 
 def test_generating_up_to_exactly_max_position_embeddings_works(model):
-    assert model.generate(random_tokens(1, 60), 4, temperature=0).shape == (1, 64)
+    assert sampling.generate(model, random_tokens(1, 60), 4, temperature=0).shape == (1, 64)
 
 
 def test_sample_at_temperature_zero_is_argmax():

@@ -20,16 +20,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import data
-from lib import checkpoints, exits, training
+from lib import checkpoints, exits, sampling, training
 from lib.finished_run import load_model
 from lib.moe import MoEFeedForward, router_stats, sequence_balance_loss
+from lib.sampling import generate_text
 from model import (
     IGNORE_INDEX,
     LlamaConfig,
     LlamaForPretraining,
     count_active_parameters,
     count_parameters,
-    generate_text,
 )
 from tools import export_hf, generate
 
@@ -427,7 +427,7 @@ def test_evaluation_and_generation_add_no_balance_loss_and_count_nothing():
     with torch.no_grad():
         loss_sum, _ = model(x, y)
         logits = model(x)
-        model.generate(x[:1], 3)
+        sampling.generate(model, x[:1], 3)
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
     assert torch.allclose(loss_sum, ce, atol=1e-4)
     stats = router_stats(model)

@@ -162,7 +162,7 @@ def simulated_gpu(monkeypatch):
         args = flags.build_parser("test").parse_args(argv)
         plan = flags.RunSettings(
             model="tiny", tokenizer=None, devices=devices, micro_batch_size=None,
-            accumulation=1, precision="fp32", attention="sdpa",
+            accumulation=1, precision="fp32", attention="sdpa", grad_clip=1.0,
         )  # fmt: skip
         optimizer = training.build_optimizer(model, args, "cpu")
         rng = torch.get_rng_state()

@@ -33,9 +33,10 @@ from test_fsdp import (
     sharded_checkpoint_state,
 )
 
-import train_pp
+from lib import flags, pipeline
 from lib.finished_run import load_model
-from model import LlamaConfig, LlamaForPretraining, generate_text
+from lib.sampling import generate_text
+from model import LlamaConfig, LlamaForPretraining
 
 PP = "train_pp.py"
 FSDP = "train_fsdp.py"
@@ -108,7 +109,7 @@ def test_start_up_reports_the_schedule_and_its_bubble(launched):
 
 
 def test_uneven_layers_go_to_the_first_stages():
-    assert train_pp.split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert pipeline.split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
 
 
 def test_stages_together_hold_exactly_the_full_model():
@@ -117,8 +118,8 @@ def test_stages_together_hold_exactly_the_full_model():
     full = model.state_dict()
     pieces = {}
     for pp_rank in range(2):  # interleaved: 4 stages, rank r holds stages r and r + 2
-        stages = train_pp.build_stages(model, pp_rank, 2, 2, torch.device("cpu"))
-        local = train_pp.RankModel(stages).state_dict()
+        stages = pipeline.build_stages(model, pp_rank, 2, 2)
+        local = pipeline.RankModel(stages).state_dict()
         assert pieces.keys().isdisjoint(local.keys()), "a parameter on two ranks"
         pieces.update(local)
         assert sum(len(s.state_dict()) for s in stages) == len(local)
@@ -129,7 +130,7 @@ def test_stages_together_hold_exactly_the_full_model():
     with torch.no_grad():  # the four stages in order compute the whole model's logits
         h = x
         for s in range(4):
-            h = train_pp.build_stages(model, s % 2, 2, 2, torch.device("cpu"))[s // 2](h)
+            h = pipeline.build_stages(model, s % 2, 2, 2)[s // 2](h)
         torch.testing.assert_close(h, model(x), rtol=0, atol=0)
 
 
@@ -190,9 +191,10 @@ def test_model_pt_starts_a_train_dp_run(corpus, cache_dir, tmp_path, pp_run):
 # Bad input
 
 
-def pipeline_args(corpus, cache_dir, *flags):
-    parser = train_pp.build_parser()
-    return parser, parser.parse_args(cmd(corpus, cache_dir, "unused") + list(flags))
+def pipeline_args(corpus, cache_dir, *extra):
+    parser = flags.build_parser("test", sharded=True)
+    pipeline.add_flags(parser)  # train_pp.py's parser
+    return parser, parser.parse_args(cmd(corpus, cache_dir, "unused") + list(extra))
 
 
 @pytest.mark.parametrize(
@@ -211,7 +213,7 @@ def pipeline_args(corpus, cache_dir, *flags):
 def test_bad_pipeline_flags_are_refused(corpus, cache_dir, world, flags, message):
     parser, args = pipeline_args(corpus, cache_dir, *flags)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        train_pp.check_pipeline_args(parser, args, world, torch.device("cpu"))
+        pipeline.check_flags(parser, args, world, torch.device("cpu"))
 
 
 def test_refusal_is_one_message_before_anything_is_written(corpus, cache_dir, tmp_path):

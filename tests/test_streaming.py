@@ -18,7 +18,7 @@ from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically
 
 import data
-from lib import flags, resume_checks, streaming, training
+from lib import flags, resuming, streaming, training
 
 TP = "train_tp.py"
 
@@ -295,11 +295,11 @@ def test_a_streaming_checkpoint_resumes_only_with_streaming(corpus, cache_dir):
     args, _ = build_args(corpus, cache_dir)
     ckpt = {"step": 4, "args": {**vars(args), "streaming": True}}
     with pytest.raises(ValueError, match="made with --streaming True \\(now False\\)"):
-        resume_checks.check_resumable(ckpt, None, args, None)
+        resuming.check_resumable(ckpt, None, args, None)
     args.streaming = True  # and a checkpoint from before the flag was not streamed
     old = {"step": 4, "args": {k: v for k, v in vars(args).items() if k != "streaming"}}
     with pytest.raises(ValueError, match="made with --streaming False \\(now True\\)"):
-        resume_checks.check_resumable(old, None, args, None)
+        resuming.check_resumable(old, None, args, None)
 
 
 def test_a_tensor_parallel_streaming_run_resumes_from_its_sharded_checkpoint_bit_identically(

@@ -47,8 +47,9 @@ from test_fsdp import (
 )
 
 from lib.finished_run import load_model
+from lib.sampling import generate_text
 from lib.tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
-from model import LlamaConfig, LlamaForPretraining, generate_text
+from model import LlamaConfig, LlamaForPretraining
 
 TP = "train_tp.py"
 

@@ -135,10 +135,8 @@ def test_validation_shards_cover_the_set_once_in_as_many_batches_on_every_rank(s
 def plain_training_loop(args, plan) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The textbook single-process loop on the same data, order, optimizer and schedule."""
     train, _, tokenizer = training.build_datasets(args, plan.tokenizer)
-    torch.manual_seed(args.seed)
-    model = LlamaForPretraining(
-        LlamaConfig.from_preset(plan.model, vocab_size=tokenizer.get_vocab_size())
-    )
+    config = LlamaConfig.from_preset(plan.model, vocab_size=tokenizer.get_vocab_size())
+    model = LlamaForPretraining(config, seed=args.seed)  # each weight seeded by --seed and its name
     optimizer = training.build_optimizer(model, args, "cpu")
     scheduler = training.build_scheduler(optimizer, args)
     steps_per_epoch = len(train) // args.batch_size
@@ -355,7 +353,7 @@ def test_checkpoints_cross_load_between_scripts(
         LlamaForPretraining(config).load_state_dict(weights, strict=True)
 
 
-def test_a_resume_checks_what_the_data_is_not_how_data_names_it(trained, corpus, tmp_path):
+def test_a_resuming_what_the_data_is_not_how_data_names_it(trained, corpus, tmp_path):
     # --tokenizer: a given tokenizer does not change with the corpus, so only the data's own
     # fingerprint can tell that the documents changed.
     copy, out, cache = tmp_path / "copy", tmp_path / "resumed", tmp_path / "cache"
@@ -424,7 +422,7 @@ def test_the_flags_are_checked_without_changing_them(corpus, cache_dir):
 def test_shape_flags_override_the_preset_in_the_plan_the_model_and_the_summary(corpus, cache_dir):
     shape = dict(num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=4, ffn_size=320)
     args, plan = build_args(corpus, cache_dir, **shape)
-    model, config = training.build_model(args, plan, 321)  # the tokenizer's vocabulary
+    model, config = training.build_model(args, plan.model, 321)  # the tokenizer's vocabulary
     assert config.to_dict() == {
         **LlamaConfig.from_preset("tiny").to_dict(),  # the rest stays tiny's
         "vocab_size": 321, "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 8,

@@ -200,14 +200,8 @@ def check_precision(precision: str, device: torch.device) -> str:
 
 def build(strategy: str, args, vocab_size: int, device, precision: str):
     """A fresh model set up as `strategy`'s training script sets it up; (module, optimizer)."""
-    model, _ = training.build_model(
-        args, args.model, vocab_size
-    )  # seeded: the same weights every time
-    if args.activation_checkpointing:
-        training.apply_activation_checkpointing(model)
-    if args.compile:
-        training.compile_layers(model)
-    model.to(device)
+    model, config = training.build_model(args, args.model, vocab_size)  # on the meta device
+    training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     if strategy == "fsdp":
         # train_fsdp.py's sharding: under bf16, weights gathered in bf16 and gradients reduced
         # in fp32; each layer a unit, then the root; the optimizer built on the shards.
@@ -219,6 +213,9 @@ def build(strategy: str, args, vocab_size: int, device, precision: str):
         for layer in model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
+    model.to_empty(device=device)
+    training.init_weights(model, config, args, device)  # seeded: the same weights every time
+    if strategy == "fsdp":
         return model, training.build_optimizer(model, args, device.type)
     optimizer = training.build_optimizer(model, args, device.type)
     if strategy == "single":

@@ -35,7 +35,7 @@ def main() -> None:
         description="Per-GPU memory of DDP, ZeRO-1/2/3 and HSDP (parameters, gradients, "
         "optimizer states, activations), with tensor (+ sequence), pipeline and context "
         "parallelism, the traffic, and which strategies fit. The formulas and their assumptions "
-        "are in docs/memory.md, section 4.",
+        "are in docs/memory.md, section 5.",
         formatter_class=flags.HelpFormatter,
     )  # never abbreviates a flag; a bad one ends in one line (exits.run)
     positive = flags.number_arg(int, 1)

@@ -1,11 +1,16 @@
-"""Whether a checkpoint belongs to this run, checked before a resume changes anything: the same
-model, tokenizer and data (by their fingerprints), the same flags where they decide the data
-order and the schedule, and a --max-steps that does not cut the run short. Imported on resume.
+"""Resuming a run (imported only then): whether a checkpoint belongs to this run, checked before
+anything changes (the same model, tokenizer and data, by their fingerprints; the same flags where
+they decide the data order and the schedule; a --max-steps that does not cut the run short), and
+its state restored: the model, the optimizer, the schedule, the grad scaler and the RNG.
 """
 
 import os
+import warnings
+
+import torch
 
 from data import corpus_digest, tokenizer_digest
+from lib.checkpoints import TrainingState
 from model import MOE_FIELDS, LlamaConfig
 
 # The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
@@ -98,3 +103,35 @@ def check_same_data(ckpt: dict, args, tokenizer) -> None:
 def _normalised_spec(spec: str) -> str:
     """--data as one absolute path: dir//file, ./dir/file and /abs/dir/file compare equal."""
     return os.path.abspath(os.path.expanduser(spec))
+
+
+def restore_checkpoint(ckpt, state: TrainingState, args) -> tuple[int, list[dict] | None]:
+    """Load a checkpoint's state into fresh objects (ValueError, changing nothing, for another
+    run's); returns the step to go on from, and a stream's position in the data."""
+    check_resumable(ckpt, state.config, args, state.tokenizer)
+    fresh_lrs = [group["lr"] for group in state.optimizer.param_groups]
+    state.model.load_state_dict(ckpt["model"])
+    state.optimizer.load_state_dict(ckpt["optimizer"])
+    resume_schedule(state.scheduler, state.optimizer, fresh_lrs, ckpt["step"])
+    state.scaler.load_state_dict(ckpt["scaler"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["step"], ckpt.get("data")
+
+
+def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:
+    """Bring the fresh scheduler of this run's flags (a larger --max-steps extends the run) to
+    `step`: from fresh_lrs, the learning rates it set before optimizer.load_state_dict, stepped
+    `step` times as an uninterrupted run did: the same floats, bit for bit (unlike a formula)."""
+    for group, lr in zip(optimizer.param_groups, fresh_lrs, strict=True):
+        group["lr"] = lr
+    with warnings.catch_warnings():
+        # Stepping the schedule before any optimizer.step() is the point here, not a mistake.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(step):
+            scheduler.step()
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
