@@ -51,15 +51,14 @@ def main():
     # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
     # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
-    def order_for_epoch(epoch: int) -> list[int]:
+    def epoch_order(epoch: int) -> list[int]:
         sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
-    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
-    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    # Built on the meta device (shapes, no storage), sharded there; then each rank gives its part
+    # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     model.to_empty(device=device)
@@ -67,8 +66,7 @@ def main():
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
-    # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
-    # resume restores (lib/checkpoints.py).
+    # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     start_step, data_position = checkpoints.resume(resume_path, state, args)
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
@@ -78,18 +76,17 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, ddp_model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, rank, world_size, rows)  # this rank's share
+    val_loader = training.ValidationShard(val_set, rank, world_size, rows, device)  # its share
     start, shard = (start_step, data_position), (rank, world_size)  # shard: --streaming's
     batches = training.step_batches(
-        args, settings, train_ds, order_for_epoch, rows, device, start, shard
+        args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
     def evaluate() -> torch.Tensor:
         # Each rank its share, with the unwrapped model (no DDP hooks); the sums added up.
-        val_sum, val_tokens = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(val_sum)
-        dist.all_reduce(val_tokens)
-        return val_sum / val_tokens
+        totals = training.evaluate(model, val_loader, device, settings, attn_mask)
+        dist.all_reduce(totals)  # (loss sum, targets)
+        return totals[0] / totals[1]
 
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is

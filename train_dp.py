@@ -38,14 +38,13 @@ def main():
 
     # The samples this process reads in an epoch: a shuffle seeded by seed + epoch (a new order
     # each epoch, the same one after a resume).
-    def order_for_epoch(epoch: int) -> list[int]:
+    def epoch_order(epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(args.seed + epoch)
         return torch.randperm(len(train_ds), generator=generator).tolist()
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
-    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
-    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    # Built on the meta device (shapes, no storage), sharded there; then each rank gives its part
+    # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     model.to_empty(device=device)
@@ -53,8 +52,7 @@ def main():
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
-    # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
-    # resume restores (lib/checkpoints.py).
+    # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     start_step, data_position = checkpoints.resume(resume_path, state, args)
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
@@ -63,15 +61,15 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, dp_model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size * devices  # sequences per forward: DataParallel splits them
-    val_loader = training.ValidationShard(val_set, 0, 1, rows)  # this process's share: all
+    val_loader = training.ValidationShard(val_set, 0, 1, rows, device)  # (all of it)
     start, shard = (start_step, data_position), (0, 1)  # shard: --streaming's
     batches = training.step_batches(
-        args, settings, train_ds, order_for_epoch, rows, device, start, shard
+        args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
     def evaluate() -> torch.Tensor:
-        val_sum, val_tokens = training.evaluate(dp_model, val_loader, device, settings, attn_mask)
-        return val_sum / val_tokens
+        totals = training.evaluate(dp_model, val_loader, device, settings, attn_mask)
+        return totals[0] / totals[1]
 
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is

@@ -5,9 +5,8 @@
 
 What this adds to train_zero1.py: fully_shard() splits every parameter over the ranks; each
 layer's weights are all-gathered for its forward and backward, then freed, and its gradients
-reduce-scattered: every rank keeps 1/N of the weights, gradients and AdamW state. The model is
-built on the meta device and sharded there, so no rank ever holds it whole. Options: ZeRO-2,
-bf16 gathers, CPU offload, HSDP (--replicate); dcp.save writes each rank's shards.
+reduce-scattered: every rank keeps 1/N of the weights, gradients and AdamW state, and never the
+whole model. ZeRO-2, bf16 gathers, CPU offload, HSDP; dcp.save writes each rank's shards.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
 every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
@@ -19,14 +18,12 @@ Read it against the lesson before: `diff train_zero1.py train_fsdp.py`.
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, sharded_checkpoints, sharding, training
 from lib.checkpoints import TrainingState
 from lib.loop import TrainingLoop
-from lib.sharded_checkpoints import ShardedSaves, load_shards, safe_load_options
 from model import IGNORE_INDEX
 
 
@@ -55,27 +52,22 @@ def main():
     # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
     # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
-    def order_for_epoch(epoch: int) -> list[int]:
+    def epoch_order(epoch: int) -> list[int]:
         sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
-    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
-    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    # Built on the meta device (shapes, no storage), sharded there; then each rank gives its part
+    # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
-    # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
-    # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32: no casts.
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    # HSDP: a grid of --replicate rows of shard groups (consecutive ranks: a node each); the rows
-    # hold replicas of each other's shards, and all-reduce their gradients.
-    mesh = None  # plain FSDP over all ranks
-    if args.replicate > 1:
-        dims = (args.replicate, world_size // args.replicate)
-        mesh = init_device_mesh(device.type, dims, mesh_dim_names=("replicate", "shard"))
+    # None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node each), the
+    # rows replicas of each other's shards, all-reducing their gradients.
+    mesh = sharding.hsdp_mesh(args, world_size, device)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=mesh, reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy)
     options |= {"offload_policy": offload} if offload else {}
@@ -89,46 +81,39 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
-    # resume restores (lib/checkpoints.py).
+    # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
-    # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks that
-    # wrote them (safe_load_options: no pickle in the directory can run code).
-    with load_shards(resume_path, state, args) as (to_load, start):  # (None: start at step 0)
-        if resume_path:
-            dcp.load(to_load, **safe_load_options(resume_path))  # in place, into the shards
-    start_step, data_position = start
+    # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
+    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, rank, world_size, rows)  # this rank's share
+    val_loader = training.ValidationShard(val_set, rank, world_size, rows, device)  # its share
     start, shard = (start_step, data_position), (rank, world_size)  # shard: --streaming's
     batches = training.step_batches(
-        args, settings, train_ds, order_for_epoch, rows, device, start, shard
+        args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
     def evaluate() -> torch.Tensor:
         # Each rank its share (every forward all-gathers each layer: all run it); sums added up.
-        val_sum, val_tokens = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(val_sum)
-        dist.all_reduce(val_tokens)
-        return val_sum / val_tokens
+        totals = training.evaluate(model, val_loader, device, settings, attn_mask)
+        dist.all_reduce(totals)  # (loss sum, targets)
+        return totals[0] / totals[1]
 
-    saves = ShardedSaves(args, state)  # the checkpoint in flight (--async-save), its group
+    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
-        position = training.data_positions(batches)  # --streaming: where the stream is
-        # A collective: every rank writes its own shards, and no rank gathers them. Or, with
-        # --async-save, copies them to CPU memory, and a thread writes them as training goes on.
-        with saves.checkpoint(step, position) as (to_save, path):
+        # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
+        # copies them to CPU memory, and a thread writes them as training goes on).
+        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
                 saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    layout = sharding.describe(args, world_size)  # FSDP's, HSDP's
-    loop = TrainingLoop(args, settings, state, device, start_step, layout, replicate=args.replicate)
+    layout, plan = sharding.describe(args, world_size)  # at start-up, and --plan's
+    loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
         # Normalise by the number of targets in the whole global batch, not per micro-batch: then
@@ -150,8 +135,7 @@ def main():
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss)
-        # The gradients are sharded DTensors: clip_grad_norm_ adds up the squared norms of the
-        # shards over the ranks; full_tensor(): the (replicated) total, with no traffic.
+        # Sharded DTensor gradients: the norm sums their squares over the ranks; full_tensor(): it.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         grad_norm = grad_norm.full_tensor()
         if loop.step_ok(step, step_loss, grad_norm):

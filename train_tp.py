@@ -32,7 +32,6 @@ from torch.utils.data import DistributedSampler
 from lib import distributed, exits, flags, sharded_checkpoints, tensor_parallel, training
 from lib.checkpoints import TrainingState
 from lib.loop import TrainingLoop
-from lib.sharded_checkpoints import ShardedSaves, load_shards, safe_load_options
 from model import IGNORE_INDEX
 
 
@@ -67,15 +66,14 @@ def main():
     # The samples this rank reads in an epoch: every dp-th of one shared shuffle, so that each
     # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
-    def order_for_epoch(epoch: int) -> list[int]:
+    def epoch_order(epoch: int) -> list[int]:
         sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
     # ---- model, optimizer, resume --------------------------------------------------------------
-    # Built on the meta device: shapes, no storage. A sharding lesson shards it there, and each
-    # rank gives only its part storage (to_empty) and values (init_weights: each weight drawn
-    # whole from a seed of its own and sliced): the same weights in every lesson, every layout.
+    # Built on the meta device (shapes, no storage), sharded there; then each rank gives its part
+    # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
@@ -85,8 +83,7 @@ def main():
             parallelize_module(layer, mesh["tp"], layer_plan)
         tensor_parallel.apply_tensor_parallel(model, mesh["tp"], args.sequence_parallel)
     training.prepare_layers(model, args, loss=False)  # (the loss runs on vocabulary shards)
-    # bf16: weights gathered in bf16 (half the traffic), gradients reduced in fp32 into the fp32
-    # shards that AdamW updates. fp32: no casts at all, train_ddp.py's results.
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32: no casts.
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
     # FSDP over mesh["dp"], as train_fsdp.py over all ranks: each TP shard is split again over
@@ -104,49 +101,40 @@ def main():
     # Built on the shards, AdamW's state is sharded like them.
     optimizer = training.build_optimizer(model, args, device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    # What a checkpoint holds (with the step, the RNG and the position in the data), and what a
-    # resume restores (lib/checkpoints.py).
+    # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
-    # DCP reads, on each rank, just the pieces its shards cover, whatever the number of ranks that
-    # wrote them (safe_load_options: no pickle in the directory can run code).
-    with load_shards(resume_path, state, args) as (to_load, start):  # (None: start at step 0)
-        if resume_path:
-            dcp.load(to_load, **safe_load_options(resume_path))  # in place, into the shards
-    start_step, data_position = start
+    # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
+    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows)  # this rank's share
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)  # its share
     start, shard = (start_step, data_position), (dp_rank, dp)  # shard: --streaming's
     batches = training.step_batches(
-        args, settings, train_ds, order_for_epoch, rows, device, start, shard
+        args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
     def evaluate() -> torch.Tensor:
         # Each rank its dp group's share (every forward is a collective: all run it); the sums
         # added up over the dp groups (the tp ranks of a group hold the same).
         with vocab_parallel():
-            val_sum, val_tokens = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(val_sum, group=dp_group)
-        dist.all_reduce(val_tokens, group=dp_group)
-        return val_sum / val_tokens
+            totals = training.evaluate(model, val_loader, device, settings, attn_mask)
+        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets)
+        return totals[0] / totals[1]
 
-    saves = ShardedSaves(args, state)  # the checkpoint in flight (--async-save), its group
+    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
-        position = training.data_positions(batches)  # --streaming: where the stream is
-        # A collective: every rank writes its own shards, and no rank gathers them. Or, with
-        # --async-save, copies them to CPU memory, and a thread writes them as training goes on.
-        with saves.checkpoint(step, position) as (to_save, path):
+        # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
+        # copies them to CPU memory, and a thread writes them as training goes on).
+        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
                 saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    layout = f"dp {dp} x tp {tp} (tensor parallel {tp > 1}, sequence parallel "
-    layout += f"{args.sequence_parallel}, FSDP {dp > 1})"
-    plan = dict(tp=tp, sequence_parallel=args.sequence_parallel)  # --plan's layout
+    layout, plan = tensor_parallel.describe(args, tp, dp)  # at start-up, and --plan's
     loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
@@ -173,8 +161,7 @@ def main():
         dist.all_reduce(step_loss, group=dp_group)
         if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
             tensor_parallel.replicate_partial_grads(model.parameters())
-        # The gradients are sharded DTensors: clip_grad_norm_ adds up the squared norms of the
-        # shards over the ranks; full_tensor(): the (replicated) total, with no traffic.
+        # Sharded DTensor gradients: the norm sums their squares over the ranks; full_tensor(): it.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         if isinstance(grad_norm, DTensor):  # (a plain tensor on one rank: no TP, no FSDP)
             grad_norm = grad_norm.full_tensor()

@@ -351,14 +351,14 @@ def read_metrics(path: str) -> list[dict]:
 
 def record_run(args, settings, start_step: int) -> None:
     """Add a line to OUT_DIR/args.jsonl for this start (a resume may change --max-steps, ...):
-    every flag's final value, the settings derived (cli.RunSettings), the command and the step
+    every flag's final value, the settings derived (flags.RunSettings), the command and the step
     it starts from; rewritten whole and atomically, once every check has passed."""
     path = os.path.join(args.out_dir, "args.jsonl")
     record = {
         "script": os.path.basename(sys.argv[0]), "command": shlex.join(sys.argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world_size_from_env(),
         "start_step": start_step, "args": vars(args),
-        "plan": dataclasses.asdict(settings),  # cli.RunSettings
+        "plan": dataclasses.asdict(settings),  # flags.RunSettings
     }  # fmt: skip
     try:
         previous = Path(path).read_text() if os.path.exists(path) else ""

@@ -1,6 +1,6 @@
 """--config FILE.toml: flag values from a TOML file, checked as the command line checks them.
 
-cli.ArgumentParser reads the file before it parses the command line, and makes its values that
+flags.ArgumentParser reads the file before it parses the command line, and makes its values that
 parse's defaults (config_namespace): a flag given on the command line wins over the file, the
 file over the flag's default. Every lesson's parser is one, so every lesson (its own flags
 included) takes --config.

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from lib import distributed, model_config
+from lib import distributed, model_config, sharding
 from lib.distributed import divide_ranks
 from lib.flags import number_arg
 
@@ -45,6 +45,13 @@ def add_flags(parser) -> None:
                         "number of ranks (dp = world_size / cp groups split the batch) and "
                         "--seq-length must be divisible by 2 x cp (default: the processes of one "
                         "node, torchrun's LOCAL_WORLD_SIZE)")  # fmt: skip
+
+
+def describe(args, cp: int, dp: int, world_size: int) -> tuple[str, dict]:
+    """train_cp.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
+    fsdp, plan = sharding.describe(args, world_size)
+    text = f"dp {dp} x cp {cp}, {args.seq_length // cp} tokens of each sequence per rank; {fsdp}"
+    return text, dict(plan, cp=cp)
 
 
 def check_flags(parser, args, world_size: int) -> tuple[int, int]:

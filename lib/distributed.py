@@ -78,7 +78,7 @@ def rendezvous_store() -> dist.Store:
         return dist.HashStore()
     store, _, _ = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    failure_store.append(dist.PrefixStore(f"attempt_{attempt}", store))  # (stopping.say_once)
+    failure_store.append(dist.PrefixStore(f"attempt_{attempt}", store))  # (exits.say_once)
     return failure_store[-1]
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lib import model_config
+from lib import model_config, sharding
 from lib.distributed import divide_ranks
 from lib.flags import number_arg
 from lib.moe import MoEFeedForward
@@ -50,6 +50,14 @@ def add_flags(parser) -> None:
     parser.add_argument("--ep", type=number_arg(int, 1), default=1, help="expert-parallel ranks "
                         "per group: each holds 1/ep of every layer's experts. It must divide the "
                         "number of ranks and --num-experts")  # fmt: skip
+
+
+def describe(args, dp: int, num_experts: int, world_size: int) -> tuple[str, dict]:
+    """train_ep.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
+    fsdp, plan = sharding.describe(args, world_size)
+    text = f"experts: {num_experts} per layer over the {args.ep} ranks of each EP group "
+    text += f"({num_experts // args.ep} each), {dp} groups; the experts' FSDP over {dp} ranks; "
+    return text + fsdp, dict(plan, ep=args.ep)
 
 
 def check_flags(args, world_size: int) -> int:

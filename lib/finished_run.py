@@ -166,9 +166,11 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
     if not wrong:
         missing = sorted(expected.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - expected.keys())
-        shapes = [f"{k} {tuple(state_dict[k].shape)} (wants {tuple(v.shape)})"
-                  for k, v in expected.items()
-                  if k in state_dict and getattr(state_dict[k], "shape", None) != v.shape]
+        shapes = [
+            f"{k} {tuple(state_dict[k].shape)} (wants {tuple(v.shape)})"
+            for k, v in expected.items()
+            if k in state_dict and getattr(state_dict[k], "shape", None) != v.shape
+        ]
         wrong = ([f"missing {', '.join(missing[:3])}"] * bool(missing)
                  + [f"unexpected {', '.join(unexpected[:3])}"] * bool(unexpected)
                  + shapes[:3])  # fmt: skip

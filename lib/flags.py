@@ -1,8 +1,8 @@
 """The command line every train_*.py shares, its checks, and the settings derived from it.
 
-    parser = cli.build_parser("Pretrain a Llama ...")      # the shared flags; a script adds its own
-    args = parser.parse_args()                             # never changed afterwards
-    run = cli.run_settings(parser, args, devices, device)  # checked; micro-batch, accumulation...
+    parser = flags.build_parser("Pretrain a Llama ...")  # the shared flags; a lesson adds its own
+    args = parser.parse_args()                           # never changed afterwards
+    settings = flags.run_settings(parser, args, devices, device)  # checked; micro-batch, ...
 
 Tools and tests drive the scripts by these flags' names: keep them stable. Every check runs
 before any data is read. Any flag can also come from `--config FILE` (lib/config_file.py).
@@ -41,7 +41,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag raises ValueError instead of printing and exiting at once:
-    stopping.run prints it once (on global rank 0, not once per process under torchrun) and
+    exits.run prints it once (on global rank 0, not once per process under torchrun) and
     exits with 2, as argparse would. Flags are never abbreviated (--mode is not --model)."""
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
@@ -213,7 +213,7 @@ def number_arg(kind=float, low=None, high=None, low_open: bool = False, high_ope
     excluded with low_open, high_open; None: no bound), else argparse.ArgumentTypeError, which
     argparse reports naming the flag: `argument --top-p: expected a number in (0, 1], got 'nan'`.
 
-        p.add_argument("--top-p", type=cli.number_arg(float, 0, 1, low_open=True))
+        p.add_argument("--top-p", type=flags.number_arg(float, 0, 1, low_open=True))
     """
 
     def show(bound) -> str:

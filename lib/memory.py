@@ -237,6 +237,7 @@ def all_to_all_bytes(
 
 UNITS = (("MB", 1e3), ("GB", 1.0), ("TB", 1e-3), ("PB", 1e-6), ("EB", 1e-9))
 
+
 def plan(
     num_params: int,
     world_size: int,

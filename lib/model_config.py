@@ -3,8 +3,8 @@ or --init-from's config.json and tokenizer; and the special tokens the flags nam
 where flags become a shape, for the train scripts, tools/bench.py, tools/memory_plan.py and
 tools/profile_step.py.
 
-    model_flags.add_shape_flags(group, cli.number_arg)     # --num-layers, --hidden-size, ...
-    preset, tokenizer, config = model_flags.model_source(args)  # checked: errors name the flags
+    model_config.add_shape_flags(group, flags.number_arg)     # --num-layers, --hidden-size, ...
+    preset, tokenizer, config = model_config.model_source(args)  # checked: errors name the flags
 """
 
 import os
@@ -127,7 +127,7 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
 
 def refuse_experts(parser, args, script: str) -> None:
     """parser.error (exit code 2) if this run's model is a mixture of experts, which `script`
-    cannot train (moe.NO_EXPERTS says why); called after cli.run_settings, before any work."""
+    cannot train (moe.NO_EXPERTS says why); called after flags.run_settings, before any work."""
     if experts := model_shape(args).num_local_experts:
         from lib.moe import cannot_train  # a mixture of experts: lib/moe.py
 

@@ -220,7 +220,7 @@ def router_figures(model: nn.Module, group=None) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------
-# The expert flags (model_flags.EXPERT_FLAGS), checked
+# The expert flags (model_config.EXPERT_FLAGS), checked
 
 
 def check_expert_flags(given: dict, config: dict) -> None:
@@ -245,7 +245,7 @@ def check_expert_flags(given: dict, config: dict) -> None:
 
 
 # The lessons that cannot train a mixture of experts (--num-experts, or an --init-from of one),
-# and why: model_flags.refuse_experts says so at flag-check time.
+# and why: model_config.refuse_experts says so at flag-check time.
 NO_EXPERTS = {
     "train_tp.py": "its plan splits the dense MLP's Linear layers (w1, w2, w3), which a mixture "
     "of experts replaces by a router and stacked experts",

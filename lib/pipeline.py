@@ -146,15 +146,17 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank:
     return (pp - 1) / (slots + pp - 1)
 
 
-def describe(args, pp: int, v: int, dp: int, microbatches: int, rows: int, num_layers: int) -> str:
-    """The pipeline at start-up: schedule, stages, layers per stage, micro-batches, the bubble."""
-    layers = [len(r) for r in split_layers(num_layers, pp * v)]
-    bubble = bubble_fraction(args.schedule, pp, microbatches, v)
+def describe(args, pp: int, v: int, dp: int, m: int, rows: int, config) -> tuple[str, dict]:
+    """The pipeline at start-up: schedule, stages, layers per stage, micro-batches, the bubble;
+    and --plan's layout."""
+    layers = [len(r) for r in split_layers(config.num_hidden_layers, pp * v)]
+    bubble = bubble_fraction(args.schedule, pp, m, v)
     formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
-    return (f"{args.schedule} schedule, {pp * v} stages on {pp} ranks ({v} per rank), layers per "
-            f"stage {layers}, m = {microbatches} micro-batches of {rows} sequences per pipeline, "
+    text = (f"{args.schedule} schedule, {pp * v} stages on {pp} ranks ({v} per rank), layers per "
+            f"stage {layers}, m = {m} micro-batches of {rows} sequences per pipeline, "
             f"{dp} data-parallel pipelines, tensor parallel {args.tp} inside each stage; bubble "
             f"{formula} = {bubble:.1%}")  # fmt: skip
+    return text, dict(tp=args.tp, pp=pp, schedule=args.schedule, stages_per_rank=v)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -188,9 +190,10 @@ class StageModel(nn.Module):
     states, or logits (B, T, vocab) on the last stage; the schedule's loss function takes them.
     """
 
-    def __init__(self, model: LlamaForPretraining, layer_ids: range, first: bool, last: bool,
-                 precision: str = "fp32"):  # fmt: skip
+    def __init__(self, model: LlamaForPretraining, index: int, layer_ids: range, first: bool,
+                 last: bool, precision: str = "fp32"):  # fmt: skip
         super().__init__()
+        self.index = index  # its place in the pipeline, 0 to pp x v - 1
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
@@ -237,7 +240,7 @@ def build_stages(
     if model.config.tie_word_embeddings and num_stages > 1:
         raise tied_embeddings_error(num_stages)
     return [
-        StageModel(model, layer_ranges[s], s == 0, s == num_stages - 1, precision)
+        StageModel(model, s, layer_ranges[s], s == 0, s == num_stages - 1, precision)
         for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
     ]
 
@@ -268,10 +271,11 @@ class RankModel(nn.Module):
 class PipelineLoss:
     """The last stage's loss for one micro-batch: summed cross-entropy x `self.scale`.
 
-    The schedule calls it as loss_fn(logits, targets) for every micro-batch. The loop sets
-    `scale` before each schedule run: training, dp / (targets in the global batch), the same
-    normalisation as every other script (see the loop), so the schedule must not rescale
-    (scale_grads=False); evaluation, 1: plain sums, added up and divided once. (An attribute
+    The schedule calls it as loss_fn(logits, targets) for every micro-batch (and, on torch's
+    own terms, when it infers the shapes of a backward: so count nothing here; the losses of a
+    run are the list it returns). The lesson sets `scale` before each schedule run: training,
+    dp / (targets in the global batch), the same normalisation as every other lesson, so the
+    schedule must not rescale (scale_grads=False); evaluation, 1: plain sums. (An attribute
     rather than the schedule's loss_kwargs, which torch 2.13 brought: the same on every torch.)
     """
 
@@ -290,7 +294,7 @@ class PipelineLoss:
 # Gradient clipping over the pipeline
 
 
-def clip_grad_norm_over_pipeline(parameters, max_norm: float, pp_group) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
     """clip_grad_norm_ for a model split over the pipeline: measure the whole model's norm.
 
     Each rank holds the gradients of its own stages only, so torch's clip_grad_norm_ would

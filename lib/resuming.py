@@ -10,7 +10,6 @@ import warnings
 import torch
 
 from data import corpus_digest, tokenizer_digest
-from lib.checkpoints import TrainingState
 from model import MOE_FIELDS, LlamaConfig
 
 # The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
@@ -29,7 +28,6 @@ ADDED_SINCE = {
     "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
     "streaming": False, "document_mask": False,
 }  # fmt: skip
-
 
 
 def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
@@ -105,7 +103,7 @@ def _normalised_spec(spec: str) -> str:
     return os.path.abspath(os.path.expanduser(spec))
 
 
-def restore_checkpoint(ckpt, state: TrainingState, args) -> tuple[int, list[dict] | None]:
+def restore_checkpoint(ckpt, state, args) -> tuple[int, list[dict] | None]:
     """Load a checkpoint's state into fresh objects (ValueError, changing nothing, for another
     run's); returns the step to go on from, and a stream's position in the data."""
     check_resumable(ckpt, state.config, args, state.tokenizer)

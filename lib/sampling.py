@@ -100,3 +100,16 @@ def generate_ids(
     )[0].tolist()  # T + generated  # fmt: skip
     cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
     return out, cut
+
+
+def print_sample(args, model, tokenizer) -> None:
+    """--sample-tokens' sample of a trained model, after "sample:": `prompt` and a continuation,
+    generate_text with seed 0, what `python -m tools.generate --seed 0 --prompt ...
+    --max-new-tokens ...` prints (on CPU too)."""
+    print(f"sample:\n{sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)}")
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """print_sample's text: the prompt and its continuation."""
+    with torch.compiler.set_stance("force_eager"):  # compiled layers: a compile per new shape
+        return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

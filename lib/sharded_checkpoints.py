@@ -263,6 +263,15 @@ def load_shards(
         print(f"resumed from {path} at step {train_state['step']}")
 
 
+def resume(path: str | None, state: TrainingState, args) -> tuple[int, list[dict] | None]:
+    """train_fsdp.py's resume, for the lessons after it: dcp.load into load_shards' tensors;
+    returns the (step, data position) to go on from ((0, None) without a checkpoint)."""
+    with load_shards(path, state, args) as (to_load, start):
+        if path:
+            dcp.load(to_load, **safe_load_options(path))
+    return start
+
+
 # -------------------------------------------------------------------------------------------------
 # The end of a run: model.pt from the last checkpoint
 
@@ -297,9 +306,9 @@ def finish_run(args, saves: ShardedSaves, device) -> None:
                   f"--prompt {shlex.quote(args.sample_prompt)}")  # fmt: skip
             return
         from lib.finished_run import load_model  # the whole model, in this one process
+        from lib.sampling import print_sample
 
-        model, _ = load_model(args.out_dir, device, torch.float32)
-        training.print_sample(args, model, state.tokenizer)
+        print_sample(args, load_model(args.out_dir, device, torch.float32)[0], state.tokenizer)
 
     from_rank0(write, dist.get_rank() == 0)
 
@@ -330,7 +339,6 @@ def save_tensor_by_tensor(config, read, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-
 
 
 # -------------------------------------------------------------------------------------------------

@@ -3,14 +3,28 @@ train_ep.py, and FSDP across groups in train_tp.py and train_pp.py): FSDP's flag
 start-up line that describes them.
 """
 
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 from lib.flags import number_arg
 
 
-def describe(args, world_size: int) -> str:
-    """How add_flags' lessons shard the model, for the start-up summary."""
+def hsdp_mesh(args, world_size: int, device) -> DeviceMesh | None:
+    """FSDP's mesh: None (plain FSDP over all ranks), or with --replicate R, HSDP's grid of R
+    rows of world_size / R ranks: each row (consecutive ranks, a node say) one shard group, the
+    rows replicas of each other's shards, all-reducing their gradients."""
+    if args.replicate == 1:
+        return None
+    dims = (args.replicate, world_size // args.replicate)
+    return init_device_mesh(device.type, dims, mesh_dim_names=("replicate", "shard"))
+
+
+def describe(args, world_size: int) -> tuple[str, dict]:
+    """How add_flags' lessons shard the model: the start-up summary's line, and --plan's layout
+    (TrainingLoop's `layout` and `plan`)."""
     shards = world_size // args.replicate
     hsdp = f"HSDP {args.replicate} x {shards} (replicas x shard group), " * (args.replicate > 1)
-    return f"{hsdp}FSDP ZeRO-{args.zero_stage} over {shards} ranks, cpu offload {args.cpu_offload}"
+    text = f"{hsdp}FSDP ZeRO-{args.zero_stage} over {shards} ranks, cpu offload {args.cpu_offload}"
+    return text, dict(replicate=args.replicate)
 
 
 def add_flags(parser) -> None:

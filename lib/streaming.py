@@ -67,7 +67,7 @@ class Stream:
 
 
 def check_flags(parser, args) -> None:
-    """parser.error for the flags that --streaming cannot go with (cli.run_settings asks)."""
+    """parser.error for the flags that --streaming cannot go with (flags.run_settings asks)."""
     if args.num_proc is not None:
         parser.error(
             "--num-proc tokenizes a corpus cached whole; --streaming tokenizes as it reads (the "

@@ -61,6 +61,13 @@ def add_flags(parser) -> None:
                         "rank (needs --tp 2 or more and a --seq-length divisible by --tp)")
 
 
+def describe(args, tp: int, dp: int) -> tuple[str, dict]:
+    """train_tp.py's grid: the start-up summary's line, and --plan's layout."""
+    text = f"dp {dp} x tp {tp} (tensor parallel {tp > 1}, sequence parallel "
+    text += f"{args.sequence_parallel}, FSDP {dp > 1})"
+    return text, dict(tp=tp, sequence_parallel=args.sequence_parallel)
+
+
 def check_flags(parser, args, world_size: int) -> tuple[int, int]:
     """(tp, dp) of train_tp.py's grid, its flags checked before any work (ValueError): --tp
     (default: the processes of one node) divides the ranks and the model's heads and hidden

@@ -110,15 +110,13 @@ def steps_per_epoch(train_ds, args) -> int | None:
 
 
 def step_batches(
-    args, settings, dataset, order_for_epoch: Callable[[int], list[int]], rows: int,
+    args, settings, dataset, epoch_order: Callable[[int], list[int]], rows: int,
     device: torch.device, start: tuple[int, list[dict] | None], shard: tuple[int, int] = (0, 1),
 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
-    """An iterator over the optimizer steps from start = (step, data position) on, each step's
-    settings.accumulation micro-batches of `rows` sequences. `order_for_epoch(epoch)` gives the
-    sample indices this process reads in that epoch: where single-process and distributed
-    training differ. The position in the data is a function of the step, so a resume at step s
-    reads what an uninterrupted run would. A stream (--streaming) is read by a
-    streaming.StreamingBatches instead: `shard` (dp rank, dp size), and its saved position."""
+    """The optimizer steps from start = (step, data position) on, each step's accumulation
+    micro-batches of `rows` sequences, in the sample order epoch_order(epoch) gives this process:
+    a function of the step, so a resume reads what an uninterrupted run would. A stream
+    (--streaming): streaming.StreamingBatches, with `shard` (dp rank, dp size) and its position."""
     start_step, data_position = start
     pin_memory = device.type == "cuda"  # copies to the GPU from pinned memory run asynchronously
     num_workers = args.num_workers
@@ -131,27 +129,26 @@ def step_batches(
         return streaming.StreamingBatches(dataset, rows, settings.accumulation, *shard,
                                           state=state, read_ahead=num_workers)  # fmt: skip
     return batches_from(
-        dataset, order_for_epoch, rows, settings.accumulation, steps_per_epoch(dataset, args),
+        dataset, epoch_order, rows, settings.accumulation, steps_per_epoch(dataset, args),
         start_step, num_workers, pin_memory,
     )  # fmt: skip
 
 
 def to_device(micro_batches: list, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """A step's micro-batches on the device, copied asynchronously (from pinned memory): the
-    loop then counts their targets there, since counting on the CPU and copying the count over
-    would make the CPU wait, every step, for the GPU to finish the step before."""
+    """A step's micro-batches on the device, copied asynchronously (from pinned memory): their
+    targets are counted there, where the count makes the CPU wait for no GPU work."""
     return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in micro_batches]
 
 
-def batches_from(dataset, order_for_epoch, micro_batch_size: int, accumulation: int,
+def batches_from(dataset, epoch_order, micro_batch_size: int, accumulation: int,
                  steps_per_epoch: int, start_step: int, num_workers: int = 0,
                  pin_memory: bool = False) -> Iterator[list]:  # fmt: skip
     """step_batches over a cached dataset: each step's `accumulation` micro-batches of
-    `micro_batch_size`, from `start_step` on, in the order order_for_epoch(epoch) gives."""
+    `micro_batch_size`, from `start_step` on, in the order epoch_order(epoch) gives."""
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     per_step = micro_batch_size * accumulation
     while True:
-        order = order_for_epoch(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
+        order = epoch_order(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
         loader = DataLoader(
             dataset, batch_size=micro_batch_size, sampler=order, num_workers=num_workers,
             pin_memory=pin_memory, drop_last=True, worker_init_fn=ignore_stop_signals,
@@ -168,10 +165,9 @@ _exit_hook_registered = False
 
 
 def _start_loader(loader: DataLoader) -> Iterator:
-    """iter(loader), whose workers end when this process does, however it ends: they ignore the
-    stop signals, and a run ended by an error still holds the loader at exit, when the
-    DataLoader's shutdown is off and multiprocessing's exit hook would wait for them forever. So
-    the first loader with workers registers _end_open_loaders, which atexit runs before it."""
+    """iter(loader), whose workers end with this process however it ends: they ignore the stop
+    signals, and at exit after an error (the DataLoader's shutdown off) multiprocessing would
+    wait for them forever, so atexit runs _end_open_loaders first."""
     global _exit_hook_registered
     batches = iter(loader)
     if loader.num_workers > 0:
@@ -206,9 +202,8 @@ def data_positions(batches) -> list[dict] | None:
 
 
 def build_model(args, preset: str | None, vocab_size: int):
-    """(model, config) to train: the settings' preset shaped by the flags, or --init-from's
-    architecture, built on the meta device: shapes, no storage. A lesson then gives it storage
-    (to_empty; a sharding lesson shards it first: its own part only) and values (init_weights)."""
+    """(model, config) to train, the preset shaped by the flags or --init-from's, on the meta
+    device: a lesson then gives it storage (to_empty; its part only) and values (init_weights)."""
     if getattr(args, "init_from", None) is not None:  # (the tools have no --init-from)
         config = model_config.model_shape(args)  # its config.json (checked with the flags)
     else:
@@ -220,13 +215,11 @@ def build_model(args, preset: str | None, vocab_size: int):
 
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, config, args, device) -> None:
-    """The initial values of a model built on the meta device and given storage (to_empty):
-    whole, sharded, or a pipeline stage (its parameter names are the whole model's). Each
-    parameter is drawn whole on `device`, one at a time, from a seed of its own
-    (model.initial_weight: --seed and its name), or read from --init-from's model.pt (mapped
-    from the file: only what is sliced is read), and this rank's slice of it kept. The weights
-    are one process's whatever the split, and the peak is this rank's part and the largest
-    parameter. The buffers too (model.reset_buffers)."""
+    """The initial values (and buffers) of a model built on the meta device and given storage:
+    whole, sharded, or a pipeline stage (named as the whole model). Each parameter is drawn whole
+    on `device` from a seed of its own (model.initial_weight: --seed and its name), or read from
+    --init-from's mapped model.pt, and this rank's slice kept: one process's weights whatever the
+    split, at a peak of this rank's part and the largest parameter."""
     reset_buffers(model, config)
     source = None
     if getattr(args, "init_from", None) is not None:
@@ -344,11 +337,12 @@ class ValidationShard:
     """This rank's share of the validation set (every `ranks`-th sample from `rank` on), in
     batches of `rows`, the same number on every rank (a sharded model's forward needs them all):
     the last batch topped up to `rows` rows, a shorter shard given batches of padding (targets
-    all IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline."""
+    all IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline. On
+    `device`."""
 
-    def __init__(self, val_set, rank: int, ranks: int, rows: int):
+    def __init__(self, val_set, rank: int, ranks: int, rows: int, device=None):
         self.shard = Subset(val_set, range(rank, len(val_set), ranks))
-        self.rows = rows
+        self.rows, self.device = rows, device or torch.device("cpu")
         self.num_batches = math.ceil(math.ceil(len(val_set) / ranks) / rows)  # rank 0's count
         self.seq_len = val_set[0][0].size(0) if len(val_set) else 1
 
@@ -356,38 +350,31 @@ class ValidationShard:
         return self.num_batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        done = 0
-        for x, y in DataLoader(self.shard, batch_size=self.rows):
-            missing = self.rows - x.size(0)
-            yield (
-                torch.cat([x, x.new_zeros((missing, x.size(1)))]),  # (rows, T)
-                torch.cat([y, y.new_full((missing, y.size(1)), IGNORE_INDEX)]),
-            )
-            done += 1
-        for _ in range(self.num_batches - done):  # a rank whose shard is shorter: all padding
-            shape = (self.rows, self.seq_len)
-            yield torch.zeros(shape, dtype=torch.long), torch.full(shape, IGNORE_INDEX)
+        batches, empty = iter(DataLoader(self.shard, batch_size=self.rows)), torch.zeros(0, 0)
+        for _ in range(self.num_batches):  # (a rank whose shard is shorter: batches of padding)
+            x, y = next(batches, (empty.long(), empty.long()))
+            shape = (self.rows - len(x), self.seq_len)  # the rows missing
+            x = torch.cat([x.view(-1, self.seq_len), torch.zeros(shape, dtype=torch.long)])
+            y = torch.cat([y.view(-1, self.seq_len), torch.full(shape, IGNORE_INDEX)])
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, settings, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, number of targets) over `loader`, tensors on `device`, in the run's
-    precision (settings: flags.RunSettings): sums, which ranks add up before dividing once, to
-    get one process's loss on the same data. attn_mask(x): the model's third argument
-    (attention_masks; train_cp.py's document ids)."""
-    precision = settings.precision
+def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
+    """The summed loss and the number of targets over `loader`, as one float64 tensor on `device`
+    (one all_reduce adds up the ranks' shares: divided once, one process's loss on the same
+    data), in the run's precision (settings: flags.RunSettings). attn_mask(x): the model's third
+    argument (attention_masks; train_cp.py's document ids)."""
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    num_tokens = torch.zeros((), device=device, dtype=torch.long)
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, precision):
-            batch_loss, batch_tokens = model(x, y, attn_mask(x))
-        loss_sum += batch_loss.float().sum()  # .sum(): DataParallel returns one per replica
-        num_tokens += batch_tokens.sum()
+    totals = torch.zeros(2, device=device, dtype=torch.float64)
+    for x, y in loader:  # (on the device)
+        with autocast(device, settings.precision):
+            loss_sum, targets = model(x, y, attn_mask(x))
+        # (.sum(): DataParallel's model returns one of each per replica)
+        totals += torch.stack([loss_sum.sum().double(), targets.sum().double()])
     model.train(was_training)
-    return loss_sum, num_tokens
+    return totals
 
 
 def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
@@ -395,6 +382,8 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
     (--plan, GPU) and a sample of the trained model (--sample-tokens)."""
     save_final_files(args, model, config, tokenizer, device)
     if args.sample_tokens:
+        from lib.sampling import print_sample  # at the end of a run
+
         print_sample(args, model.to(device), tokenizer)
 
 
@@ -411,18 +400,3 @@ def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> Non
     if args.plan and device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 1e9
         print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
-
-
-def print_sample(args, model, tokenizer) -> None:
-    """--sample-tokens' sample of the trained model, after "sample:" (sample_text)."""
-    text = sample_text(model, tokenizer, args.sample_prompt, args.sample_tokens)
-    print(f"sample:\n{text}")
-
-
-def sample_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """`prompt` and a continuation: generate_text with seed 0, what `python -m tools.generate
-    --seed 0 --prompt ... --max-new-tokens ...` prints on CPU too."""
-    with torch.compiler.set_stance("force_eager"):  # compiled layers: a compile per new shape
-        from lib.sampling import generate_text  # at the end of a run
-
-        return generate_text(model, tokenizer, prompt, max_new_tokens, seed=0)

@@ -30,7 +30,7 @@ LESSONS = [DP, DDP, ZERO1, "train_fsdp.py", "train_tp.py", "train_pp.py", "train
            "train_ep.py"]  # fmt: skip
 
 # The weights of two runs that split the same global batch differently (see the module docstring).
-ATOL, RTOL = 2e-5, 1e-4
+ATOL, RTOL = 1e-4, 1e-4
 # Logged losses are means over ~250 targets of the same batch: they agree far more closely
 # (measured: 9e-7 relative). The logged pre-clip gradient norm is checked too (measured: 6e-6),
 # because the weights cannot show a gradient that is off by a constant factor: clipping (the

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib import exits, sampling, training
+from lib import exits, sampling
 from lib.finished_run import load_model
 from lib.sampling import generate_ids, generate_text
 from tools import generate
@@ -192,7 +192,7 @@ def test_a_model_pt_or_config_json_that_is_not_one_is_refused_in_one_line(
 def test_the_training_scripts_sample_is_generate_text_with_seed_0(out_dir):
     model, tokenizer = load_model(str(out_dir))
     expected = generate_text(model, tokenizer, "def ", 20, seed=0)
-    assert training.sample_text(model, tokenizer, "def ", 20) == expected
+    assert sampling.sample_text(model, tokenizer, "def ", 20) == expected
 
 
 def test_the_sample_of_a_compiled_run_is_generated_eagerly(out_dir):
@@ -206,7 +206,7 @@ def test_the_sample_of_a_compiled_run_is_generated_eagerly(out_dir):
     expected = generate_text(model, tokenizer, "def ", 20, seed=0)
     for layer in model.layers:
         layer.compile(backend=refuse)
-    assert training.sample_text(model, tokenizer, "def ", 20) == expected
+    assert sampling.sample_text(model, tokenizer, "def ", 20) == expected
 
 
 # -------------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def test_a_package_init_holds_only_its_docstring(package):
 def test_importing_train_dp_or_generate_does_not_load_torch_dynamo():
     # torch._dynamo takes ~1.2 s to import: a run pays it at AdamW's first step (torch.optim
     # imports it) or at --compile, but not tools/generate.py, nor a refused flag, at import time
-    # (torch.compiler.set_stance, for one, imports it when called: training.sample_text).
+    # (torch.compiler.set_stance, for one, imports it when called: sampling.sample_text).
     probe = "import sys, train_dp, tools.generate; print('torch._dynamo' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=launch_env(),
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)  # fmt: skip

@@ -195,7 +195,7 @@ def test_a_moe_checkpoint_resumed_dense_is_refused_naming_the_field(launched, co
     run = launched(DP, 1).out
     ckpt = load_checkpoint(run, 4)
     tokenizer = data.load_tokenizer(str(run / "tokenizer.json"))
-    args, plan = build_args(corpus, cache_dir, data_mode="pad")
+    args, plan = build_args(corpus, cache_dir, data_mode="pad", seed=MOE["seed"])
     _, config = training.build_model(args, plan.model, tokenizer.get_vocab_size())
     with pytest.raises(ValueError, match=re.escape(f"config num_local_experts {E} (now 0); ")):
         resuming.check_resumable(ckpt, config, args, tokenizer)
