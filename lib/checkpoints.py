@@ -12,7 +12,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -25,48 +24,8 @@ import torch
 from data import corpus_digest, tokenizer_digest
 from lib.distributed import world_size_from_env
 from lib.exits import TrainingError
+from lib.files import TEMP_RE, atomic_save, atomic_write_text, list_checkpoints, load_checkpoint
 from model import LlamaConfig
-
-# -------------------------------------------------------------------------------------------------
-# Every file is written atomically: to a temporary name beside it, flushed to disk, then renamed
-# over it (os.replace is atomic on POSIX): a kill leaves the old file or the new, never half.
-
-CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
-# train_fsdp.py's (and train_tp.py's, train_pp.py's): a DCP directory per step, step_0000100/
-CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
-TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
-
-
-def atomic_save(obj, path: str, write=torch.save) -> None:
-    """write(obj, f) into a temporary file beside `path`, flushed to disk, renamed over `path`."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except Exception as e:
-        # A full disk, say: remove the partial file (its space is needed); `path` is untouched.
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
-            # torch.save's zip writer wraps a failed write in a RuntimeError: raise the OSError
-            raise e.__context__ from e
-        raise
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    atomic_save(text.encode(), path, lambda data, f: f.write(data))
-
-
-def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
-    """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
-    whole, its first group the step."""
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
-    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
-    found = [(int(m.group(1)), name) for name in names if (m := pattern.fullmatch(name))]
-    return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
 
 
 @dataclasses.dataclass
@@ -107,17 +66,6 @@ def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -
     return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it are "
                          f"intact: if the disk is full, make room, then run the same command "
                          f"again to resume")  # fmt: skip
-
-
-def load_checkpoint(path: str) -> dict:
-    """Load a checkpoint file; ValueError (with the reason) if it cannot be read."""
-    try:
-        # weights_only=True: unpickling may only rebuild tensors and plain containers, never run
-        # code, so a checkpoint from someone else cannot execute anything on this machine.
-        # mmap=True: tensors are paged in from the file as they are used, not read up front.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
 
 
 # -------------------------------------------------------------------------------------------------
@@ -251,102 +199,24 @@ def make_out_dir(args) -> None:
                     os.remove(os.path.join(folder, name))
 
 
-def resume_never_error(out_dir: str) -> ValueError:
-    return ValueError(f"--resume never, but {out_dir} has checkpoints (nothing was overwritten): "
-                      f"--resume auto goes on, or choose another --out-dir")  # fmt: skip
-
-
-def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
-    """The newest of `paths` (oldest first) whose state file loads: an unreadable newest one (a
-    disk error, say) must not cost the run: say so, and fall back to the one before."""
-    for path in reversed(paths):
-        try:
-            load_checkpoint(state_file(path))
-            return path
-        except ValueError as e:
-            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
-    if paths:  # starting over would prune them: they may be readable again (a disk, a mount)
-        raise ValueError(f"none of the {len(paths)} checkpoints in {os.path.dirname(paths[0])} "
-                         f"can be read; move them aside to start at step 0")  # fmt: skip
-    return None
-
-
-def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
-    """ValueError if --out-dir holds the other kind of checkpoint than this script's (.pt files
-    or DCP directories), which it could neither resume nor start beside without replacing."""
-    if sharded:
-        pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
-    else:
-        pattern = CHECKPOINT_DIR_RE
-        writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py (directories)"
-    if list_checkpoints(out_dir, pattern):
-        raise ValueError(f"{out_dir} holds checkpoints of {writers}, which "
-                         f"{os.path.basename(sys.argv[0])} can neither resume nor write beside; "
-                         f"choose another --out-dir (a finished run's out-dir starts any script "
-                         f"with --init-from)")  # fmt: skip
-
-
-def start_from(out_dir: str, resume: str | None) -> str | None:
-    """resume, once its metrics.jsonl is read (ValueError now if it cannot be). At step 0 instead,
-    a previous run's (killed before its first checkpoint) moves aside to metrics.jsonl.1 (.2...)."""
-    if resume is not None:
-        read_metrics(os.path.join(out_dir, "metrics.jsonl"))
-        return resume
-    found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
-    if not found:
-        return
-    note = f"note: {out_dir} has {' and '.join(found)} but no checkpoint: starting at step 0"
-    if "metrics.jsonl" in found:
-        metrics = os.path.join(out_dir, "metrics.jsonl")
-        n = 1
-        while os.path.exists(f"{metrics}.{n}"):
-            n += 1
-        os.replace(metrics, f"{metrics}.{n}")
-        note += f"; its metrics.jsonl is now metrics.jsonl.{n}"
-    if "model.pt" in found:
-        note += "; model.pt will be replaced when this run ends"
-    print(note)
-    return None
-
-
 def prepare_out_dir(args) -> str | None:
-    """make_out_dir, then choose the checkpoint to resume from (None: start fresh)."""
+    """make_out_dir, then the checkpoint to resume from (None: start fresh), which
+    lib/resuming.py chooses where an earlier run left anything (imported only then)."""
     if args.resume not in ("never", "auto") and not os.path.isfile(args.resume):
         raise ValueError(f"--resume: no checkpoint file at {args.resume}")
     make_out_dir(args)
-    if args.resume == "never":
-        if list_checkpoints(args.out_dir):
-            raise resume_never_error(args.out_dir)
-        resume = None
-    elif args.resume != "auto":
-        load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
-        resume = args.resume
-    else:
-        resume = newest_readable(list_checkpoints(args.out_dir))
-    refuse_other_checkpoints(args.out_dir, sharded=False)
-    return start_from(args.out_dir, resume)
+    if args.resume in ("never", "auto") and not earlier_run(args.out_dir):
+        return None
+    from lib.resuming import choose_checkpoint
+
+    return choose_checkpoint(args)
 
 
-def read_metrics(path: str) -> list[dict]:
-    """metrics.jsonl's records ([] if none); ValueError for a line of JSON that is not a step's
-    record, or a file that cannot be read."""
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the torn last line of a killed run
-                if not isinstance(record, dict) or type(record.get("step")) is not int:
-                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
-                                     f"): correct or delete that line")  # fmt: skip
-                records.append(record)
-    except FileNotFoundError:
-        return []
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    return records
+def earlier_run(out_dir: str) -> bool:
+    """Whether an earlier run left checkpoints, metrics.jsonl or model.pt in --out-dir."""
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    return any(os.path.exists(os.path.join(out_dir, n)) for n in ("metrics.jsonl", "model.pt")) or (
+        os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir)))
 
 
 def record_run(args, settings, start_step: int) -> None:

@@ -67,6 +67,9 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         code = 128 + signal.SIGINT
     except SystemExit:
         raise  # argparse's usage errors (exit code 2), ...
+    except BrokenPipeError:  # whatever read the output stopped (`| head`): as SIGPIPE would end it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's own flush)
+        code = 128 + signal.SIGPIPE
     except BaseException as e:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
         # Caught rather than left to the interpreter, so that under torchrun this process too
         # ends with end_process. Out of memory is no bug: one line, with what to change.

@@ -16,6 +16,7 @@ import zipfile
 import torch
 
 from data import DocumentTokenizer, load_tokenizer
+from lib.files import CHECKPOINT_DIR_RE, list_checkpoints
 from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # checkpoints.save_final's
@@ -80,15 +81,23 @@ def load_config(out_dir: str) -> LlamaConfig:
         raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
 
 
+def unfinished(out_dir: str, missing: list[str]) -> str | None:
+    """The message for a run's out-dir whose run has not finished (checkpoints, no model.pt)."""
+    if not (list_checkpoints(out_dir) or list_checkpoints(out_dir, CHECKPOINT_DIR_RE)):
+        return None
+    return (f"{out_dir} holds a run that has not finished: checkpoints, but no "
+            f"{', '.join(missing)}, which a run writes at its end. Run its training command again "
+            f"to resume and finish it (its args.jsonl has the command)")  # fmt: skip
+
+
 def init_from_config(init_from: str) -> LlamaConfig:
     """--init-from's architecture, its config.json; ValueError unless it is a finished run's."""
     missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(init_from, n))]
     if missing:
-        raise ValueError(
+        raise ValueError(unfinished(init_from, missing) or (
             f"--init-from {init_from}: no {', '.join(missing)} there; point it at the "
             f"--out-dir of a finished run (or of `python -m tools.export_hf --from-hf HF_DIR "
-            f"OUT_DIR`)"
-        )
+            f"OUT_DIR`)"))  # fmt: skip
     return load_config(init_from)
 
 
@@ -129,11 +138,10 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
         raise ValueError(f"{out_dir} is not a directory: give a training run's --out-dir")
     missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
     if missing:
-        raise ValueError(
+        raise ValueError(unfinished(out_dir, missing) or (
             f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
             f"config.json and tokenizer.json at the end of its run (or run "
-            f"`python -m tools.export_hf --from-hf HF_DIR {out_dir}`)"
-        )
+            f"`python -m tools.export_hf --from-hf HF_DIR {out_dir}`)"))  # fmt: skip
     config = load_config(out_dir)
     config_path = os.path.join(out_dir, "config.json")
     tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))

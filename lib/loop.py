@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from lib.checkpoints import TrainingState, record_run
 from lib.exits import STOP_SIGNALS, Stopped, TrainingError
+from lib.files import CHECKPOINT_DIR_RE, list_checkpoints
 from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
 from lib.metrics import Metrics, Throughput, bar_postfix, build_memory, router_figures
 
@@ -158,10 +159,13 @@ class NonFiniteGuard:
 
     def check(self, out_dir: str) -> None:
         if step := int(self.first_bad_step):
+            saved = list_checkpoints(out_dir) + list_checkpoints(out_dir, CHECKPOINT_DIR_RE)
+            kept = (f"the checkpoints in {out_dir} are the last good ones" if saved else
+                    "no checkpoint had been saved yet")  # fmt: skip
             raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
-                                f"stopped before saving anything from that state (the checkpoints "
-                                f"in {out_dir} are the last good ones). Try a lower --lr, "
-                                "--grad-clip, or --skip-nonfinite to skip such steps.")  # fmt: skip
+                                f"stopped before saving anything from that state ({kept}). Try "
+                                f"a lower --lr, --grad-clip, or --skip-nonfinite to skip such "
+                                f"steps.")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ where each comes from and what it leaves out. `python -m tools.memory_plan` is t
 
 import math
 
+import torch
+
 from lib.pipeline import bubble_fraction, split_layers
 from lib.tensor_parallel import check_tensor_parallel
-from model import LlamaConfig, count_active_parameters, count_parameters
+from model import LlamaConfig, LlamaForPretraining, count_active_parameters, count_parameters
 
 # Bytes per parameter of (weights, gradients, optimizer state) for each --precision.
 BYTES_PER_PARAM = {
@@ -410,8 +412,17 @@ def plan(
         "seq_length": seq_length if config else None,
         "attention": attention if config else None,
         "gpu_memory_gb": gpu_memory_gb,
+        # At build, a rank draws each parameter whole before keeping its part (the lessons'
+        # init_weights): its params column, plus the largest parameter, for an instant.
+        "largest_param_gb": largest_parameter(config) * 4 / GB if config else None,
         "strategies": strategies,
     }
+
+
+def largest_parameter(config: LlamaConfig) -> int:
+    """The element count of the model's largest parameter (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return max(p.numel() for p in LlamaForPretraining(config).parameters())
 
 
 def format_plan(p: dict) -> str:
@@ -497,6 +508,10 @@ def format_plan(p: dict) -> str:
         else:
             lines.append(f"fits in {budget}: {', '.join(fits) or 'none'}; with activation "
                          f"checkpointing: {', '.join(fits_ac) or 'none'}")  # fmt: skip
+    if p["largest_param_gb"] is not None:
+        lines.append(f"at build (on the meta device, then one parameter at a time): each GPU holds "
+                     f"its params, and the largest parameter whole for an instant "
+                     f"({gb(p['largest_param_gb'])} {unit})")  # fmt: skip
     lines.append("(estimates: leave 1-3 GB for the CUDA context and fragmentation)")
     return "\n".join(lines)
 

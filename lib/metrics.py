@@ -11,7 +11,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from lib.checkpoints import atomic_write_text, read_metrics
+from lib.files import atomic_write_text
 from model import LlamaConfig, count_active_parameters
 
 
@@ -87,6 +87,28 @@ class Throughput:
         }  # fmt: skip
         self.restart()
         return figures
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl's records ([] if none); ValueError for a line of JSON that is not a step's
+    record, or a file that cannot be read."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the torn last line of a killed run
+                if not isinstance(record, dict) or type(record.get("step")) is not int:
+                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
+                                     f"): correct or delete that line")  # fmt: skip
+                records.append(record)
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    return records
 
 
 def router_figures(model: torch.nn.Module, group=None) -> dict:

@@ -5,11 +5,14 @@ its state restored: the model, the optimizer, the schedule, the grad scaler and 
 """
 
 import os
+import sys
 import warnings
 
 import torch
 
 from data import corpus_digest, tokenizer_digest
+from lib.files import CHECKPOINT_DIR_RE, CHECKPOINT_RE, list_checkpoints, load_checkpoint
+from lib.metrics import read_metrics
 from model import MOE_FIELDS, LlamaConfig
 
 # The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
@@ -133,3 +136,81 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -------------------------------------------------------------------------------------------------
+# Which checkpoint a run resumes from (an out-dir where an earlier run left anything)
+
+
+def resume_never_error(out_dir: str) -> ValueError:
+    return ValueError(f"--resume never, but {out_dir} has checkpoints (nothing was overwritten): "
+                      f"--resume auto goes on, or choose another --out-dir")  # fmt: skip
+
+
+def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
+    """The newest of `paths` (oldest first) whose state file loads: an unreadable newest one (a
+    disk error, say) must not cost the run: say so, and fall back to the one before."""
+    for path in reversed(paths):
+        try:
+            load_checkpoint(state_file(path))
+            return path
+        except ValueError as e:
+            print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
+    if paths:  # starting over would prune them: they may be readable again (a disk, a mount)
+        raise ValueError(f"none of the {len(paths)} checkpoints in {os.path.dirname(paths[0])} "
+                         f"can be read; move them aside to start at step 0")  # fmt: skip
+    return None
+
+
+def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
+    """ValueError if --out-dir holds the other kind of checkpoint than this script's (.pt files
+    or DCP directories), which it could neither resume nor start beside without replacing."""
+    if sharded:
+        pattern, writers = CHECKPOINT_RE, "train_dp.py/train_ddp.py/train_zero1.py (.pt files)"
+    else:
+        pattern = CHECKPOINT_DIR_RE
+        writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py (directories)"
+    if list_checkpoints(out_dir, pattern):
+        raise ValueError(f"{out_dir} holds checkpoints of {writers}, which "
+                         f"{os.path.basename(sys.argv[0])} can neither resume nor write beside; "
+                         f"choose another --out-dir (a finished run's out-dir starts any script "
+                         f"with --init-from)")  # fmt: skip
+
+
+def start_from(out_dir: str, resume: str | None) -> str | None:
+    """resume, once its metrics.jsonl is read (ValueError now if it cannot be). At step 0 instead,
+    a previous run's (killed before its first checkpoint) moves aside to metrics.jsonl.1 (.2...)."""
+    if resume is not None:
+        read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+        return resume
+    found = [n for n in ("metrics.jsonl", "model.pt") if os.path.isfile(os.path.join(out_dir, n))]
+    if not found:
+        return
+    note = f"note: {out_dir} has {' and '.join(found)} but no checkpoint: starting at step 0"
+    if "metrics.jsonl" in found:
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        n = 1
+        while os.path.exists(f"{metrics}.{n}"):
+            n += 1
+        os.replace(metrics, f"{metrics}.{n}")
+        note += f"; its metrics.jsonl is now metrics.jsonl.{n}"
+    if "model.pt" in found:
+        note += "; model.pt will be replaced when this run ends"
+    print(note)
+    return None
+
+
+def choose_checkpoint(args) -> str | None:
+    """checkpoints.prepare_out_dir's choice, in an out-dir where an earlier run left anything:
+    the .pt checkpoint to resume from (None: start fresh)."""
+    if args.resume == "never":
+        if list_checkpoints(args.out_dir):
+            raise resume_never_error(args.out_dir)
+        resume = None
+    elif args.resume != "auto":
+        load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
+        resume = args.resume
+    else:
+        resume = newest_readable(list_checkpoints(args.out_dir))
+    refuse_other_checkpoints(args.out_dir, sharded=False)
+    return start_from(args.out_dir, resume)

@@ -42,21 +42,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from data import tokenizer_digest
 from lib import training
-from lib.checkpoints import (
-    CHECKPOINT_DIR_RE,
-    TrainingState,
-    atomic_save,
-    list_checkpoints,
-    load_checkpoint,
-    make_out_dir,
+from lib.checkpoints import TrainingState, make_out_dir, rng_state, save_failed
+from lib.distributed import from_rank0
+from lib.files import CHECKPOINT_DIR_RE, atomic_save, list_checkpoints, load_checkpoint
+from lib.resuming import (
     newest_readable,
     refuse_other_checkpoints,
     resume_never_error,
-    rng_state,
-    save_failed,
     start_from,
 )
-from lib.distributed import from_rank0
 from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
@@ -76,9 +70,13 @@ def prepare_out_dir(args, script: str | None = None) -> str | None:
     the same directories).
     """
     script = script or os.path.basename(sys.argv[0])
+    # (checked before the out-dir is made: a refused run leaves none behind)
+    if args.resume not in ("never", "auto") and os.path.basename(args.resume) == TRAIN_STATE:
+        raise ValueError(f"--resume names a checkpoint by its directory: --resume "
+                         f"{os.path.dirname(args.resume) or '.'}")  # fmt: skip
     if args.resume not in ("never", "auto") and not os.path.isfile(
         os.path.join(args.resume, TRAIN_STATE)
-    ):  # (checked before the out-dir is made: a refused run leaves none behind)
+    ):
         raise ValueError(
             f"--resume: {args.resume} is not a {script} checkpoint directory (the .pt "
             f"checkpoints of train_dp.py/train_ddp.py/train_zero1.py do not resume here)"

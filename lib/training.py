@@ -23,9 +23,10 @@ from torch.utils.data import DataLoader, Subset
 
 import data
 from lib import model_config
-from lib.checkpoints import TEMP_RE, save_failed, save_final
+from lib.checkpoints import save_failed, save_final
 from lib.distributed import main_process_first
 from lib.exits import ignore_stop_signals
+from lib.files import TEMP_RE
 from model import (
     IGNORE_INDEX,
     LlamaConfig,

@@ -151,6 +151,32 @@ def test_from_hf_refuses_configs_our_model_cannot_represent(exported, change):
         export_hf.config_from_hf(config)
 
 
+def test_a_big_export_is_written_in_files_of_at_most_shard_bytes(make_out_dir, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
+    # One file's tensors in memory at a time: the export of a 70b run holds 2 GB, not 280.
+    out, hf_dir = make_out_dir(), tmp_path / "hf"
+    weights = torch.load(out / "model.pt", weights_only=True).values()
+    limit = sum(t.numel() * t.element_size() for t in weights) // 4  # ~4 files or more
+    monkeypatch.setattr(export_hf, "SHARD_BYTES", limit)
+    export_hf.export(str(out), str(hf_dir))
+    files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                        for i in range(1, len(files) + 1)]  # fmt: skip
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    tensors, total = {}, 0
+    for file in files:
+        held = load_file(hf_dir / file)
+        size = sum(t.numel() * t.element_size() for t in held.values())
+        assert size <= limit or len(held) == 1, (file, size)
+        assert all(index["weight_map"][name] == file for name in held)
+        tensors, total = tensors | held, total + size
+    assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == total
+    export_hf.import_hf(str(hf_dir), str(tmp_path / "back"))
+    original = torch.load(out / "model.pt", weights_only=True)
+    back = torch.load(tmp_path / "back" / "model.pt", weights_only=True)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
+
+
 # -------------------------------------------------------------------------------------------------
 # With transformers installed: the export is a real Llama
 

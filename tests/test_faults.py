@@ -43,7 +43,7 @@ from harness import (
     watch_run,
 )
 
-from lib import checkpoints, loop
+from lib import files, loop
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}
@@ -187,9 +187,9 @@ def test_a_text_file_that_cannot_be_written_keeps_the_old_one_and_leaves_no_temp
     tmp_path, monkeypatch
 ):
     # metrics.jsonl cut back on a resume, args.jsonl, config.json, tokenizer.json: written as
-    # a checkpoint is (checkpoints.atomic_write_text), in UTF-8 whatever the locale says.
+    # a checkpoint is (files.atomic_write_text), in UTF-8 whatever the locale says.
     path = tmp_path / "tokenizer.json"
-    checkpoints.atomic_write_text(str(path), '{"vocab": {"é": 0, "€": 1}}\n')
+    files.atomic_write_text(str(path), '{"vocab": {"é": 0, "€": 1}}\n')
     assert path.read_bytes().decode("utf-8") == '{"vocab": {"é": 0, "€": 1}}\n'
 
     def disk_full(fd):
@@ -197,7 +197,7 @@ def test_a_text_file_that_cannot_be_written_keeps_the_old_one_and_leaves_no_temp
 
     monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        checkpoints.atomic_write_text(str(path), "new\n")
+        files.atomic_write_text(str(path), "new\n")
     assert path.read_bytes().decode("utf-8") == '{"vocab": {"é": 0, "€": 1}}\n'
     assert os.listdir(tmp_path) == ["tokenizer.json"]  # the partial file removed
 

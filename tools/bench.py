@@ -50,7 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lib import checkpoints, distributed, exits, flags, metrics, model_config, training
+from lib import distributed, exits, files, flags, metrics, model_config, training
 from lib.replica import Replica
 from model import IGNORE_INDEX, count_parameters
 from tools import bench_loader
@@ -504,7 +504,7 @@ def main():
         print(format_report(report))
         if args.json:
             try:
-                checkpoints.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
+                files.atomic_write_text(args.json, json.dumps(report, indent=2) + "\n")
             except OSError as e:  # the table above is out already
                 raise output_failed("--json", args.json, e) from e
     dist.barrier()

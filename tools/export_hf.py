@@ -35,6 +35,7 @@ with the new ones; it is written under a temporary name beside DST and renamed a
 """
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -46,9 +47,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from data import load_tokenizer
-from lib import checkpoints, exits, flags, model_config
-from lib.finished_run import check_config_values, is_number, load_model
-from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining, count_parameters
+from lib import checkpoints, exits, files, flags, model_config
+from lib.finished_run import check_config_values, is_number, open_weights
+from lib.sharded_checkpoints import save_tensor_by_tensor
+from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
 # Names and config
@@ -67,6 +69,9 @@ LAYER_NAMES = {
     "feed_forward.gate": "block_sparse_moe.gate",  # a mixture of experts' router (Mixtral)
 }
 TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+# The export's safetensors files hold at most this many bytes each (transformers' own default
+# is 5 GB): what the export holds in memory at once, whatever the model's size.
+SHARD_BYTES = 2 * 10**9
 
 
 def to_hf_name(name: str) -> str:
@@ -240,7 +245,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 
 
 def write_json(path: str, obj: dict) -> None:
-    checkpoints.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+    files.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 @contextlib.contextmanager
@@ -302,22 +307,11 @@ def export(out_dir: str, hf_dir: str) -> str:
 
 
 def write_export(out_dir: str, hf_dir: str) -> str:
-    model, tokenizer = load_model(out_dir, "cpu", torch.float32)
-    config = model.config
-    state_dict = model.state_dict()
+    state_dict, config, tokenizer = open_weights(out_dir)  # mapped: read a tensor at a time
     if config.tie_word_embeddings:
         # One matrix, two names; HF stores it once, as embed_tokens, and ties it on load.
         del state_dict["lm_head.weight"]
-    tensors = dict(pair for name, t in state_dict.items() for pair in to_hf_tensors(name, t))
-    path = os.path.join(hf_dir, "model.safetensors")
-    try:
-        save_file(tensors, path, metadata={"format": "pt"})
-    except SafetensorError as e:  # its I/O errors (a full disk) are not OSErrors
-        raise OSError(str(e)) from e
-    umask = os.umask(0)
-    os.umask(umask)
-    with contextlib.suppress(OSError):  # (a filesystem without modes: as safetensors left it)
-        os.chmod(path, 0o666 & ~umask)  # safetensors writes it private (0600); others may read it
+    write_safetensors(state_dict, hf_dir)
     write_json(os.path.join(hf_dir, "config.json"), hf_config(config, tokenizer))
 
     # Every training document starts with BOT: a post-processor makes HF's tokenizer add it, as
@@ -330,7 +324,7 @@ def write_export(out_dir: str, hf_dir: str) -> str:
     hf_tokenizer.post_processor = TemplateProcessing(
         single=f"{bot} $A", pair=f"{bot} $A {bot} $B", special_tokens=[(bot, tokenizer.bot_id)]
     )
-    checkpoints.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), hf_tokenizer.to_str())
+    files.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), hf_tokenizer.to_str())
     special = tokenizer.config()  # bos_token, eos_token, pad_token
     write_json(os.path.join(hf_dir, "special_tokens_map.json"), special)
     write_json(
@@ -346,6 +340,39 @@ def write_export(out_dir: str, hf_dir: str) -> str:
         },
     )
     return hf_config(config, tokenizer)["architectures"][0]
+
+
+def write_safetensors(state_dict: dict, hf_dir: str) -> None:
+    """The HF tensors of state_dict (mapped from model.pt) into model.safetensors, or, past
+    SHARD_BYTES, into model-0000i-of-0000n.safetensors files with the index transformers reads:
+    one file's tensors in memory at a time, however big the model."""
+    sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
+    shards, size = [[]], 0
+    for name in state_dict:
+        if shards[-1] and size + sizes[name] > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    umask = os.umask(0)
+    os.umask(umask)
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        file = "model.safetensors" if len(shards) == 1 else (
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors")  # fmt: skip
+        tensors = dict(pair for name in names for pair in to_hf_tensors(name, state_dict[name]))
+        path = os.path.join(hf_dir, file)
+        try:
+            save_file(tensors, path, metadata={"format": "pt"})
+        except SafetensorError as e:  # its I/O errors (a full disk) are not OSErrors
+            raise OSError(str(e)) from e
+        weight_map |= dict.fromkeys(tensors, file)
+        del tensors  # (the next file's come from the mapped model.pt)
+        with contextlib.suppress(OSError):  # (a filesystem without modes: as safetensors left it)
+            os.chmod(path, 0o666 & ~umask)  # safetensors writes it private (0600): others may read
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        write_json(os.path.join(hf_dir, "model.safetensors.index.json"), index)
 
 
 def read_json(path: str):
@@ -381,21 +408,16 @@ def import_hf(hf_dir: str, out_dir: str, specials: dict[str, str | None] | None 
                 f"{hf_dir}'s tokenizer has {tokenizer.get_vocab_size()} tokens, its model only "
                 f"{config.vocab_size}"
             )
-        try:
-            model = LlamaForPretraining(config)
-        except (RuntimeError, MemoryError) as e:  # a size too large for this machine's memory
-            raise ValueError(
-                f"{config_path} describes a model of {count_parameters(config):,} parameters, "
-                f"which cannot be built here ({str(e).strip().splitlines()[0] if str(e) else e!r})"
-            ) from None
-        load_hf_weights(model, hf_dir)
-        checkpoints.save_final(tmp, model, config, tokenizer)
+        read = hf_reader(config, hf_dir)  # (every name and shape checked first)
+        write = functools.partial(save_tensor_by_tensor, config, read)
+        checkpoints.save_final(tmp, write, config, tokenizer)
 
 
-def load_hf_weights(model: LlamaForPretraining, hf_dir: str) -> None:
-    """Copy the tensors of hf_dir's safetensors file(s) into the model, one at a time (in fp32:
-    training keeps master weights in fp32), so that memory holds the model and one tensor more,
-    never a second copy of the whole model. ValueError naming what does not fit."""
+def hf_reader(config: LlamaConfig, hf_dir: str):
+    """read(name, meta) -> our tensor `name` in fp32 (training keeps master weights in fp32),
+    from hf_dir's safetensors file(s): what save_tensor_by_tensor writes model.pt from, one
+    tensor at a time, never the whole model. Every tensor's name and shape is checked against
+    the config first, from the files' headers alone (ValueError naming what does not fit)."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):  # sharded: the index maps each tensor to its file
         weight_map = read_json(index)
@@ -411,13 +433,15 @@ def load_hf_weights(model: LlamaForPretraining, hf_dir: str) -> None:
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{hf_dir} has no model.safetensors (nor model.safetensors.index.json)")
-    params = model.state_dict(keep_vars=True)
+    with torch.device("meta"):
+        params = LlamaForPretraining(config).state_dict()
     # What must be loaded: every tensor, and of a mixture of experts' stacked weights (E, ...)
     # each expert's row (a Mixtral file holds one matrix per expert): (name, expert or None).
     expected = {
         (name, e) for name, p in params.items()
         for e in (range(p.size(0)) if OUR_EXPERTS.fullmatch(name) else [None])
     }  # fmt: skip
+    sources: dict[str, list[tuple[str, str]]] = {}  # our name -> the (file, HF name)s it needs
     loaded = set()
     for file in files:
         try:
@@ -425,32 +449,52 @@ def load_hf_weights(model: LlamaForPretraining, hf_dir: str) -> None:
                 for hf_name in f.keys():
                     if hf_name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's
                         continue
-                    tensor = f.get_tensor(hf_name)
-                    for name, expert, values in from_hf_tensors(hf_name, tensor):
-                        if (name, expert) not in expected:
-                            what = "" if expert is None else f" (expert {expert})"
-                            raise ValueError(
-                                f"{hf_dir}: {file} holds {hf_name}{what}, which a model of its "
-                                f"config.json ({describe(model.config)}) does not have"
-                            )
-                        param = params[name]  # (E, ...) for an expert's row, else whole
-                        if values.shape != (param.shape if expert is None else param.shape[1:]):
-                            fits = "" if expert is None else f" (experts, ...) of {name}"
-                            raise ValueError(
-                                f"{hf_dir}: {hf_name} has shape {tuple(tensor.shape)}, but its "
-                                f"config.json makes it{fits} {tuple(param.shape)}"
-                            )
-                        with torch.no_grad():
-                            (param if expert is None else param[expert]).copy_(values)
+                    shape = f.get_slice(hf_name).get_shape()  # the header's: no data read
+                    meta = torch.empty(shape, device="meta")
+                    for name, expert, values in from_hf_tensors(hf_name, meta):
+                        check_hf_tensor(hf_dir, file, hf_name, shape, name, expert, values,
+                                        params, expected, config)  # fmt: skip
+                        sources.setdefault(name, []).append((file, hf_name))
                         loaded.add((name, expert))
         except (OSError, SafetensorError) as e:  # a shard missing, unreadable or not one
             raise ValueError(f"{hf_dir}: cannot read {file} as safetensors ({e})") from e
-    if model.config.tie_word_embeddings and ("tok_embeddings.weight", None) in loaded:
-        loaded.add(("lm_head.weight", None))  # the same matrix as the embedding
+    if config.tie_word_embeddings and ("tok_embeddings.weight", None) in loaded:
+        loaded.add(("lm_head.weight", None))  # the same matrix as the embedding (read's `tied`)
     if missing := sorted(expected - loaded, key=str):
         name, expert = missing[0]
         example = name if expert is None else f"{name} (expert {expert})"
         raise ValueError(f"{hf_dir} lacks {len(missing)} tensors of its config, e.g. {example}")
+
+    tied = {"lm_head.weight": "tok_embeddings.weight"} if config.tie_word_embeddings else {}
+
+    def read(name: str, meta: torch.Tensor) -> torch.Tensor:
+        value, name = torch.empty(meta.shape, dtype=torch.float32), tied.get(name, name)
+        for file, hf_name in dict.fromkeys(sources[name]):  # (a fused one: once)
+            with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
+                for ours, expert, values in from_hf_tensors(hf_name, f.get_tensor(hf_name)):
+                    if ours == name:
+                        (value if expert is None else value[expert]).copy_(values)
+        return value
+
+    return read
+
+
+def check_hf_tensor(hf_dir, file, hf_name, shape, name, expert, values, params, expected,
+                    config) -> None:  # fmt: skip
+    """ValueError unless the HF tensor (values: its meta part for our `name`) fits the config."""
+    if (name, expert) not in expected:
+        what = "" if expert is None else f" (expert {expert})"
+        raise ValueError(
+            f"{hf_dir}: {file} holds {hf_name}{what}, which a model of its config.json "
+            f"({describe(config)}) does not have"
+        )
+    param = params[name]  # (E, ...) for an expert's row, else whole
+    if values.shape != (param.shape if expert is None else param.shape[1:]):
+        fits = "" if expert is None else f" (experts, ...) of {name}"
+        raise ValueError(
+            f"{hf_dir}: {hf_name} has shape {tuple(shape)}, but its config.json makes "
+            f"it{fits} {tuple(param.shape)}"
+        )
 
 
 def describe(config: LlamaConfig) -> str:
