@@ -113,6 +113,18 @@ def common_flags(args, out_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def check_work_dir(path: str) -> None:
+    """ValueError unless --work-dir `path` is a folder or can become one: neither it nor a
+    folder above it is a file (which the runs would never overwrite); said before any run."""
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"--work-dir {path}: {folder} is a file, not a folder; name a "
+                                 f"folder for the runs (one that does not exist is "
+                                 f"created)")  # fmt: skip
+            return
+
+
 def launch(name: str, args, work_dir: Path) -> Path:
     """Run one strategy to the end; its out-dir. SystemExit with its output if it fails."""
     script, processes, flags, _ = STRATEGIES[name]
@@ -322,6 +334,8 @@ def main() -> None:
     for flag in ("steps", "seq_length", "batch_size", "vocab_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.work_dir is not None:
+        check_work_dir(args.work_dir)
     if args.png:
         load_pyplot()  # no matplotlib: say so now, not after ten minutes of training
     # The references first, alone (the first also fills the tokenizer and data cache): the
@@ -332,7 +346,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
         work_dir = Path(args.work_dir or tmp)
-        work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # not ours to write (check_work_dir saw no file in the way)
+            raise ValueError(f"--work-dir {work_dir}: cannot create it ({e.strerror or e})") from e
         print(f"parity: {len(names)} runs of {args.steps} steps in {work_dir}")
         outs = {name: launch(name, args, work_dir) for name in names}
         results = {n: compare(outs[n], outs[reference_of(n)]) for n in strategies}
