@@ -113,6 +113,23 @@ def common_flags(args, out_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+TABLE_HEADER = (
+    f"{'strategy':<16}{'ranks':>6}  {'max loss diff':>14}{'max weight diff':>17}  ok   what"
+)
+
+
+def table_row(name: str, r: dict) -> str:
+    """The printed table's row of strategy `name`, from its compare() result `r`."""
+    script, processes, _, what = STRATEGIES[name]
+    row = (f"{name:<16}{processes:>6}  {r['max_loss_rel_diff']:>14.1e}"
+           f"{r['max_weight_abs_diff']:>17.1e}  {'yes' if r['within_tolerance'] else 'NO ':<4} "
+           f"{what} ({script})")  # fmt: skip
+    if r["routing_differs_from_step"]:
+        row += (f"; its routing differs from step {r['routing_differs_from_step']} on: held to "
+                f"the bounds before it")  # fmt: skip
+    return row
+
+
 def check_work_dir(path: str) -> None:
     """ValueError unless --work-dir `path` is a folder or can become one: neither it nor a
     folder above it is a file (which the runs would never overwrite); said before any run."""
@@ -355,22 +372,9 @@ def main() -> None:
         results = {n: compare(outs[n], outs[reference_of(n)]) for n in strategies}
         reference_losses = {r: compare(outs[r], outs[r])["losses"] for r in REFERENCES if r in outs}
 
-    print(
-        f"\n{'strategy':<16}{'ranks':>6}  {'max loss diff':>14}{'max weight diff':>17}  ok   what"
-    )
+    print(f"\n{TABLE_HEADER}")
     for name, r in results.items():
-        script, processes, _, what = STRATEGIES[name]
-        print(
-            f"{name:<16}{processes:>6}  {r['max_loss_rel_diff']:>14.1e}"
-            f"{r['max_weight_abs_diff']:>17.1e}  {'yes' if r['within_tolerance'] else 'NO ':<4} "
-            f"{what} ({script})"
-            + (
-                f"; its routing differs from step {r['routing_differs_from_step']} on: held to "
-                f"the bounds before it"
-                if r["routing_differs_from_step"]
-                else ""
-            )
-        )
+        print(table_row(name, r))
     print(
         f"(loss diff: relative, the largest over {args.steps} steps; weight diff: absolute, the "
         f"largest over model.pt; ok: within the tests' bounds, losses {LOSS_RTOL:g} and weights "
