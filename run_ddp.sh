@@ -14,6 +14,9 @@
 # RDZV_ID [llama] (the same on every node of one job), SCRIPT [train_ddp.py], SHUTDOWN_TIMEOUT
 # [120] (seconds torchrun gives its workers to stop on a signal, see below).
 #
+# Two jobs on one machine need two MASTER_PORTs: a port another job holds is refused before
+# torchrun starts.
+#
 # After a failure torchrun restarts every worker (up to MAX_RESTARTS times); the script then
 # resumes from the latest checkpoint in --out-dir by itself (--resume auto is the default).
 set -euo pipefail
@@ -53,6 +56,30 @@ fi
 # Say explicitly which node hosts the rendezvous store, instead of letting torchrun guess it by
 # comparing host names with MASTER_ADDR (which fails behind NAT or with several interfaces).
 if [[ "$NODE_RANK" == 0 ]]; then is_host=true; else is_host=false; fi
+
+# The host's rendezvous store listens on MASTER_PORT, on every IPv4 interface: a port another job
+# holds would end torchrun in a 40-line traceback (EADDRINUSE). Bound here as the store binds it
+# (SO_REUSEADDR: a port left in TIME_WAIT by a job that ended is free), and let go at once.
+if [[ "$is_host" == true ]]; then
+  why=$(python -c '
+import errno, socket, sys
+with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", int(sys.argv[1])))
+    except OSError as e:
+        print("in use" if e.errno == errno.EADDRINUSE else e.strerror.lower())
+' "$MASTER_PORT")
+  if [[ "$why" == "in use" ]]; then
+    echo "error: MASTER_PORT $MASTER_PORT is in use on this node: another job holds it (another" \
+      "run_ddp.sh or torchrun?); set MASTER_PORT to a free port" >&2
+    exit 2
+  elif [[ -n "$why" ]]; then
+    echo "error: MASTER_PORT $MASTER_PORT cannot be listened on here ($why); set MASTER_PORT to" \
+      "a free port above 1023" >&2
+    exit 2
+  fi
+fi
 
 # One node: keep the collectives' own connections on the loopback interface. (torch's TCPStore,
 # which the rendezvous uses, listens on every interface whatever MASTER_ADDR says: see

@@ -27,6 +27,7 @@ from harness import (
     cmd,
     launch_env,
     load_checkpoint,
+    run_ddp_sh_env,
     run_script,
     script_command,
     snapshot,
@@ -656,3 +657,53 @@ def test_run_ddp_sh_refuses_a_bad_number_in_its_environment_in_one_line(tmp_path
         proc.stderr
     )
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written
+
+
+def fake_torchrun(folder: Path) -> dict:
+    """A `torchrun` first on PATH that only notes that it was started (in folder/torchrun-ran),
+    for run_ddp.sh: the environment of run_ddp_sh_env with it."""
+    folder.mkdir()
+    (folder / "torchrun").write_text(f'#!/bin/sh\necho "$@" >> {folder / "torchrun-ran"}\n')
+    (folder / "torchrun").chmod(0o755)
+    env = run_ddp_sh_env()
+    return {**env, "PATH": f"{folder}:{env['PATH']}"}
+
+
+@pytest.fixture
+def held_port():
+    """A port another job holds: listening on 127.0.0.1, as a rendezvous store would."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_run_ddp_sh_refuses_a_master_port_another_job_holds_before_starting_torchrun(
+    tmp_path, held_port
+):
+    # Before: torchrun started and failed in a 40-line traceback (EADDRINUSE), exit code 1.
+    env = {**fake_torchrun(tmp_path / "bin"), "MASTER_PORT": str(held_port)}
+    proc = subprocess.run(["bash", str(REPO / "run_ddp.sh"), "--out-dir", str(tmp_path / "o")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (f"error: MASTER_PORT {held_port} is in use on this node: another job "
+                           f"holds it (another run_ddp.sh or torchrun?); set MASTER_PORT to a "
+                           f"free port\n")  # fmt: skip
+    assert not (tmp_path / "bin" / "torchrun-ran").exists(), "torchrun was started"
+    assert not (tmp_path / "o").exists()
+
+
+def test_run_ddp_sh_leaves_the_master_port_to_the_master_node(tmp_path, held_port):
+    # NODE_RANK 1 only connects to MASTER_ADDR:MASTER_PORT, which the master node holds: on a
+    # machine of its own that port may be anything here (here: held by the "master").
+    env = {**fake_torchrun(tmp_path / "bin"), "MASTER_PORT": str(held_port), "NNODES": "2",
+           "NODE_RANK": "1", "NPROC_PER_NODE": "1"}  # fmt: skip
+    proc = subprocess.run(["bash", str(REPO / "run_ddp.sh"), "--out-dir", str(tmp_path / "o")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    started = (tmp_path / "bin" / "torchrun-ran").read_text()
+    assert f"--rdzv-endpoint=127.0.0.1:{held_port}" in started, started

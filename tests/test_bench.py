@@ -322,6 +322,92 @@ def test_bench_nanogpt_refuses_a_directory_without_nanogpt(tmp_path):
     assert "no train.py and model.py there" in proc.stderr
 
 
+def fake_nanogpt(root, train_py: str = "", without: str | None = None):
+    """A folder laid out as a nanoGPT checkout (train.py, model.py, configurator.py,
+    config/train_shakespeare_char.py), train.py's code `train_py`; `without`: one left out."""
+    files = {"train.py": train_py, "model.py": "", "configurator.py": "",
+             "config/train_shakespeare_char.py": ""}  # fmt: skip
+    for name, text in files.items():
+        if name != without:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+    return root
+
+
+def bench_nanogpt_on(nanogpt, work, *flags) -> tuple[int, str]:
+    """tools/bench_nanogpt.py on the folder `nanogpt`, its side of the runs only (--only nanogpt:
+    no train_dp.py run), one round of one step on a small corpus: (its exit code, the last line
+    of its stderr, which must be the only one that says an error: no traceback)."""
+    argv = ["--nanogpt", str(nanogpt), "--work-dir", str(work), "--only", "nanogpt",
+            "--rounds", "1", "--max-steps", "1", "--corpus-chars", "20000", *flags]  # fmt: skip
+    proc = run_script("tools/bench_nanogpt.py", argv, expect_rc=None)
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+    assert proc.stderr.endswith("\n"), proc.stderr
+    return proc.returncode, proc.stderr.splitlines()[-1]
+
+
+def test_bench_nanogpt_refuses_a_checkout_without_configurator_py_before_any_work(tmp_path):
+    # Before: a FileNotFoundError traceback, after the corpus was prepared.
+    nanogpt = fake_nanogpt(tmp_path / "nanoGPT", without="configurator.py")
+    code, said = bench_nanogpt_on(nanogpt, tmp_path / "work")
+    assert code == 2
+    assert said == (f"error: --nanogpt {nanogpt}: no configurator.py there (its train.py reads "
+                    f"it): not a nanoGPT checkout")  # fmt: skip
+    assert not (tmp_path / "work").exists()
+
+
+def test_bench_nanogpt_refuses_a_train_py_that_prints_no_iterations(tmp_path):
+    # Before: a TypeError traceback, formatting the missing step time.
+    nanogpt = fake_nanogpt(tmp_path / "nanoGPT", train_py="")
+    code, said = bench_nanogpt_on(nanogpt, tmp_path / "work")
+    log = tmp_path / "work" / "nanogpt_0.log"
+    assert code == 2
+    assert said == (f"error: --nanogpt {nanogpt}: its train.py printed no 'iter N: loss L, time "
+                    f"T ms' line (its output: {log}): not nanoGPT's train.py")  # fmt: skip
+    assert log.exists()
+
+
+def test_bench_nanogpt_says_how_a_failed_nanogpt_run_ended_with_its_last_line(tmp_path):
+    # Before: a RuntimeError traceback with the log's last 2000 characters.
+    train_py = "import sys\nprint('loading')\nsys.exit('ValueError: no such dataset bench_char')\n"
+    nanogpt = fake_nanogpt(tmp_path / "nanoGPT", train_py=train_py)
+    code, said = bench_nanogpt_on(nanogpt, tmp_path / "work")
+    log = tmp_path / "work" / "nanogpt_0.log"
+    assert code == 1
+    assert said == (f"error: nanoGPT's train.py (from --nanogpt {nanogpt}) failed with exit code "
+                    f"1: ValueError: no such dataset bench_char (its output: {log})")  # fmt: skip
+    assert "loading" in log.read_text()  # the whole output kept
+
+
+def test_bench_nanogpt_gives_the_exit_code_of_a_failed_run_that_printed_nothing(tmp_path):
+    nanogpt = fake_nanogpt(tmp_path / "nanoGPT", train_py="import os\nos._exit(7)\n")
+    code, said = bench_nanogpt_on(nanogpt, tmp_path / "work")
+    log = tmp_path / "work" / "nanogpt_0.log"
+    assert code == 1
+    assert said == (f"error: nanoGPT's train.py (from --nanogpt {nanogpt}) failed with exit code "
+                    f"7 and no output ({log})")  # fmt: skip
+
+
+def test_bench_nanogpt_reports_the_rounds_that_finished_before_a_failed_one(tmp_path):
+    # Its first run prints nanoGPT's lines; the second fails (train.py runs in --work-dir).
+    train_py = ("import os, sys\n"
+                "if os.path.exists('ran'):\n"
+                "    sys.exit('RuntimeError: the second run fails')\n"
+                "open('ran', 'w').close()\n"
+                "print('iter 0: loss 4.3674, time 2832.57ms, mfu -100.00%')\n"
+                "print('iter 1: loss 4.3299, time 30.00ms, mfu -100.00%')\n")  # fmt: skip
+    nanogpt = fake_nanogpt(tmp_path / "nanoGPT", train_py=train_py)
+    argv = ["--nanogpt", str(nanogpt), "--work-dir", str(tmp_path / "work"), "--only", "nanogpt",
+            "--rounds", "2", "--max-steps", "1", "--corpus-chars", "20000"]  # fmt: skip
+    proc = run_script("tools/bench_nanogpt.py", argv, expect_rc=1)
+    assert "|     1 | nanogpt |" in proc.stdout and "30.00 |" in proc.stdout, proc.stdout
+    assert "|     2 |" not in proc.stdout, proc.stdout
+    assert proc.stderr.splitlines()[-1].endswith(
+        f"failed with exit code 1: RuntimeError: the second run fails (its output: "
+        f"{tmp_path / 'work' / 'nanogpt_1.log'})"
+    ), proc.stderr
+
+
 def test_the_step_alone_is_timed_against_nanogpts_model_from_its_checkout(tmp_path):
     # A stand-in for nanoGPT's model.py, with its interface: GPTConfig, GPT(config),
     # model(idx, targets) -> (logits, loss) and configure_optimizers(...).

@@ -106,6 +106,24 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(
         assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("under", ["", "runs"], ids=["the_file", "a_folder_in_it"])
+def test_a_work_dir_that_is_a_file_is_refused_before_any_run_and_left_as_it_was(
+    corpus, cache_dir, tmp_path, under
+):
+    # Before: a FileExistsError (or NotADirectoryError) traceback.
+    (tmp_path / "notes.txt").write_text("mine\n")
+    work_dir = tmp_path / "notes.txt" / under if under else tmp_path / "notes.txt"
+    command = parity_command(corpus, cache_dir, tmp_path, "--only", "ddp", "--png", "")
+    command += ["--work-dir", str(work_dir)]  # the last one given counts
+    proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"error: --work-dir {work_dir}: {tmp_path / 'notes.txt'} is a file, "
+                           f"not a folder; name a folder for the runs (one that does not exist "
+                           f"is created)\n")  # fmt: skip
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    assert not (tmp_path / "runs").exists() and proc.stdout == ""
+
+
 def test_an_interrupted_launch_stops_its_run_with_a_sigterm_not_a_kill(monkeypatch, tmp_path):
     # torchrun passes a SIGTERM on to its ranks; a SIGKILL (what subprocess.run sends on an
     # exception) leaves them training with no parent. Here a stand-in for torchrun notes the

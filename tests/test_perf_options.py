@@ -268,9 +268,40 @@ def test_profile_step_reference_computes_our_models_loss_and_gradients(tie):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
+def test_profile_step_reference_computes_a_mixture_of_experts_loss_and_gradients():
+    # The balance loss given weight (0.5, not 0.001) so that a reference without it would show.
+    config = LlamaConfig.from_preset("tiny", vocab_size=300, num_local_experts=4,
+                                     router_aux_loss_coef=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForPretraining(config)
+    params = profile_step.reference_params(model)
+    tokens = torch.randint(300, (2, 33), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ours, _ = model(x, y)
+    cos, sin = profile_step.reference_rope_tables(config, 32, "cpu")
+    reference = profile_step.reference_loss(params, x, y, config, cos, sin)
+    torch.testing.assert_close(reference, ours, rtol=1e-6, atol=0)
+    ours.backward()
+    reference.backward()
+    moe, layer = model.layers[0].feed_forward, params["layers"][0]
+    w1, w3 = layer["w13"].grad.chunk(2, dim=1)  # (E, ffn, d) each
+    for got, want in [(layer["gate"].grad, moe.gate.weight.grad), (w1, moe.w1.grad),
+                      (w3, moe.w3.grad), (layer["w2"].grad, moe.w2.grad)]:  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
 def test_profile_step_prints_the_profile_and_both_step_times():
     argv = "--seq-length 16 --batch-size 4 --micro-batch-size 2 --warmup 1 --rounds 1 --steps 1"
     argv = argv.split() + ["--profile-steps", "1", "--rows", "5"]
+    out = run_script("tools/profile_step.py", argv).stdout
+    assert "aten::mm" in out  # the profiler's table
+    assert "ours" in out and "reference" in out and "x reference" in out, out
+
+
+def test_profile_step_profiles_a_mixture_of_experts():
+    # --num-experts crashed building the reference ('Parameter' object has no attribute 'weight').
+    argv = "--num-experts 4 --num-layers 1 --seq-length 8 --batch-size 2 --warmup 1 --rounds 1"
+    argv = argv.split() + ["--steps", "1", "--profile-steps", "1", "--rows", "5"]
     out = run_script("tools/profile_step.py", argv).stdout
     assert "aten::mm" in out  # the profiler's table
     assert "ours" in out and "reference" in out and "x reference" in out, out

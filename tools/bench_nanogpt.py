@@ -42,6 +42,12 @@ LlamaForCausalLM under torch.compile), which is the like-for-like comparison.
 --busy N runs N processes that spin on the CPU for the whole benchmark (a busy neighbour);
 --threads N sets OMP_NUM_THREADS for both runs. The figures are printed, nothing is asserted:
 it is a measurement, not a test (tests/test_bench.py checks its preparation and parsing).
+
+A --nanogpt folder that lacks what the runs use (train.py, model.py, configurator.py,
+config/train_shakespeare_char.py) is refused before any work, and one whose train.py prints no
+nanoGPT iteration line after its run: one line, exit code 2. A run that fails ends the benchmark
+with one line (its exit code and last line of output; the whole output stays in its log under
+--work-dir), exit code 1, after the table of the runs that finished.
 """
 
 import argparse
@@ -54,6 +60,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,6 +81,7 @@ SEQ_LENGTH = 64
 CHAR_VOCAB = 99  # --transformers: the corpus's 96 characters and [PAD] [BOT] [EOT]
 DATASET = "bench_char"  # nanoGPT's data/<dataset>/ under --work-dir
 ITER_RE = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
+ITER_LINE = "'iter N: loss L, time T ms'"  # ITER_RE, as a message names it
 NANO_VAL_RE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
 
 
@@ -176,16 +184,38 @@ def nanogpt_command(
             f"--out_dir={out_dir}", *(["--compile=True"] if compile else [])]  # fmt: skip
 
 
-def timed_run(command: list[str], cwd: Path, env: dict, log: Path) -> float:
-    """Run `command` to its end, its output into `log`; its wall time in seconds."""
+def timed_run(command: list[str], cwd: Path, env: dict, log: Path, name: str) -> float:
+    """Run `command` to its end, its output into `log`; its wall time in seconds. A run that
+    fails: TrainingError, in one line, saying how it ended (`name` the program) and its last line
+    of output (the whole of it stays in `log`)."""
+    from lib.exits import TrainingError
+
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
-        tail = log.read_text()[-2000:]
-        raise RuntimeError(f"{command[1]} failed ({proc.returncode}), see {log}:\n{tail}")
+        raise TrainingError(f"{name} failed {how_it_ended(proc.returncode, log)}")
     return seconds
+
+
+def how_it_ended(returncode: int, log: Path) -> str:
+    """'with exit code 1: its last line of output (its output: LOG)', or 'killed by SIGKILL',
+    or '... and no output (LOG)', in one line."""
+    if returncode < 0:
+        try:
+            ended = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            ended = f"killed by signal {-returncode}"
+    else:
+        ended = f"with exit code {returncode}"
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    last = next((line for line in reversed(lines) if line), None)
+    if last is None:
+        return f"{ended} and no output ({log})"
+    if len(last) > 300:  # its tail: a long line ends with what went wrong
+        last = "..." + last[-300:]
+    return f"{ended}: {last} (its output: {log})"
 
 
 def suite_figures(out_dir: Path) -> dict:
@@ -411,6 +441,13 @@ def report_steps(times: dict, other: str, rounds: int, steps: int) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
+# What a run of nanoGPT's train.py needs of its checkout besides train.py and model.py, and why.
+NANOGPT_RUN_FILES = {
+    "configurator.py": "its train.py reads it",
+    "config/train_shakespeare_char.py": "the CPU recipe the runs follow",
+}
+
+
 def busy_neighbours(n: int) -> list[subprocess.Popen]:
     """n processes that keep one core each busy until killed."""
     spin = "while True: pass"
@@ -453,6 +490,11 @@ def main() -> None:
         nanogpt = Path(args.nanogpt).expanduser().resolve()
         if not (nanogpt / "train.py").is_file() or not (nanogpt / "model.py").is_file():
             p.error(f"--nanogpt {nanogpt}: no train.py and model.py there (a nanoGPT checkout)")
+        runs_nanogpt = not args.step and args.only != "suite"
+        for name, why in NANOGPT_RUN_FILES.items() if runs_nanogpt else ():
+            if not (nanogpt / name).is_file():
+                raise ValueError(f"--nanogpt {nanogpt}: no {name} there ({why}): not a nanoGPT "
+                                 f"checkout")  # fmt: skip
         if not args.step:
             run_both(args, nanogpt)
     others = (["nanogpt"] if args.step else []) + (["transformers"] if args.transformers else [])
@@ -491,19 +533,29 @@ def run_both(args, nanogpt: Path) -> None:
                 log = work / f"{side}_{r}.log"
                 if side == "suite":
                     cmd, cwd = suite_command(prep, out, args.max_steps, args.compile), REPO
+                    name = "train_dp.py"
                 else:  # train.py reads ./configurator.py and ./data/<dataset>/: from work
                     shutil.copy(nanogpt / "configurator.py", work / "configurator.py")
                     cmd = nanogpt_command(nanogpt, out, args.max_steps, args.compile_nanogpt)
-                    cwd = work
+                    cwd, name = work, f"nanoGPT's train.py (from --nanogpt {nanogpt})"
                 print(f"round {r + 1}: {side} ...", file=sys.stderr, flush=True)
-                wall = timed_run(cmd, cwd, env, log)
+                wall = timed_run(cmd, cwd, env, log, name)
                 if side == "suite":
                     row = suite_figures(out) | {"held_out": score_suite(out, prep["val_text"])}
                 else:
-                    row = nanogpt_figures(log.read_text()) | {
+                    output = log.read_text(errors="replace")
+                    if not any(ITER_RE.match(line) for line in output.splitlines()):
+                        raise ValueError(f"--nanogpt {nanogpt}: its train.py printed no "
+                                         f"{ITER_LINE} line (its output: {log}): not nanoGPT's "
+                                         f"train.py")  # fmt: skip
+                    row = nanogpt_figures(output) | {
                         "held_out": score_nanogpt(nanogpt, out, prep["val_text"], prep["chars"])
                     }
                 rows.append({"round": r + 1, "side": side, "wall_s": wall, **row})
+    except Exception:
+        if rows:  # the runs that finished are measured: their table, before the error's line
+            report(args, prep, rows)
+        raise
     finally:
         for proc in neighbours:
             proc.kill()
@@ -540,18 +592,22 @@ def report(args, prep: dict, rows: list[dict]) -> None:
     print("| ----: | :------ | -----: | ---------------: | -----------: | -----------------: |")
     for r in rows:
         own, held = (("-" if v is None else f"{v:.4f}") for v in (r["val_loss"], r["held_out"]))
-        print(f"| {r['round']:5} | {r['side']:<7} | {r['wall_s']:6.1f} | {r['step_ms']:16.2f} | "
+        step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.2f}"  # only evaluation steps
+        print(f"| {r['round']:5} | {r['side']:<7} | {r['wall_s']:6.1f} | {step_ms:>16} | "
               f"{own:>12} | {held:>18} |")  # fmt: skip
     by = {side: [r for r in rows if r["side"] == side] for side in ("suite", "nanogpt")}
     pairs = list(zip(by["suite"], by["nanogpt"], strict=False))
     if pairs:
         wall = [s["wall_s"] / n["wall_s"] for s, n in pairs]
-        step = [n["step_ms"] / s["step_ms"] for s, n in pairs]
+        step = [n["step_ms"] / s["step_ms"] if n["step_ms"] else None for s, n in pairs]
         print(f"\nsuite wall time / nanoGPT's, per round: {', '.join(f'{v:.2f}' for v in wall)}"
               f" (target <= 0.90)")  # fmt: skip
         print(f"suite step speed / nanoGPT's (their step ms over ours), per round: "
-              f"{', '.join(f'{v:.2f}' for v in step)} (target >= 1.00)")  # fmt: skip
+              f"{', '.join('-' if v is None else f'{v:.2f}' for v in step)} (target >= "
+              f"1.00)")  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    from lib import exits
+
+    exits.run(main)  # a folder that is not nanoGPT: one line, exit 2; a failed run: exit 1

@@ -113,6 +113,35 @@ def common_flags(args, out_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+TABLE_HEADER = (
+    f"{'strategy':<16}{'ranks':>6}  {'max loss diff':>14}{'max weight diff':>17}  ok   what"
+)
+
+
+def table_row(name: str, r: dict) -> str:
+    """The printed table's row of strategy `name`, from its compare() result `r`."""
+    script, processes, _, what = STRATEGIES[name]
+    row = (f"{name:<16}{processes:>6}  {r['max_loss_rel_diff']:>14.1e}"
+           f"{r['max_weight_abs_diff']:>17.1e}  {'yes' if r['within_tolerance'] else 'NO ':<4} "
+           f"{what} ({script})")  # fmt: skip
+    if r["routing_differs_from_step"]:
+        row += (f"; its routing differs from step {r['routing_differs_from_step']} on: held to "
+                f"the bounds before it")  # fmt: skip
+    return row
+
+
+def check_work_dir(path: str) -> None:
+    """ValueError unless --work-dir `path` is a folder or can become one: neither it nor a
+    folder above it is a file (which the runs would never overwrite); said before any run."""
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"--work-dir {path}: {folder} is a file, not a folder; name a "
+                                 f"folder for the runs (one that does not exist is "
+                                 f"created)")  # fmt: skip
+            return
+
+
 def launch(name: str, args, work_dir: Path) -> Path:
     """Run one strategy to the end; its out-dir. SystemExit with its output if it fails."""
     script, processes, flags, _ = STRATEGIES[name]
@@ -322,6 +351,8 @@ def main() -> None:
     for flag in ("steps", "seq_length", "batch_size", "vocab_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.work_dir is not None:
+        check_work_dir(args.work_dir)
     if args.png:
         load_pyplot()  # no matplotlib: say so now, not after ten minutes of training
     # The references first, alone (the first also fills the tokenizer and data cache): the
@@ -332,28 +363,18 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
         work_dir = Path(args.work_dir or tmp)
-        work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # not ours to write (check_work_dir saw no file in the way)
+            raise ValueError(f"--work-dir {work_dir}: cannot create it ({e.strerror or e})") from e
         print(f"parity: {len(names)} runs of {args.steps} steps in {work_dir}")
         outs = {name: launch(name, args, work_dir) for name in names}
         results = {n: compare(outs[n], outs[reference_of(n)]) for n in strategies}
         reference_losses = {r: compare(outs[r], outs[r])["losses"] for r in REFERENCES if r in outs}
 
-    print(
-        f"\n{'strategy':<16}{'ranks':>6}  {'max loss diff':>14}{'max weight diff':>17}  ok   what"
-    )
+    print(f"\n{TABLE_HEADER}")
     for name, r in results.items():
-        script, processes, _, what = STRATEGIES[name]
-        print(
-            f"{name:<16}{processes:>6}  {r['max_loss_rel_diff']:>14.1e}"
-            f"{r['max_weight_abs_diff']:>17.1e}  {'yes' if r['within_tolerance'] else 'NO ':<4} "
-            f"{what} ({script})"
-            + (
-                f"; its routing differs from step {r['routing_differs_from_step']} on: held to "
-                f"the bounds before it"
-                if r["routing_differs_from_step"]
-                else ""
-            )
-        )
+        print(table_row(name, r))
     print(
         f"(loss diff: relative, the largest over {args.steps} steps; weight diff: absolute, the "
         f"largest over model.pt; ok: within the tests' bounds, losses {LOSS_RTOL:g} and weights "

@@ -12,7 +12,8 @@ It prints
      goes, and which copies, casts and fills there are;
   2. milliseconds per step of our step and of `reference_step`: the same Llama (the same
      weights, optimizer and loss), written lean, with torch.nn.functional ops only (one matmul
-     for q, k and v, one for the gate and up projections, no modules, no wrapper). The two are
+     for q, k and v, one for the gate and up projections, no modules, no wrapper; with
+     --num-experts, lib/moe.py's routing and load-balancing loss, written so too). The two are
      timed in alternating rounds (the median is printed), so that a busy machine slows both
      alike; their ratio is what the suite's readable model and loop cost;
   3. with --compile: how long compiling took (the first step, less a compiled one), and the
@@ -83,10 +84,17 @@ def our_step(args, config: LlamaConfig, device, precision: str, compile: bool):
 
 def reference_params(model: LlamaForPretraining) -> dict:
     """The reference's weights: a copy of `model`'s, with wq|wk|wv and w1|w3 concatenated into
-    one matrix each (one matmul instead of three, and of two)."""
+    one matrix each (one matmul instead of three, and of two; a mixture of experts: w1|w3 of
+    each expert, stacked (E, 2 * ffn, d), and the router's `gate`)."""
 
-    def leaf(*tensors: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(torch.cat([t.detach() for t in tensors]))
+    def leaf(*tensors: torch.Tensor, dim: int = 0) -> nn.Parameter:
+        return nn.Parameter(torch.cat([t.detach() for t in tensors], dim))
+
+    def mlp(ffn: nn.Module) -> dict:
+        if model.config.num_local_experts:  # lib/moe.py's: w1, w3 (E, ffn, d), w2 (E, d, ffn)
+            return {"gate": leaf(ffn.gate.weight), "w13": leaf(ffn.w1, ffn.w3, dim=1),
+                    "w2": leaf(ffn.w2)}  # fmt: skip
+        return {"w13": leaf(ffn.w1.weight, ffn.w3.weight), "w2": leaf(ffn.w2.weight)}
 
     layers = [
         {"attention_norm": leaf(layer.attention_norm.weight),
@@ -94,8 +102,7 @@ def reference_params(model: LlamaForPretraining) -> dict:
                       layer.attention.wv.weight),
          "wo": leaf(layer.attention.wo.weight),
          "ffn_norm": leaf(layer.ffn_norm.weight),
-         "w13": leaf(layer.feed_forward.w1.weight, layer.feed_forward.w3.weight),
-         "w2": leaf(layer.feed_forward.w2.weight)}
+         **mlp(layer.feed_forward)}
         for layer in model.layers
     ]  # fmt: skip
     embedding = leaf(model.tok_embeddings.weight)
@@ -111,7 +118,9 @@ def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig) -> torch.Tensor:
+def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig):
+    """(h after the layer, its load-balancing loss summed over the sequences x their tokens: a
+    mixture of experts' (reference_moe), None for the dense MLP)."""
     B, T, d = h.shape
     nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     eps = config.rms_norm_eps
@@ -122,8 +131,42 @@ def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig) -> torch.Tens
     v = v.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
     h = h + F.linear(y.transpose(1, 2).reshape(B, T, d), layer["wo"])  # (B, T, d)
-    gate, up = F.linear(F.rms_norm(h, (d,), layer["ffn_norm"], eps), layer["w13"]).chunk(2, -1)
-    return h + F.linear(F.silu(gate) * up, layer["w2"])
+    x = F.rms_norm(h, (d,), layer["ffn_norm"], eps)
+    if "gate" in layer:  # a mixture of experts
+        y, balance = reference_moe(x, layer, config)
+        return h + y, balance
+    gate, up = F.linear(x, layer["w13"]).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, layer["w2"]), None
+
+
+# Not compiled, as lib/moe.py's forward is not (--compile compiles the rest of the layer): the
+# split sizes are read on the host.
+@torch.compiler.disable
+def reference_moe(x: torch.Tensor, layer: dict, config: LlamaConfig):
+    """Mixtral's dropless mixture of experts on x (B, T, d), as lib/moe.py computes it: the
+    router's softmax in fp32, the top k renormalised, each expert's tokens in one block (one
+    matmul for its gate and up projections, one for down). Returns (out (B, T, d), the
+    per-sequence load-balancing loss x the sequence's tokens, summed: every target counts)."""
+    B, T, d = x.shape
+    E, k = config.num_local_experts, config.num_experts_per_tok
+    tokens = x.reshape(B * T, d)
+    probs = F.linear(tokens, layer["gate"]).float().softmax(dim=-1)  # (N, E)
+    weights, experts = probs.topk(k, dim=-1)  # (N, k)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    order = experts.flatten().argsort(stable=True)  # (N * k,) the (token, slot) pairs by expert
+    counts = torch.bincount(experts.flatten(), minlength=E).tolist()
+    outputs = []
+    for chunk, w13, w2 in zip(tokens[order // k].split(counts), layer["w13"], layer["w2"],
+                              strict=True):  # fmt: skip
+        gate, up = F.linear(chunk, w13).chunk(2, -1)
+        outputs.append(F.linear(F.silu(gate) * up, w2))
+    y = torch.cat(outputs)  # (N * k, d), by expert
+    y = torch.empty_like(y).index_copy(0, order, y)  # (N * k, d), in pair order
+    out = (y.view(B, T, k, d) * weights.view(B, T, k, 1)).sum(dim=2).to(x.dtype)
+    # Switch's E * sum_i f_i * P_i per sequence: f the share of assignments, P the mean probability
+    f = F.one_hot(experts.view(B, T, k), E).sum(dim=2).float().mean(dim=1)  # (B, E)
+    P = probs.view(B, T, E).mean(dim=1)  # (B, E)
+    return out, T * E * (f * P).sum()
 
 
 def reference_rope_tables(config: LlamaConfig, T: int, device) -> tuple:
@@ -133,13 +176,17 @@ def reference_rope_tables(config: LlamaConfig, T: int, device) -> tuple:
 
 
 def reference_loss(params: dict, x, y, config, cos, sin, layer_fn=reference_layer):
-    """The summed cross-entropy of next tokens y (B, T) after x (B, T), as model(x, y)[0]."""
+    """The summed cross-entropy of next tokens y (B, T) after x (B, T), as model(x, y)[0] (a
+    mixture of experts: plus router_aux_loss_coef x its load-balancing loss, as there)."""
     h = F.embedding(x, params["embedding"])  # (B, T, d)
+    balance = []
     for layer in params["layers"]:
-        h = layer_fn(h, layer, cos, sin, config)
+        h, layer_balance = layer_fn(h, layer, cos, sin, config)
+        balance += [] if layer_balance is None else [layer_balance]
     h = F.rms_norm(h, (h.size(-1),), params["norm"], config.rms_norm_eps)
     logits = F.linear(h, params["lm_head"])  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+    return loss_sum + config.router_aux_loss_coef * sum(balance) if balance else loss_sum
 
 
 def reference_step(args, config: LlamaConfig, device, precision: str, compile: bool):
