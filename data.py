@@ -7,12 +7,13 @@
     PretrainingDataset(...)   (x, y) pairs: packed windows of the token stream, or padded documents
 
 Every step is cached under --cache-dir, so a second run, and every rank but one per node, starts
-in seconds. fingerprint() is what a checkpoint records of the documents.
-"""
+in seconds. fingerprint() is what a checkpoint records of the documents."""
 
 import contextlib
 import hashlib
+import json
 import os
+import re
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -35,8 +36,7 @@ TOKENIZER_MAX_CHARS = 50_000_000
 PACK_BATCH_DOCS = 1000  # packing cuts windows within each map() batch of this many documents
 TOKENIZE_BATCH_DOCS = 64  # documents per tokenize() batch; the tokens do not depend on it
 
-# The stdlib's .py files as the text builder reads them: a few are deliberately not UTF-8
-# (encoding tests), whose undecodable bytes become U+FFFD (a user's file is refused instead).
+# A few stdlib files are not UTF-8 (encoding tests): bad bytes become U+FFFD (a user's: refused).
 STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 
@@ -54,9 +54,7 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
             ds = datasets.load_dataset("text", data_files=stdlib_files(), split="train",
                                        cache_dir=cache, **STDLIB_OPTIONS)  # fmt: skip
         except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
-            from lib import (
-                corpus,  # (no file scan: the stdlib's bad bytes are replaced, never the cause)
-            )
+            from lib import corpus  # no file scan: the stdlib's bad bytes are never the cause
 
             raise corpus.load_error(e, cache_dir, [], "text", spec) from e
     else:
@@ -129,9 +127,8 @@ def hash_texts(hasher, texts) -> None:
 
 
 def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
-    """The sha256 of a corpus's documents, in order: the same however --data names them, another
-    if any is edited, added, removed or moved. Kept in cache_dir/fingerprints/ under datasets'
-    own fingerprint of `ds` (new when it reads the files again): a cached start reads one file."""
+    """The sha256 of a corpus's documents in order (the same however --data names them), kept in
+    cache_dir/fingerprints/ under datasets' fingerprint of `ds`: a cached start reads one file."""
     memo = os.path.join(cache_dir, "fingerprints", f"{ds._fingerprint}.sha256")
     with contextlib.suppress(OSError):
         with open(memo) as f:
@@ -193,8 +190,7 @@ def _tokenizer_training_texts(ds: datasets.Dataset) -> list[str]:
 
 def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
-    # Byte-level: any string is encodable (no unknown token). No prefix space, so that
-    # decode(encode(text)) == text exactly, which matters for code.
+    # Byte-level: no unknown token; no prefix space, so decode(encode(text)) == text (for code).
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -210,10 +206,9 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 class DocumentTokenizer:
     """A tokenizers.Tokenizer and the tokens documents are built with (`bot_id ids... eot_id`,
     padded with `pad_id`), which `specials` names. Text is encoded without the post-processor (a
-    Llama tokenizer.json would add <|begin_of_text|> again), special tokens in it as text.
-    corpus_sha256: the fingerprint of the documents a run encodes (for checkpoints)."""
+    Llama tokenizer.json would add <|begin_of_text|> again), special tokens in it as text."""
 
-    corpus_sha256: str | None = None
+    corpus_sha256: str | None = None  # the fingerprint of the run's documents (for checkpoints)
 
     def __init__(self, tokenizer: Tokenizer, specials: dict[str, str]):
         self.tokenizer = tokenizer
@@ -243,6 +238,23 @@ class DocumentTokenizer:
     def config(self) -> dict[str, str]:
         """tokenizer_config.json's entries for the roles, as Hugging Face names them."""
         return {HF_NAMES[role]: token for role, token in self.specials.items()}
+
+    def token_bytes(self) -> torch.Tensor:
+        """How many bytes of UTF-8 text each token id stands for, 0 for special tokens: what
+        bits per byte divides by, so that runs with different tokenizers compare. A byte-level
+        BPE's (this suite's, GPT-2's, Llama 3's) vocabulary spells each byte as one character;
+        others (SentencePiece's) spell a space "▁" and a lone byte "<0x0A>" (the space some
+        prepend to a document then counts too: one byte more per document)."""
+        spec = json.loads(self.to_str())
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        sizes = torch.zeros(self.get_vocab_size(), dtype=torch.long)
+        for piece, i in self.tokenizer.get_vocab(with_added_tokens=False).items():
+            lone_byte = re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece)
+            sizes[i] = len(piece) if byte_level else 1 if lone_byte else len(
+                piece.replace("\u2581", " ").encode())  # fmt: skip
+        specials = [t["id"] for t in spec.get("added_tokens", []) if t.get("special")]
+        sizes[[i for i in specials if i < len(sizes)]] = 0  # [BOT], [EOT], [PAD]: no text
+        return sizes
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -297,11 +309,10 @@ def count_tokens(ds: datasets.Dataset) -> int:
 
 
 class PretrainingDataset(torch.utils.data.Dataset):
-    """(x, y) int64 pairs of shape (seq_length,) from the output of tokenize(); y is x shifted by 1.
-    pack: the documents as one token stream, cut (once, in a cached map() over batches of
-    PACK_BATCH_DOCS documents, each batch's tail dropped) into windows of seq_length + 1 tokens
-    at a stride of seq_length: every token after the first is a target once. pad (the classic
-    recipe): a document per row, clipped or right-padded; padded targets are IGNORE_INDEX."""
+    """(x, y) int64 pairs of shape (seq_length,) from tokenize()'s output; y is x shifted by 1.
+    pack: one token stream, cut (a cached map() per PACK_BATCH_DOCS documents, tails dropped) into
+    windows of seq_length + 1 at a stride of seq_length: each token after the first is a target
+    once. pad (classic): a document per row, clipped or right-padded (padding: IGNORE_INDEX)."""
 
     def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None):
         if mode not in ("pack", "pad"):

@@ -1,17 +1,15 @@
 """A Llama decoder written by hand, small enough to read in one sitting, and its initial weights.
 
 Llama 2/3's architecture: token embeddings -> N x [RMSNorm -> grouped-query attention with rotary
-position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> lm_head. With
-`num_local_experts > 0` the MLP is Mixtral's mixture of experts (lib/moe.py). Parameter names
-follow Meta's code (`wq wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`), `LlamaConfig`'s
-fields Hugging Face's `config.json`, and RoPE Hugging Face's `rotate_half` layout: weights map 1:1.
-No training or distributed code: every strategy wraps or shards this module from the outside.
+position embeddings -> residual -> RMSNorm -> SwiGLU MLP (num_local_experts > 0: Mixtral's mixture
+of experts, lib/moe.py) -> residual] -> RMSNorm -> lm_head. Names follow Meta's code (`wq wk wv wo`,
+`w1 w2 w3`, `attention_norm`, `ffn_norm`), LlamaConfig Hugging Face's config.json, RoPE its
+`rotate_half` layout: weights map 1:1. No training or distributed code: strategies wrap or shard it.
 
     model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
-    logits = model(next_ids, kv_caches=caches)             # one step of KV-cache decoding
-                                                           # (lib/sampling.py generates text)
+    logits = model(next_ids, kv_caches=caches)             # KV-cache decoding (lib/sampling.py)
 """
 
 import functools
@@ -25,8 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Targets equal to this value are ignored by the loss (padding). -100 is F.cross_entropy's default.
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # targets the loss ignores (padding): F.cross_entropy's default
 
 
 # -------------------------------------------------------------------------------------------------
@@ -45,15 +42,16 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False  # share the embedding matrix with lm_head
-    # Llama 3.1+'s long-context RoPE as config.json writes it ({"rope_type": "llama3", "factor",
-    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}); None: plain.
+    # Llama 3.1+'s long-context RoPE, config.json's {"rope_type": "llama3", ...}; None: plain RoPE.
     rope_scaling: dict | None = None
-    # A mixture of experts, with Mixtral's names (moe.MoEFeedForward); 0 experts: the dense MLP.
-    # A router sends every token to num_experts_per_tok of num_local_experts SwiGLU experts, and
-    # router_aux_loss_coef x the load-balancing loss joins the training loss.
+    # Mixtral's mixture of experts (moe.MoEFeedForward; 0: the dense MLP): a router sends each token
+    # to num_experts_per_tok of num_local_experts, and coef x the balance loss joins the loss.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.001  # transformers' MixtralConfig default
+    # The sha256 of the tokenizer the weights were trained with (data.tokenizer_digest): a
+    # finished run's config.json has it, and whatever loads the model checks its tokenizer.json.
+    tokenizer_sha256: str | None = None
 
     def __post_init__(self) -> None:
         d, nh, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
@@ -87,12 +85,14 @@ class LlamaConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
-        """The fields, so that `LlamaConfig(**config.to_dict())` round-trips; a dense model (the
-        MoE fields at their defaults) leaves those out: its files are as before MoE existed."""
+        """The fields (`LlamaConfig(**c.to_dict())` round-trips), less the MoE fields of a dense
+        model and a tokenizer fingerprint of None: its files are as before either existed."""
         config = {f.name: getattr(self, f.name) for f in fields(self)}
         if all(config[name] == getattr(LlamaConfig, name) for name in MOE_FIELDS):
             for name in MOE_FIELDS:
                 del config[name]
+        if config["tokenizer_sha256"] is None:
+            del config["tokenizer_sha256"]
         return config
 
 
@@ -104,9 +104,8 @@ def is_integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
 
 
-# Named sizes. `tiny` trains visibly in minutes on a laptop CPU; the rest are the usual GPT-2/Llama
-# sizes (`small` ~ GPT-2 124M, `medium` ~ 350M, `1b` ~ Llama 3.2 1B's shape) and the public Llama 2
-# shapes, for memory planning. vocab_size is normally the tokenizer's; 32000 is Llama 2's.
+# `tiny` trains visibly in minutes on a laptop CPU; `small` ~ GPT-2 124M, `medium` ~ 350M, `1b` ~
+# Llama 3.2 1B, 7b-70b Llama 2's (memory planning). vocab_size: the tokenizer's (32000: Llama 2's).
 PRESETS: dict[str, dict] = {
     name: dict(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=context,
@@ -180,10 +179,9 @@ def llama3_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) by position (cos/sin broadcast to x): a query at position m
-    and a key at n so rotated have a dot product that depends only on m - n. Hugging Face's
-    x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), bit for bit: the halves
-    swapped by one roll, the minus sign in the sin table (one operation fewer each way)."""
+    """Rotate x (B, heads, T, head_dim) by position: a query at m and a key at n so rotated have a
+    dot product that depends only on m - n. Hugging Face's x * cos + rotate_half(x) * sin bit for
+    bit, rotate_half's cat(-x2, x1) as one roll and the minus sign in the sin table."""
     return x * cos.to(x.dtype) + x.roll(x.size(-1) // 2, -1) * sin.to(x.dtype)
 
 
@@ -209,12 +207,10 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-# FlexAttention (--document-mask's BlockMask) is only fast compiled (eagerly it computes the whole
-# (T, T) score matrix), so it is compiled on first use, whether or not the layers are; inside a
-# layer that --compile compiles, the plain function joins the layer's graph.
+# FlexAttention (--document-mask's BlockMask) is only fast compiled (eagerly: the whole (T, T)
+# scores), so compiled on first use; in a layer --compile compiles, the plain one joins its graph.
 @functools.cache
 def compiled_flex_attention():
-    """torch.compile(flex_attention), made on the first call and reused by every later one."""
     return torch.compile(flex_attention)
 
 
@@ -254,8 +250,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nkv, S, hd) with S = all positions so far
-        # Grouped-query attention: `enable_gqa` lets each group of nh/nkv query heads share one
-        # key/value head without copying k and v.
+        # Grouped-query attention: `enable_gqa` shares a k/v head among nh/nkv query heads, no copy.
         if isinstance(attn_mask, BlockMask):  # --document-mask by FlexAttention: no (T, T) mask
             y = fused_flex_attention(q, k, v, attn_mask, enable_gqa=nkv != nh)  # (B, nh, T, hd)
         elif callable(attn_mask):  # context parallelism's: keys and values from other ranks too
@@ -287,8 +282,7 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)), the MLP (feed_forward)
-    a mixture of experts if config.num_local_experts > 0."""
+    """Pre-norm residual block: x + attn(norm(x)), then + feed_forward(norm(.)), dense or MoE."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -326,9 +320,8 @@ class LlamaForPretraining(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Fill every parameter (initial_weight, by its name) and buffer (reset_buffers), as the
-        constructor does, or once a model built on the meta device has storage (to_empty).
-        seed None: one drawn from torch's global generator (torch.manual_seed decides it)."""
+        """Fill every parameter (initial_weight) and buffer (reset_buffers), as the constructor does
+        or once a meta-device model has storage (to_empty); seed None: drawn from torch's RNG."""
         seed = int(torch.randint(2**62, ())) if seed is None else seed
         reset_buffers(self, self.config)
         for name, param in self.named_parameters():
@@ -339,18 +332,16 @@ class LlamaForPretraining(nn.Module):
         attn_mask: torch.Tensor | BlockMask | Callable | None = None,
         kv_caches: list[KVCache] | None = None, position_ids: torch.Tensor | None = None,
     ):  # fmt: skip
-        """Run the decoder on input_ids (B, T). Without targets (B, T), the logits (B, T, vocab);
-        with them, (loss_sum, num_tokens): the cross-entropy summed over the targets that are not
-        IGNORE_INDEX (padding), and their number. The caller divides by the targets of the
-        *whole* global batch, so the gradient is the same however the batch is split (and
-        nn.DataParallel gathers two scalars per replica). A mixture of experts in training adds
-        coef x each sequence's balance loss x its targets (so divided: their weighted mean).
+        """input_ids (B, T) -> the logits (B, T, vocab); with targets (B, T), (loss_sum,
+        num_tokens): the cross-entropy summed over targets that are not IGNORE_INDEX (padding), and
+        their number. The caller divides by the *whole* global batch's count, so the gradient is
+        the same however the batch is split (and nn.DataParallel gathers two scalars per replica).
+        A mixture of experts in training adds coef x each sequence's balance loss x its targets.
 
-        attn_mask: None (plain causal attention, the fast path); a mask from masks.py for SDPA
-        (causal included, broadcasting to (B, heads, T, T)); a FlexAttention BlockMask (CUDA);
-        or attend(q, k, v, enable_gqa) -> (B, heads, T, head_dim) from each layer's rotated q and
-        k, v (lib/context_parallel.py's). position_ids: each token's position for RoPE, (T,) or (B,
-        T); None: 0..T-1 after a KV cache's tokens (context parallelism passes its slice's).
+        attn_mask: None (plain causal, the fast path); a masks.py mask for SDPA (causal included,
+        broadcasting to (B, heads, T, T)); a FlexAttention BlockMask (CUDA); or attend(q, k, v,
+        enable_gqa) -> (B, heads, T, head_dim) (lib/context_parallel.py's). position_ids: RoPE
+        positions, (T,) or (B, T); None: 0..T-1 after a KV cache's tokens (CP passes its slice's).
         """
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
@@ -400,14 +391,11 @@ class LlamaForPretraining(nn.Module):
 
 
 def initial_weight(config: LlamaConfig, name: str, shape, seed: int, device=None) -> torch.Tensor:
-    """The initial value of the parameter `name` (its name in LlamaForPretraining), whole: drawn
-    from a generator of its own, seeded by `seed` and the name. So the weights are the same
-    however the model is built: whole in one process, or on the meta device and sharded, each
-    rank drawing every parameter whole, one at a time, and keeping its own slice of it.
-
-    GPT-2's recipe: N(0, 0.02), and the two projections into the residual stream (wo, w2, an
-    expert's too) scaled by 1/sqrt(2 * layers), so that its variance stays about constant however
-    deep the model is; RMSNorm weights start at one."""
+    """The initial value of parameter `name` (as LlamaForPretraining names it), whole, from a
+    generator seeded by `seed` and the name: the same weights however the model is built (whole, or
+    on the meta device and sharded, each rank drawing every parameter whole and keeping its slice).
+    GPT-2's recipe: N(0, 0.02), the projections into the residual stream (wo, w2, experts' too)
+    scaled by 1/sqrt(2 * layers) to keep its variance with depth; RMSNorm weights start at one."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
     std = 0.02

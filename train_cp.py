@@ -119,8 +119,8 @@ def main():
         # Each rank its slice of its share (every forward gathers each layer: all run it); the
         # sums over all ranks: each target is in exactly one rank's slice.
         totals = training.evaluate(cp_model, val_loader, device, settings, doc_ids)
-        dist.all_reduce(totals)  # (loss sum, targets)
-        return totals[0] / totals[1]
+        dist.all_reduce(totals)  # (loss sum, targets, their bytes)
+        return totals
 
     saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
 

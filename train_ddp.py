@@ -85,8 +85,8 @@ def main():
     def evaluate() -> torch.Tensor:
         # Each rank its share, with the unwrapped model (no DDP hooks); the sums added up.
         totals = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(totals)  # (loss sum, targets)
-        return totals[0] / totals[1]
+        dist.all_reduce(totals)  # (loss sum, targets, their bytes)
+        return totals
 
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is

@@ -69,7 +69,7 @@ def main():
 
     def evaluate() -> torch.Tensor:
         totals = training.evaluate(dp_model, val_loader, device, settings, attn_mask)
-        return totals[0] / totals[1]
+        return totals
 
     def save(step: int) -> None:
         position = training.data_positions(batches)  # --streaming: where the stream is

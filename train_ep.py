@@ -119,8 +119,8 @@ def main():
     def evaluate() -> torch.Tensor:
         # Each rank its share (every forward all-gathers each layer: all run it); sums added up.
         totals = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(totals)  # (loss sum, targets)
-        return totals[0] / totals[1]
+        dist.all_reduce(totals)  # (loss sum, targets, their bytes)
+        return totals
 
     saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
 

@@ -130,17 +130,17 @@ def main():
         run = schedule.step if train else schedule.eval
         inputs, target = (x,) if is_first else (), y if is_last else None
         run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
-        # The last stage's (loss sum, targets), as one tensor; zeros on the other stages.
+        # The last stage's (loss sum, targets, their bytes); zeros on the other stages.
         loss_sum = sum(losses, torch.zeros((), device=device))
-        return torch.stack([loss_sum, (y != IGNORE_INDEX).sum() * is_last]).double()
+        return training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), val_loader) * is_last
 
     def evaluate() -> torch.Tensor:
         # Each pipeline its dp share, forward only: the last stage's sums, over pp, then over dp.
         with torch.no_grad():
             totals = sum(run_pipeline(x, y, 1.0, train=False) for x, y in val_loader)
         dist.all_reduce(totals, group=pp_group)
-        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets)
-        return totals[0] / totals[1]
+        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
+        return totals
 
     saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
 

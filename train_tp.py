@@ -119,8 +119,8 @@ def main():
         # added up over the dp groups (the tp ranks of a group hold the same).
         with vocab_parallel():
             totals = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets)
-        return totals[0] / totals[1]
+        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
+        return totals
 
     saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
 

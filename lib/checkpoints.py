@@ -1,8 +1,7 @@
 """A run's --out-dir: checkpoints and final files, written so that a kill at any moment loses
 nothing; one live run per directory (a lock); the checkpoint to resume from, checked to be this
-run's; the record of each start's settings (args.jsonl). A `.pt` checkpoint (train_dp.py,
-train_ddp.py, train_zero1.py) holds all a resumed run needs to go on exactly; the DCP
-checkpoints of train_fsdp.py and its successors are lib/sharded_checkpoints.py's.
+run's; each start's settings (args.jsonl). A `.pt` checkpoint (train_dp.py, train_ddp.py,
+train_zero1.py) holds all a resumed run needs to go on exactly; DCP's: lib/sharded_checkpoints.py.
 """
 
 import atexit
@@ -22,17 +21,17 @@ from pathlib import Path
 import torch
 
 from data import corpus_digest, tokenizer_digest
+from lib import files
 from lib.distributed import world_size_from_env
 from lib.exits import TrainingError
-from lib.files import TEMP_RE, atomic_save, atomic_write_text, list_checkpoints, load_checkpoint
+from lib.files import atomic_save, atomic_write_text, list_checkpoints
 from model import LlamaConfig
 
 
 @dataclasses.dataclass
 class TrainingState:
-    """What a checkpoint holds, besides the step, the RNG and the position in the data: the
-    objects a lesson trains with. scaler: the grad scaler (None in the sharded lessons, which
-    refuse fp16); config and tokenizer: what a resume checks it is the same run's."""
+    """What a checkpoint holds besides the step, RNG and data position. scaler: None in the sharded
+    lessons (they refuse fp16); config and tokenizer: what a resume checks is the same run's."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -50,11 +49,13 @@ def save_checkpoint(args, step: int, state: TrainingState, data_position=None) -
     path = os.path.join(out_dir, "checkpoints", f"step_{step:07d}.pt")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_save(state, path)
+        atomic_save(state, path, sums=True)
     except OSError as e:  # the disk is full, ...: say so in one line, not a traceback
         raise save_failed(path, e) from e
     for old in list_checkpoints(out_dir)[:-keep]:
         os.remove(old)
+        with contextlib.suppress(FileNotFoundError):  # (one from before checksums has none)
+            os.remove(f"{old}{files.SUMS}")
     return path
 
 
@@ -63,9 +64,14 @@ def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -
     reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
-    return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it are "
-                         f"intact: if the disk is full, make room, then run the same command "
-                         f"again to resume")  # fmt: skip
+    remedy = {errno.EACCES: "give this user permission to write there",
+              errno.EPERM: "give this user permission to write there",
+              errno.EROFS: "the filesystem is read-only: choose another --out-dir",
+              errno.EDQUOT: "raise the disk quota or make room"}.get(
+                  getattr(error, "errno", None), "if the disk is full, make room")  # fmt: skip
+    return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it "
+                         f"are intact: {remedy}, then run the same command again to "
+                         f"resume")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------
@@ -94,12 +100,11 @@ def checkpoint_state(state: TrainingState, step: int, args, data_position=None) 
 
 
 def resume(path: str | None, state: TrainingState, args) -> tuple[int, list[dict] | None]:
-    """(step, data position) to start from: (0, None) without a checkpoint to resume (path None);
-    else the checkpoint's, once loaded into the fresh model, optimizer, scheduler and scaler
-    (ValueError, changing nothing, if it is another run's: restore_checkpoint)."""
+    """(step, data position) to start from: (0, None) for path None; else the checkpoint's, once
+    loaded into `state` (ValueError, changing nothing, if another run's: restore_checkpoint)."""
     if path is None:
         return 0, None
-    from lib.resuming import restore_checkpoint  # only when resuming
+    from lib.resuming import load_checkpoint, restore_checkpoint  # only when resuming
 
     start = restore_checkpoint(load_checkpoint(path), state, args)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -108,11 +113,11 @@ def resume(path: str | None, state: TrainingState, args) -> tuple[int, list[dict
 
 
 def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
-    """model.pt (a plain state_dict of `model`; or written by `model`, a function of its path:
-    a sharded lesson's, one tensor at a time), config.json and tokenizer.json: all
-    tools/generate.py needs; and tokenizer_config.json, naming the special tokens as Hugging Face
-    does (lib/hf_tokenizer.py)."""
+    """model.pt (`model`'s state_dict, or written by `model`, a function of its path: a sharded
+    lesson's, one tensor at a time), config.json, tokenizer.json (all tools/generate.py needs) and
+    tokenizer_config.json, naming the special tokens as Hugging Face does."""
     path = os.path.join(out_dir, "model.pt")
+    config = dataclasses.replace(config, tokenizer_sha256=tokenizer_digest(tokenizer))
     if isinstance(model, torch.nn.Module):
         atomic_save(model.state_dict(), path)
     else:
@@ -125,11 +130,9 @@ def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
 
 # -------------------------------------------------------------------------------------------------
 # The out-dir itself: one live run per directory, a killed run's debris cleared, and the
-# checkpoint to resume from chosen (lib/sharded_checkpoints.py chooses among DCP directories
-# likewise)
+# checkpoint to resume from chosen (lib/sharded_checkpoints.py likewise among DCP directories)
 
-# One run per --out-dir (two would mix their files): the process that writes files holds a lock
-# on this file for its whole life, and writes who it is into it, for a run it keeps out.
+# One run per --out-dir (two would mix files): its writer locks this file for life, named in it.
 LOCK_FILE = ".lock"
 _held_locks: dict[str, object] = {}  # out-dir -> its open lock file, in the process holding it
 
@@ -171,8 +174,7 @@ def lock_out_dir(out_dir: str) -> None:
 
 
 def release_out_dir() -> None:
-    """At exit: empty the lock file, then release it (not deleted: two runs could then lock two
-    files of that name)."""
+    """At exit: empty, then release the lock file (if deleted, two runs could lock two files)."""
     for f in _held_locks.values():
         f.truncate(0)
         f.close()
@@ -194,16 +196,22 @@ def make_out_dir(args) -> None:
         raise ValueError(f"--out-dir {args.out_dir} cannot be created or written: {e}") from e
     for folder in (args.out_dir, os.path.join(args.out_dir, "checkpoints")):
         if os.path.isdir(folder):
-            for name in os.listdir(folder):
-                if TEMP_RE.search(name):
+            names = os.listdir(folder)
+            for name in names:  # and checksums whose checkpoint was never renamed into place
+                orphan = name.endswith(f".pt{files.SUMS}") and name[: -len(files.SUMS)] not in names
+                if files.TEMP_RE.search(name) or orphan:
                     os.remove(os.path.join(folder, name))
 
 
 def prepare_out_dir(args) -> str | None:
     """make_out_dir, then the checkpoint to resume from (None: start fresh), which
     lib/resuming.py chooses where an earlier run left anything (imported only then)."""
-    if args.resume not in ("never", "auto") and not os.path.isfile(args.resume):
-        raise ValueError(f"--resume: no checkpoint file at {args.resume}")
+    if args.resume not in ("never", "auto"):  # (checked before the out-dir is made)
+        if not os.path.isfile(args.resume):
+            raise ValueError(f"--resume: no checkpoint file at {args.resume}")
+        from lib.resuming import load_checkpoint
+
+        load_checkpoint(args.resume)  # intact and readable? (ValueError: what is wrong)
     make_out_dir(args)
     if args.resume in ("never", "auto") and not earlier_run(args.out_dir):
         return None
@@ -220,9 +228,8 @@ def earlier_run(out_dir: str) -> bool:
 
 
 def record_run(args, settings, start_step: int) -> None:
-    """Add a line to OUT_DIR/args.jsonl for this start (a resume may change --max-steps, ...):
-    every flag's final value, the settings derived (flags.RunSettings), the command and the step
-    it starts from; rewritten whole and atomically, once every check has passed."""
+    """A line in OUT_DIR/args.jsonl for this start (a resume may change --max-steps, ...): the
+    flags, flags.RunSettings, the command and start step; written atomically once checks pass."""
     path = os.path.join(args.out_dir, "args.jsonl")
     record = {
         "script": os.path.basename(sys.argv[0]), "command": shlex.join(sys.argv),

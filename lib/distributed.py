@@ -1,14 +1,13 @@
-"""What the lessons' processes share: torchrun's ranks, the process group's store, and the rules
-every rank keeps in it.
+"""What the lessons' processes share: torchrun's ranks, the process group's store, the rules every
+rank keeps in it; and at the end, the one place for the torch APIs newer than 2.11 that it uses.
 
     rank, local_rank, world_size, device = distributed.torchrun_rank()
     options = distributed.group_options(args, device)  # backend, store, device
     dist.init_process_group(rank=rank, world_size=world_size, **options)
-
-The torch APIs newer than 2.11 that the suite uses are at the end: the one place for them.
 """
 
 import contextlib
+import datetime
 import inspect
 import os
 import signal
@@ -22,14 +21,12 @@ from lib.exits import TrainingError, end_with_parent, failure_store
 
 
 def torchrun_rank() -> tuple[int, int, int, torch.device]:
-    """(rank, local_rank, world_size, device) of this process, from torchrun's environment
-    (RANK, LOCAL_RANK: its index on its own machine, WORLD_SIZE); rank 0 of 1 without torchrun.
-    The device comes from the *local* rank, so the same code runs on one node or many:
-    cuda:LOCAL_RANK (made the current GPU), or the CPU without CUDA."""
+    """(rank, local_rank, world_size, device) from torchrun's environment (RANK, LOCAL_RANK: the
+    index on its own machine, WORLD_SIZE); rank 0 of 1 without torchrun. The device follows the
+    *local* rank, so one node or many run the same code: cuda:LOCAL_RANK (made current), or CPU."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun passes its SIGTERM on to its workers, but killed (SIGKILL, the OOM killer) it
-        # cannot: the kernel then sends this rank SIGTERM, and it stops as on torchrun's
-        # (lib/loop.py's StopRequest) rather than train on, an orphan no one watches or restarts.
+        # torchrun passes its SIGTERM on, but killed (SIGKILL, OOM) it cannot: the kernel then
+        # sends this rank SIGTERM, and it stops (StopRequest) rather than train on as an orphan.
         end_with_parent(signal.SIGTERM)
     # Set without RANK by run_ddp.sh's --check: one process checks the flags for that many.
     world_size = world_size_from_env()
@@ -46,9 +43,8 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
 
 
 def group_options(args, device: torch.device) -> dict:
-    """init_process_group's options besides rank and world size: the backend (backend_for), the
-    store where the ranks meet (rendezvous_store: torchrun's) and, on a GPU, the device (NCCL
-    then binds the group to it at once)."""
+    """init_process_group's options but rank and world size: the backend, the store where the ranks
+    meet (rendezvous_store) and, on a GPU, the device (NCCL then binds the group to it at once)."""
     return {
         "backend": backend_for(args.backend, device),
         "store": rendezvous_store(),
@@ -64,19 +60,32 @@ def backend_for(flag: str | None, device: torch.device) -> str:
     return backend
 
 
+HAND_STARTED_WAIT = datetime.timedelta(minutes=5)  # ranks started by hand, with no torchrun
+
+
 def rendezvous_store() -> dist.Store:
-    """Where the ranks meet to form the process group (init_process_group's store). Under
-    torchrun: its env:// rendezvous at the MASTER_ADDR and MASTER_PORT it sets, with a key
-    prefix per restart attempt (--max-restarts): the store can still hold the last attempt's
-    addresses, and a new worker connect to its dead predecessor (seen with torch 2.13 and gloo).
-    Plain `python train_ddp.py`: a group of one, in memory: the same code at every size."""
+    """Where the ranks meet. Under torchrun: its env:// rendezvous, a key prefix per restart attempt
+    (--max-restarts): else a new worker may find the last attempt's address and connect to its dead
+    predecessor (torch 2.13, gloo). Plain `python train_ddp.py`: a group of one, in memory."""
     if "RANK" not in os.environ:
         if world_size_from_env() > 1:  # (run_ddp.sh's --check stops before it joins a group)
             raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without torchrun: launch the "
                              f"processes with torchrun (or run_ddp.sh), or leave WORLD_SIZE unset "
                              f"for one process")  # fmt: skip
         return dist.HashStore()
-    store, _, _ = next(dist.rendezvous("env://"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        store, _, _ = next(dist.rendezvous("env://"))
+    else:  # ranks started by hand: say what it waits for, and for how long
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        print(f"rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')} (no torchrun): waiting "
+              f"up to {HAND_STARTED_WAIT.seconds} s for the others at {where}", flush=True)
+        try:
+            store, _, _ = next(dist.rendezvous("env://", timeout=HAND_STARTED_WAIT))
+        except (dist.DistError, RuntimeError, ValueError) as e:  # the others never came
+            raise TrainingError(f"the {os.environ.get('WORLD_SIZE')} ranks never all met at "
+                                f"{where} ({str(e).strip().splitlines()[0][:120]}): start every "
+                                f"RANK from 0 with the same MASTER_ADDR, MASTER_PORT and "
+                                f"WORLD_SIZE, or launch with torchrun") from e  # fmt: skip
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     failure_store.append(dist.PrefixStore(f"attempt_{attempt}", store))  # (exits.say_once)
     return failure_store[-1]
@@ -119,10 +128,9 @@ def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
 
 
 def from_rank0(fn, is_main: bool, *args):
-    """Run fn(*args) on global rank 0 alone; every rank gets its result, or raises its error
-    (a ValueError or TrainingError). For what only the writing rank may do (create --out-dir,
-    choose the checkpoint to resume from, save one): without it the others would learn of a
-    failure on rank 0 only by waiting forever in the next collective."""
+    """Run fn(*args) on global rank 0 alone; every rank gets its result or raises its error (a
+    ValueError or TrainingError). For what only the writing rank may do (create --out-dir, choose
+    or save a checkpoint): else the others would learn of its failure by waiting forever."""
     box = [None, None]  # [result, error]
     if is_main:
         try:
@@ -147,35 +155,30 @@ def main_process_first() -> Iterator[None]:
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
-    # LOCAL_RANK (set by torchrun) rather than the global rank: with a cache on each node's
-    # local disk, every node needs its own first process.
+    # LOCAL_RANK (torchrun's), not the global rank: each node's local-disk cache needs a first.
     is_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     if not is_first:
         dist.barrier()  # wait until the first processes are done
     try:
         yield
     finally:
-        # Release the others even if the body raised: they then hit the same error and exit
-        # cleanly, instead of waiting at the barrier forever.
+        # Even if the body raised: the others then meet the same error, not a barrier forever.
         if is_first:
             dist.barrier()
 
 
 # -------------------------------------------------------------------------------------------------
-# The torch APIs the suite uses that are newer than the oldest it supports (2.11), in one place:
-# each a feature check (no version comparison), the new API where this torch has it, the older
-# equivalent where not. Everything else is the same call on every torch from 2.11 to 2.15.
+# The torch APIs newer than the oldest supported (2.11): each a feature check (no version compared),
+# the new API where present, else the older one. All else is the same call on torch 2.11 to 2.15.
 
-# DDP(forward_sync_buffers=False), torch 2.13: no re-broadcast of the buffers before every
-# forward. Before, broadcast_buffers=False, which also skips the initial sync: the same for
-# buffers every rank computes identically (this model's only ones are its RoPE tables).
+# DDP(forward_sync_buffers=False), torch 2.13: no buffer broadcast before every forward. Before,
+# broadcast_buffers=False, also skipping the first sync: the same here (buffers: RoPE tables only).
 NO_FORWARD_BUFFER_SYNC = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else {"broadcast_buffers": False}
 )
 
-# dist.all_gather_single and dist.reduce_scatter_single, torch 2.13; the same calls were named
-# all_gather_into_tensor and reduce_scatter_tensor before (deprecated since 2.13).
+# torch 2.13's names; before, all_gather_into_tensor and reduce_scatter_tensor (deprecated since).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

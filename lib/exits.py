@@ -1,8 +1,7 @@
 """How every script ends: `run(main)` wraps its main(), so that bad input (ValueError), a failed
 run (TrainingError) or too little memory ends in one line on stderr and an exit code, not a
-traceback, and a training loop stopped on a signal (`Stopped`, lib/loop.py's StopRequest) says
-so and exits with 128 + the signal. And the processes a run starts end with it.
-"""
+traceback, and a stop on a signal (`Stopped`, lib/loop.py's StopRequest) says so and exits with
+128 + the signal. And the processes a run starts end with it."""
 
 import atexit
 import ctypes
@@ -31,11 +30,10 @@ class Stopped(Exception):
 
 
 def run(main: Callable[[], None], os_exit: bool = False) -> None:
-    """Call a script's main(); a known failure ends in one line on stderr (say_once), not a
-    traceback. Exit codes: 2 for bad input (ValueError), 1 for a failed run (TrainingError, out
-    of memory) or anything else (a bug: every rank prints its traceback), 128 + the signal's
-    number after a stop on one (130 for Ctrl-C, 143 for SIGTERM, as a shell reports that
-    signal's kill): whatever watches the run sees "cut short", not "done".
+    """Call a script's main(); a known failure ends in one line on stderr (say_once). Exit codes:
+    2 for bad input (ValueError), 1 for a failed run (TrainingError, out of memory) or anything
+    else (a bug: every rank prints its traceback), 128 + the signal after a stop on one (130 for
+    Ctrl-C, 143 for SIGTERM, as a shell reports a kill): a watcher sees "cut short", not "done".
     os_exit (the lessons that join a process group): end with end_process."""
     rank = os.environ.get("RANK", "0")  # not a number: this process says so (lib/distributed.py)
     is_main = not rank.strip().isdecimal() or int(rank) == 0
@@ -51,9 +49,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
                 print(f"stopped at step {stopped[0]}, checkpoint saved; run the same command to "
                       f"resume", flush=True)  # fmt: skip
             if dist.is_initialized():
-                # Here, not in the loop: main's frames (DDP's reducer, the DataLoader workers)
-                # are gone. The barrier keeps every rank until rank 0 has said so (and written its
-                # files): torchrun stops the other workers when one exits with an error.
+                # Here, main's frames (DDP's reducer, loader workers) are gone; the barrier keeps
+                # all ranks until rank 0 has said so: torchrun stops all once one exits in error.
                 dist.barrier()
                 dist.destroy_process_group()
             code = 128 + stopped[1]
@@ -73,11 +70,15 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
     except BaseException as e:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
         # Caught rather than left to the interpreter, so that under torchrun this process too
         # ends with end_process. Out of memory is no bug: one line, with what to change.
-        if (memory := out_of_memory(e)) is None:
-            traceback.print_exc()
-        else:
+        if (memory := out_of_memory(e)) is not None:
             say_once(f"error: out of memory: {memory} (a smaller --micro-batch-size or model "
                      f"needs less)", is_main)  # fmt: skip
+        elif peer_ended(e):
+            say_once("error: another process of this run ended (killed, or failed: see its own "
+                     "output), so this one cannot go on; the checkpoints are intact: run the same "
+                     "command to resume", is_main)  # fmt: skip
+        else:
+            traceback.print_exc()
         code = 1
     if os_exit:
         end_process(code)
@@ -93,15 +94,24 @@ def out_of_memory(e: BaseException) -> str | None:
     return details.split(". Error code")[0] if found and isinstance(e, RuntimeError) else None
 
 
+def peer_ended(e: BaseException) -> bool:
+    """Whether a collective failed because another process of the run is gone (gloo's and
+    NCCL's errors for a connection the other side closed)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                            "Broken pipe", "NCCL communicator was aborted", "remote process exited")
+    )  # fmt: skip
+
+
 failure_store: list[dist.Store] = []  # distributed.rendezvous_store's, under torchrun
 FAILURE_WAIT = 30  # seconds: rank 0 meets a failure every rank meets within moments of them
 
 
 def say_once(line: str, is_main: bool) -> None:
-    """Print `line` on stderr on rank 0; another rank waits (up to FAILURE_WAIT s) until rank 0
-    has: torchrun stops all workers once one exits with an error, maybe rank 0 before its line is
-    out. A failure that rank 0 never says (it met none) is said by the rank that met it, and any
-    rank's where no torchrun gathers the ranks' output (RANK set by hand, a leftover)."""
+    """Print `line` on stderr on rank 0; the others wait (up to FAILURE_WAIT s) until it has: once
+    one exits, torchrun stops all, maybe rank 0 before its line is out. A failure rank 0 never
+    meets is said by the rank that met it, as is any where no torchrun gathers the output."""
     if is_main:
         print(line, file=sys.stderr, flush=True)
     elif not failure_store and "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -118,10 +128,9 @@ def say_once(line: str, is_main: bool) -> None:
 
 
 def end_process(code: int) -> None:
-    """Exit with `code` after the atexit handlers, without the interpreter's own teardown:
-    torch.distributed's C++ objects outlive destroy_process_group() (FSDP keeps the gloo group),
-    and freeing them after Python has shut down aborts the process ("terminate called without an
-    active exception"), which torchrun reports as a failure. Every file is written by now."""
+    """Exit with `code` after the atexit handlers, without the interpreter's teardown (all files
+    are written): freeing torch.distributed's C++ objects, which outlive destroy_process_group(),
+    after shutdown aborts ("terminate called without an active exception"), a torchrun failure."""
     atexit._run_exitfuncs()  # what a normal exit runs first; emptied, so it never runs twice
     sys.stdout.flush()
     sys.stderr.flush()
@@ -129,18 +138,17 @@ def end_process(code: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# The processes of a run: the signals that stop a training loop cleanly (lib/loop.py's
-# StopRequest): Ctrl-C (SIGINT), SIGTERM (kill, a scheduler's preemption) and SIGUSR1 (the early
-# warning that slurm_ddp.sbatch asks Slurm for, before the time limit)
+# The processes of a run. The signals that stop a training loop cleanly (StopRequest): Ctrl-C
+# (SIGINT), SIGTERM (kill, preemption), SIGUSR1 (slurm_ddp.sbatch's warning before the time
+# limit), SIGHUP (the terminal or SSH closed), SIGQUIT (Ctrl-\\); torchrun passes each on.
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker ignores STOP_SIGNALS, which Ctrl-C and Slurm send to every process of
-    a job: killed, it would fail the step in flight; the training process ends it itself
-    (training._start_loader). Deaf to SIGTERM, it must never outlive the training process: the
-    kernel kills it when its parent exits (the DataLoader only checks between batches)."""
+    """A DataLoader worker ignores STOP_SIGNALS, which Ctrl-C and Slurm send to all of a job's
+    processes (killed, it would fail the step in flight; training._start_loader ends it). Deaf to
+    SIGTERM, it must not outlive its parent: the kernel kills it when the parent exits."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     parent = multiprocessing.parent_process()  # the training process (with any start method)
@@ -151,10 +159,9 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def end_with_parent(signum: int, parent: int | None = None) -> None:
-    """Linux: have the kernel send `signum` to this process when its parent exits (prctl's
-    PR_SET_PDEATHSIG), however it ends: a SIGKILL passes nothing on to children, who would run
-    on as orphans. Elsewhere (or should prctl fail), nothing. `parent`: its pid, if known; if it
-    exited before this call, `signum` comes now."""
+    """Linux: have the kernel send `signum` to this process when its parent exits, however it ends
+    (prctl's PR_SET_PDEATHSIG): a SIGKILL passes nothing on, and children would run on as orphans.
+    Elsewhere, or if prctl fails, nothing. `parent`: its pid if known; already gone: signum now."""
     if not sys.platform.startswith("linux"):
         return
     try:

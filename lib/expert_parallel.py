@@ -56,7 +56,8 @@ def describe(args, dp: int, num_experts: int, world_size: int) -> tuple[str, dic
     """train_ep.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
     fsdp, plan = sharding.describe(args, world_size)
     text = f"experts: {num_experts} per layer over the {args.ep} ranks of each EP group "
-    text += f"({num_experts // args.ep} each), {dp} groups; the experts' FSDP over {dp} ranks; "
+    text += f"({num_experts // args.ep} each), {dp} group{'s' * (dp > 1)}; the experts' FSDP over "
+    text += f"{dp} rank{'s' * (dp > 1)}; "
     return text + fsdp, dict(plan, ep=args.ep)
 
 

@@ -1,36 +1,39 @@
-"""Files written whole, and checkpoint files found and read: every file of a run is written to a
-temporary name beside it, flushed to disk, then renamed over it (os.replace is atomic on POSIX),
-so a kill leaves the old file or the new, never half.
-"""
+"""Files written whole, checkpoint files found, and their checksums. Every file of a run is written
+to a temporary name beside it, flushed to disk, then renamed over it (os.replace is atomic on
+POSIX), so a kill leaves the old file or the new, never half."""
 
+import concurrent.futures
 import contextlib
+import json
 import os
 import re
+import zlib
 
 import torch
 
 CHECKPOINT_RE = re.compile(r"step_(\d+)\.pt")  # a whole file name: step_0000100.pt
-# train_fsdp.py's (and train_tp.py's, train_pp.py's): a DCP directory per step, step_0000100/
-CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")
+CHECKPOINT_DIR_RE = re.compile(r"step_(\d+)")  # train_fsdp.py and later: a DCP directory per step
 TEMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_save/atomic_write_text write before renaming
 
 
-def atomic_save(obj, path: str, write=torch.save) -> None:
-    """write(obj, f) into a temporary file beside `path`, flushed to disk, renamed over `path`."""
+def atomic_save(obj, path: str, write=torch.save, sums: bool = False) -> None:
+    """write(obj, f) into a temporary file beside `path`, flushed to disk, renamed over `path`;
+    sums: a checkpoint's, with its checksums beside it (PATH.sums, written before the rename)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             write(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if sums:
+            write_sums({os.path.basename(path): checksums(tmp)}, f"{path}{SUMS}")
         os.replace(tmp, path)
     except Exception as e:
         # A full disk, say: remove the partial file (its space is needed); `path` is untouched.
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
-            # torch.save's zip writer wraps a failed write in a RuntimeError: raise the OSError
-            raise e.__context__ from e
+            raise e.__context__ from e  # torch.save's zip writer wraps it in a RuntimeError
         raise
 
 
@@ -47,12 +50,27 @@ def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[
     return [os.path.join(ckpt_dir, name) for _, name in sorted(found)]
 
 
-def load_checkpoint(path: str) -> dict:
-    """Load a checkpoint file; ValueError (with the reason) if it cannot be read."""
+# -------------------------------------------------------------------------------------------------
+# Checksums: a checkpoint proves itself. Each file's CRC-32 per CHUNK bytes, written beside it
+# when saved and checked before it is read: a flipped bit (a disk, a copy) is found and named,
+# never trained on. Summed on threads (zlib frees the GIL), from the page cache the write filled.
+
+SUMS = ".sums"  # step_0000100.pt.sums; a DCP checkpoint's directory holds one for all its files
+CHUNK = 64 * 2**20
+
+
+def checksums(path: str, chunk: int = CHUNK) -> list[int]:
+    """The CRC-32 of each `chunk` bytes of the file."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        # weights_only=True: unpickling may only rebuild tensors and plain containers, never run
-        # code, so a checkpoint from someone else cannot execute anything on this machine.
-        # mmap=True: tensors are paged in from the file as they are used, not read up front.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+        with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            crcs = pool.map(lambda at: zlib.crc32(os.pread(fd, chunk, at)), range(0, size, chunk))
+            return list(crcs)
+    finally:
+        os.close(fd)
+
+
+def write_sums(sums: dict[str, list[int]], path: str) -> None:
+    """`sums` ({file name: its checksums}) into `path`, a JSON file beside those files."""
+    atomic_write_text(path, json.dumps({"chunk": CHUNK, "crc32": sums}))

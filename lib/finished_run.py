@@ -15,7 +15,7 @@ import zipfile
 
 import torch
 
-from data import DocumentTokenizer, load_tokenizer
+from data import DocumentTokenizer, load_tokenizer, tokenizer_digest
 from lib.files import CHECKPOINT_DIR_RE, list_checkpoints
 from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
@@ -57,6 +57,8 @@ def check_config_values(hf: dict) -> None:
     ]
     if "tie_word_embeddings" in hf and not isinstance(hf["tie_word_embeddings"], bool):
         bad.append(f"tie_word_embeddings {hf['tie_word_embeddings']!r}")
+    if not isinstance(hf.get("tokenizer_sha256", ""), str):
+        bad.append(f"tokenizer_sha256 {hf['tokenizer_sha256']!r}")
     coef = hf.get("router_aux_loss_coef", 0)  # may be 0: no balance loss
     if coef != 0 and not is_number(coef):
         bad.append(f"router_aux_loss_coef {coef!r}")
@@ -79,6 +81,15 @@ def load_config(out_dir: str) -> LlamaConfig:
         return LlamaConfig(**fields)
     except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
         raise ValueError(f"{config_path} is not a config.json of this suite ({e})") from e
+
+
+def check_tokenizer(config: LlamaConfig, tokenizer, where: str) -> None:
+    """ValueError unless `tokenizer` is the one the model was trained with, by the fingerprint
+    its config.json records (an out-dir from before fingerprints has none: not checked)."""
+    if config.tokenizer_sha256 not in (None, tokenizer_digest(tokenizer)):
+        raise ValueError(f"{where}/tokenizer.json is not the tokenizer this model was trained "
+                         f"with (config.json records another one's sha256): put back the run's "
+                         f"own tokenizer.json")  # fmt: skip
 
 
 def unfinished(out_dir: str, missing: list[str]) -> str | None:
@@ -145,6 +156,7 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
     config = load_config(out_dir)
     config_path = os.path.join(out_dir, "config.json")
     tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))
+    check_tokenizer(config, tokenizer, out_dir)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only "

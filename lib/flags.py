@@ -5,8 +5,7 @@
     settings = flags.run_settings(parser, args, devices, device)  # checked; micro-batch, ...
 
 Tools and tests drive the scripts by these flags' names: keep them stable. Every check runs
-before any data is read. Any flag can also come from `--config FILE` (lib/config_file.py).
-"""
+before any data is read. Any flag can also come from `--config FILE` (lib/config_file.py)."""
 
 import argparse
 import importlib.util
@@ -24,12 +23,9 @@ from lib.distributed import backend_for, divide_ranks, rank_from_env, world_size
 from model import LlamaConfig, count_active_parameters, count_parameters
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and [PAD], [BOT], [EOT]
-# Past any real tokenizer's (Llama 3: 128,256); tokenizers' trainer allocates for it up front.
-MAX_VOCAB_SIZE = 2**20
-# torch seeds are 64-bit; epoch e of the data order is seeded with --seed + e, which must fit too.
-MAX_SEED = 2**63 - 1
-# --skip-nonfinite: this many skipped steps in a row stop the run (lib/loop.py's NonFiniteGuard).
-MAX_SKIPPED_IN_A_ROW = 10
+MAX_VOCAB_SIZE = 2**20  # past any real one (Llama 3: 128,256); the trainer allocates it up front
+MAX_SEED = 2**63 - 1  # torch seeds are 64-bit, and epoch e's (--seed + e) must fit too
+MAX_SKIPPED_IN_A_ROW = 10  # --skip-nonfinite: this many in a row stop the run (NonFiniteGuard)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,9 +36,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag raises ValueError instead of printing and exiting at once:
-    exits.run prints it once (on global rank 0, not once per process under torchrun) and
-    exits with 2, as argparse would. Flags are never abbreviated (--mode is not --model)."""
+    """argparse, but a bad flag raises ValueError: exits.run prints it once (on global rank 0, not
+    per torchrun process) and exits with 2, as argparse would. No prefixes: --mode isn't --model."""
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
@@ -136,6 +131,10 @@ def build_parser(description: str, distributed: bool = False,
                    f"{MAX_SKIPPED_IN_A_ROW} in a row)")
     g.add_argument("--weight-decay", type=number_arg(float, 0), default=0.1,
                    help="AdamW decay of matrices")
+    g.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="muon: Muon "
+                   "for the decoder layers' matrices, AdamW for the rest (lib/muon.py)")
+    g.add_argument("--muon-lr", type=number_arg(float, 0, low_open=True), default=0.02,
+                   help="Muon's peak learning rate (--optimizer muon; the schedule as --lr's)")
     g.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=1337,
                    help="seed of weights and data order (epoch e's: seed + e)")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
@@ -180,8 +179,7 @@ def build_parser(description: str, distributed: bool = False,
 
 
 def add_special_token_flags(group) -> None:
-    """--bot-token, --eot-token, --pad-token: the train scripts', and tools/export_hf.py
-    --from-hf's."""
+    """--bot-token, --eot-token, --pad-token: the train scripts' and export_hf.py --from-hf's."""
     for role, what, examples in (
         ("bot", "begins each document", "<|begin_of_text|>, <s>, <|endoftext|>"),
         ("eot", "ends each document", "<|end_of_text|>, </s>, <|endoftext|>"),
@@ -274,15 +272,13 @@ def run_settings(
     parser, args, devices: int, device: torch.device, replicas: int = 1,
     default_micro_batch_size: int | None = None, context_parallel: bool = False, fp16: bool = True,
 ) -> RunSettings:  # fmt: skip
-    """Check the flags against each other, the processes and the device; return the settings.
-
-    devices: how many devices share one global batch (GPUs under DataParallel, ranks under DDP,
-    data-parallel groups under TP and PP); replicas, context_parallel: masks.resolve_attention's;
-    default_micro_batch_size: without --micro-batch-size (None: --batch-size / devices);
-    fp16=False: a lesson with no loss scaling of its sharded gradients refuses --precision fp16.
-    ValueError (parser.error) on any inconsistency. With --micro-batch-size auto, micro_batch_size
-    is None until auto_batch.auto_micro_batch_size has measured it on the GPU.
-    """
+    """Check the flags against each other, the processes and the device (ValueError through
+    parser.error); return the settings. devices: how many share one global batch (GPUs under
+    DataParallel, ranks under DDP, data-parallel groups under TP and PP); replicas,
+    context_parallel: masks.resolve_attention's; default_micro_batch_size: without
+    --micro-batch-size (None: --batch-size / devices); fp16=False: refuse --precision fp16 (no
+    loss scaling of sharded gradients). --micro-batch-size auto: micro_batch_size None until
+    auto_batch.auto_micro_batch_size has measured it on the GPU."""
     # Each number's own range was checked as it was parsed (number_arg).
     rank_from_env("RANK", world_size := world_size_from_env())  # ValueError unless valid
     if world_size > 1 and not hasattr(args, "backend"):  # (--backend: the torchrun scripts')
@@ -330,8 +326,7 @@ def run_settings(
         parser.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
                      f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step "
                      f"sees exactly the global batch")  # fmt: skip
-    # The model, its tokenizer and the sequence length are known now: refuse them before minutes
-    # of data preparation, not after (model_config.model_source).
+    # Model, tokenizer and sequence length: checked now, not after minutes of data preparation.
     try:
         model, tokenizer, config = model_config.model_source(args)
     except ValueError as e:

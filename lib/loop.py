@@ -1,6 +1,5 @@
-"""What every lesson's training loop does around its step, written once: the start-up summary,
-the progress bar, the non-finite guard, and after each step the log, the evaluation, the
-checkpoint and the stop on a signal, each when it is due.
+"""What every lesson's loop does around its step, written once: the start-up summary, the progress
+bar, the non-finite guard and, after each step, the log, evaluation, checkpoint and stop on signals.
 
     loop = TrainingLoop(args, settings, state, device, start_step)
     for step in loop:                                   # the progress bar; steps count from 0
@@ -12,9 +11,10 @@ checkpoint and the stop on a signal, each when it is due.
 
 A lesson's `evaluate()` returns the validation loss (its collectives on the sums are the lesson's
 own), and `save(step)` writes a checkpoint (.pt from rank 0, or DCP shards from every rank).
-Every rank takes the same decisions at the same step, so no collective is ever left waiting.
-"""
+Every rank takes the same decisions at the same step, so no collective is ever left waiting."""
 
+import contextlib
+import math
 import os
 import signal
 import sys
@@ -36,9 +36,8 @@ class TrainingLoop:
 
     def __init__(self, args, settings, state: TrainingState, device, start_step: int,
                  layout: str | None = None, **plan):  # fmt: skip
-        """state: what the lesson trains (lib/checkpoints.py); layout: its description of how the
-        model is spread over the ranks, printed at start-up; plan: the same layout for --plan
-        (lib/memory.py's estimate_for_run: tp, pp, cp, ep, replicate, ...)."""
+        """state: what the lesson trains; layout: how the model is spread over the ranks, printed
+        at start-up; plan: the same for --plan (memory.estimate_for_run's tp, pp, cp, ep, ...)."""
         config = state.config
         self.args, self.model, self.optimizer = args, state.model, state.optimizer
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
@@ -66,8 +65,6 @@ class TrainingLoop:
         for step in self.bar:
             self.lr = self.optimizer.param_groups[0]["lr"]  # this step's, logged after it
             yield step
-        # After the last step, no collective of the stop request is left in flight: its handle
-        # would outlive the process group and can abort the process at exit.
         self.stop_request.finish()
 
     def step_ok(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
@@ -79,13 +76,11 @@ class TrainingLoop:
                    save) -> None:  # fmt: skip
         """After the optimizer step, on every rank alike:
         1. a stop requested by a signal on any rank is agreed on by all (a collective);
-        2. before anything is logged, evaluated or saved, a NaN/inf since the last check stops
-           the run (the last checkpoint stays the last good state);
+        2. a NaN/inf since the last check stops the run before any log, evaluation or save;
         3. every --log-interval steps, the loss, learning rate, throughput and gradient norm
            (reading a value from the GPU waits for it: only then, so the queue stays full);
-        4. every --eval-interval steps, evaluate(): the validation loss;
-        5. every --save-interval steps, and at a stop, save(step): a checkpoint;
-        6. at a stop, Stopped, which exits.run reports (exit code 128 + the signal).
+        4. every --eval-interval steps evaluate(), every --save-interval steps (and at a stop) save;
+        5. at a stop, Stopped, which exits.run reports (exit code 128 + the signal).
         The last step logs, evaluates and saves whatever the intervals."""
         self.throughput.step()
         done = step + 1
@@ -105,8 +100,13 @@ class TrainingLoop:
             self.metrics.log(step=done, loss=value, lr=self.lr, **figures,
                              grad_norm=grad_norm.item(), **router_figures(self.model))  # fmt: skip
         if do_eval:
-            self.metrics.log_validation(done, evaluate().item())
+            loss_sum, targets, text_bytes = evaluate().tolist()  # (a lesson's evaluate's sums)
+            bits_per_byte = loss_sum / math.log(2) / text_bytes if text_bytes else math.nan
+            self.metrics.log_validation(done, loss_sum / targets, bits_per_byte)
             self.throughput.restart()  # keep evaluation time out of the tokens/s figure
+        if stop and self.is_main:  # every rank has it: all stop after this step, and save it
+            name = signal.Signals(self.stop_request.signal).name
+            tqdm.write(f"{name}: stopping after step {done}, with a checkpoint")
         if do_save:
             save(done)
             self.throughput.restart()
@@ -119,12 +119,11 @@ class TrainingLoop:
 
 
 class NonFiniteGuard:
-    """Notices the first step whose loss (or gradient norm) is NaN or infinite. The run stops at
-    the next check, which the loop makes before it logs, evaluates or saves: the error names the
-    step, and the last checkpoint stays the last good state; between checks the step is
-    recorded on the device, with no wait for the GPU. With --skip-nonfinite, such a step's
-    update is skipped instead (each step then waits for the GPU once, to decide), but
-    MAX_SKIPPED_IN_A_ROW in a row stop the run: one that stays broken would "train" on."""
+    """Notices the first step whose loss (or gradient norm) is NaN or infinite, recorded on the
+    device with no wait for the GPU; the next check, before the loop logs, evaluates or saves,
+    stops the run naming the step, so the last checkpoint stays the last good state. With
+    --skip-nonfinite such a step's update is skipped instead (each step then waits for the GPU
+    once), but MAX_SKIPPED_IN_A_ROW in a row stop it: a run that stays broken would "train" on."""
 
     MAX_SKIPPED_IN_A_ROW = MAX_SKIPPED_IN_A_ROW  # (lib/flags.py: --skip-nonfinite's help)
 
@@ -169,8 +168,7 @@ class NonFiniteGuard:
 
 
 # -------------------------------------------------------------------------------------------------
-# A clean stop on a signal: Ctrl-C (SIGINT), SIGTERM (kill, a scheduler's preemption) and SIGUSR1
-# (the early warning that slurm_ddp.sbatch asks Slurm for, before the time limit)
+# A clean stop on a signal (exits.STOP_SIGNALS: Ctrl-C, SIGTERM, Slurm's SIGUSR1, ...)
 
 # torchrun passes its signals on to its workers, which a terminal's Ctrl-C (or Slurm) reached
 # already: a repeat within this many seconds is that echo, not a second request.
@@ -178,11 +176,10 @@ ECHO_SECONDS = 2.0
 
 
 class StopRequest:
-    """A STOP_SIGNALS signal stops the run after the step in flight, with a checkpoint there,
-    on every rank at the same step: ranks receive it at different moments (or only some do), and
-    one that left the loop alone would leave the others waiting forever. So after each step every
-    rank all-reduces (MAX) the signal it has noted, and reads the result a step later, with no
-    wait. A second signal raises KeyboardInterrupt at once (files are renamed into place whole)."""
+    """A STOP_SIGNALS signal stops the run after the step in flight, with a checkpoint, on every
+    rank at the same step: ranks receive it at different moments (or only some do), and one leaving
+    alone would leave the others waiting forever. So every rank all-reduces (MAX) its signal after
+    each step, read a step later (no wait). Again: KeyboardInterrupt at once (files stay whole)."""
 
     def __init__(self, device: torch.device):
         self.signal = 0  # the signal all ranks agreed to stop on (0: none)
@@ -205,16 +202,22 @@ class StopRequest:
                 raise KeyboardInterrupt  # asked again: stop at once (exits.run says so)
             return
         self._received, self._received_at = signum, now
+        if signum == signal.SIGHUP:  # the terminal is gone: what is written to it would fail
+            for fd in (sys.stdout.fileno(), sys.stderr.fileno()):
+                if os.isatty(fd):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         if int(os.environ.get("RANK", "0")) == 0:
-            note = (f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
-                    f"(the same signal again stops at once, without saving)\n")  # fmt: skip
+            # Received, not yet agreed: a rank whose peer died is told SIGTERM by torchrun too,
+            # and fails in the next collective (exits.run says so) instead of saving.
+            note = (f"\n{signal.Signals(signum).name} received (the same signal again stops at "
+                    f"once, without saving)\n")  # fmt: skip
             # os.write, not print: a handler may run in the middle of a print to stderr.
-            os.write(sys.stderr.fileno(), note.encode())
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), note.encode())
 
     def all_reduce(self) -> int:
-        """A collective: every rank calls it after every step. The signal to stop on after this
-        step, the same on all ranks (the MAX of the signals the ranks received; one process: its
-        own, with no collective); 0: go on."""
+        """A collective every rank calls after every step: the signal to stop on after it, the same
+        on all ranks (the MAX of those received; one process: its own, no collective); 0: go on."""
         if not self._distributed:
             self.signal = self._received
             return self.signal

@@ -435,10 +435,10 @@ def format_plan(p: dict) -> str:
     layout += f" x pp {p['pp']}"
     if p["replicate"] > 1:
         layout += f"; hsdp: {p['replicate']} replicas of {p['dp'] * p['cp'] // p['replicate']}"
-    if p["ep"] > 1:
-        layout += (
-            f"; ep {p['ep']}: each GPU of a group of {p['ep']} holds 1/{p['ep']} of the experts"
-        )
+    if p["ep"] > 1:  # train_ep.py's words: every GPU reads its own share, whatever the groups
+        groups = p["world_size"] // p["ep"]
+        layout = (f"{groups} EP group{'s' * (groups > 1)} x ep {p['ep']}: each GPU holds "
+                  f"1/{p['ep']} of the experts and reads its own share of the batch")  # fmt: skip
     if p["pp"] > 1:
         layout += (
             f", {p['schedule']} schedule"
@@ -469,7 +469,9 @@ def format_plan(p: dict) -> str:
             text = text if len(text) <= 8 else f"{x * scale:{exponent}}"
         return text
 
-    for name, r in p["strategies"].items():
+    # The rows a lesson can run: train_ep.py shards with FSDP alone (--zero-stage 2 or 3).
+    shown = {n: r for n, r in p["strategies"].items() if p["ep"] == 1 or n not in ("ddp", "zero1")}
+    for name, r in shown.items():
         lines.append(
             f"{name:<9}{gb(r['params_gb']):>9}{gb(r['grads_gb']):>9}{gb(r['optimizer_gb']):>9}"
             f"{gb(r['model_states_gb']):>9}{gb(r['activations_gb']):>9}{gb(r['total_gb']):>9}"
@@ -498,12 +500,12 @@ def format_plan(p: dict) -> str:
             f"{gb(p['strategies']['zero3']['dp_comm_gb'])} {unit} cross nodes"
         )
     if p["gpu_memory_gb"] is not None:
-        fits = [n for n, r in p["strategies"].items() if r.get("fits")]
-        fits_ac = [n for n, r in p["strategies"].items() if r.get("fits_checkpointed")]
+        fits = [n for n, r in shown.items() if r.get("fits")]
+        fits_ac = [n for n, r in shown.items() if r.get("fits_checkpointed")]
         budget = f"{p['gpu_memory_gb']:g} GB"
         if p["micro_batch_size"] is None:  # no activations: say which model states fit
             limit = p["gpu_memory_gb"]
-            fits = [n for n, r in p["strategies"].items() if r["model_states_gb"] <= limit]
+            fits = [n for n, r in shown.items() if r["model_states_gb"] <= limit]
             lines.append(f"model states fit in {budget}: {', '.join(fits) or 'none'}")
         else:
             lines.append(f"fits in {budget}: {', '.join(fits) or 'none'}; with activation "

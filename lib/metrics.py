@@ -1,5 +1,4 @@
-"""What a run measures and logs: metrics.jsonl, tokens/s and MFU, and a mixture of experts'
-routing (router_figures)."""
+"""What a run measures and logs: metrics.jsonl, tokens/s, MFU, a mixture of experts' routing."""
 
 import json
 import math
@@ -16,9 +15,8 @@ from model import LlamaConfig, count_active_parameters
 
 
 class Metrics:
-    """Appends one JSON object per line to metrics.jsonl (only where `enabled`: global rank 0);
-    with tensorboard (--tensorboard), every number also to out_dir/tensorboard, as train/<name>
-    or val/<name> against the step (the package is imported only then)."""
+    """Appends one JSON object per line to metrics.jsonl (where `enabled`: global rank 0); with
+    --tensorboard, each number also to out_dir/tensorboard as train/<name> or val/<name>."""
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int, tensorboard: bool = False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
@@ -27,13 +25,14 @@ class Metrics:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: TensorBoard hides what an earlier run logged after the step this run
-            # starts from, as the lines of metrics.jsonl are cut below.
+            # purge_step: TensorBoard hides old steps after this start, as metrics.jsonl is cut
             directory = os.path.join(out_dir, "tensorboard")
             self.writer = SummaryWriter(directory, purge_step=resume_step + 1)
         if enabled and os.path.exists(self.path):
             # A run killed after its last checkpoint logged steps that this run logs again, and
             # maybe half a line: keep the whole lines up to the step this run starts from.
+            from lib.resuming import read_metrics  # (a file there: an earlier run's)
+
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
@@ -51,12 +50,14 @@ class Metrics:
                     self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()  # on disk now: a killed run loses nothing it logged
 
-    def log_validation(self, step: int, val_loss: float) -> None:
-        """An evaluation's record, also printed above the progress bar (where enabled)."""
+    def log_validation(self, step: int, val_loss: float, val_bpb: float) -> None:
+        """An evaluation's record, also printed above the progress bar (where enabled): the
+        loss per token, and bits per byte of text (which compares across tokenizers)."""
         ppl = math.exp(min(val_loss, 50.0))  # capped: exp of an early, huge loss is just noise
-        self.log(step=step, val_loss=val_loss, val_ppl=ppl)
+        self.log(step=step, val_loss=val_loss, val_bpb=val_bpb, val_ppl=ppl)
         if self.enabled:
-            tqdm.write(f"step {step}: val loss {val_loss:.4f}, perplexity {ppl:.1f}")
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}, {val_bpb:.4f} bits per byte, "
+                       f"perplexity {ppl:.1f}")  # fmt: skip
 
 
 class Throughput:
@@ -76,8 +77,7 @@ class Throughput:
         self.steps += 1
 
     def figures(self) -> dict:
-        """The figures since the last call or restart(), in host time: the caller has just
-        waited for the GPU (its .item() of the loss)."""
+        """Figures since the last call or restart(), in host time: the loss's .item() synced."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
         rate = self.steps * self.tokens_per_step / seconds
         figures = {
@@ -89,32 +89,9 @@ class Throughput:
         return figures
 
 
-def read_metrics(path: str) -> list[dict]:
-    """metrics.jsonl's records ([] if none); ValueError for a line of JSON that is not a step's
-    record, or a file that cannot be read."""
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the torn last line of a killed run
-                if not isinstance(record, dict) or type(record.get("step")) is not int:
-                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
-                                     f"): correct or delete that line")  # fmt: skip
-                records.append(record)
-    except FileNotFoundError:
-        return []
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    return records
-
-
 def router_figures(model: torch.nn.Module, group=None) -> dict:
-    """A mixture of experts' routing since the last call, over the global batch: {} for a dense
-    model, else moe.router_figures (a collective over `group`, default every rank). lib/moe.py is
-    loaded by a model that has experts: where it is not, there are none, and nothing is imported."""
+    """A mixture of experts' routing since the last call, over the global batch (moe.router_figures,
+    a collective over `group`, default all ranks); {} for a dense model (it never loads moe.py)."""
     moe = sys.modules.get("lib.moe")
     return {} if moe is None else moe.router_figures(model, group)
 
@@ -166,9 +143,8 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, devic
 
 
 def build_memory(model: torch.nn.Module, device: torch.device) -> str:
-    """What the model takes on this rank once built and placed: its weights (this rank's
-    shards, DTensors' local parts), and the process's peak so far (resident host memory, and
-    the GPU's allocated peak): the line to read when planning a bigger run."""
+    """The model's weights on this rank once built and placed (DTensors' local parts) and the
+    process's peak so far (host RSS, the GPU's allocated peak): the line to plan bigger runs by."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     weights = sum(t.numel() * t.element_size() for t in local) / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)

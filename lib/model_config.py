@@ -1,12 +1,12 @@
 """The model a run trains, as the flags say it: the --model preset with the shape flags over it,
 or --init-from's config.json and tokenizer; and the special tokens the flags name. The one place
-where flags become a shape, for the train scripts, tools/bench.py, tools/memory_plan.py and
-tools/profile_step.py.
+flags become a shape (the train scripts, tools/bench.py, memory_plan.py, profile_step.py).
 
     model_config.add_shape_flags(group, flags.number_arg)     # --num-layers, --hidden-size, ...
     preset, tokenizer, config = model_config.model_source(args)  # checked: errors name the flags
 """
 
+import dataclasses
 import os
 
 from data import load_tokenizer
@@ -30,8 +30,10 @@ EXPERT_FLAGS = {
     "router_aux_loss_coef": ("router_aux_loss_coef", "weight of the load-balancing loss in the "
                              "training loss", float, 0, "C"),
 }  # fmt: skip
-# Every flag that changes the preset's shape: refused with --init-from, named at start-up.
+# Every flag that changes the preset's shape: refused with --init-from, named at start-up; but
+# the load-balancing loss's weight is no shape: a run that goes on from another may change it.
 MODEL_FLAGS = [*SHAPE_FLAGS, *EXPERT_FLAGS]
+TRAINING_ONLY = ("router_aux_loss_coef",)
 
 
 def add_shape_flags(group, number_arg) -> None:
@@ -99,25 +101,35 @@ def model_shape(args) -> LlamaConfig:
         return preset_config(args, args.model or "tiny")
     from lib.finished_run import init_from_config  # only for --init-from
 
-    return init_from_config(args.init_from)
+    config = init_from_config(args.init_from)
+    if getattr(args, "router_aux_loss_coef", None) is None:
+        return config
+    if not config.num_local_experts:
+        raise ValueError(f"--router-aux-loss-coef weighs a mixture of experts' load-balancing "
+                         f"loss, and --init-from {args.init_from} is a dense model")  # fmt: skip
+    return dataclasses.replace(config, router_aux_loss_coef=args.router_aux_loss_coef)
 
 
 def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
-    """(the preset to build or None, the tokenizer.json to use or None: train one, the config):
-    the --model preset and --tokenizer, or --init-from's architecture and tokenizer, checked
-    before any data is read. ValueError naming the flags that do not fit."""
+    """(preset or None, tokenizer.json or None: train one, config) from --model and --tokenizer or
+    --init-from, checked before any data is read: ValueError naming the flags that do not fit."""
     model, tokenizer = args.model or "tiny", args.tokenizer
     if args.init_from is not None:
         from lib.finished_run import check_init_from  # only for --init-from
 
-        shaping = ["model", "tokenizer", "vocab_size", *MODEL_FLAGS]
+        shaping = ["model", "tokenizer", "vocab_size",
+                   *(n for n in MODEL_FLAGS if n not in TRAINING_ONLY)]  # fmt: skip
         given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
         check_init_from(args, given)
         # The weights only mean something with the tokenizer they were trained with.
         model, tokenizer = None, os.path.join(args.init_from, "tokenizer.json")
     config = model_shape(args)
     if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
-        load_tokenizer(tokenizer, special_tokens(args))
+        loaded = load_tokenizer(tokenizer, special_tokens(args))
+        if args.init_from is not None:  # and is it the one the weights were trained with?
+            from lib.finished_run import check_tokenizer
+
+            check_tokenizer(config, loaded, args.init_from)
     elif any(special_tokens(args).values()):
         raise ValueError("--bot-token, --eot-token and --pad-token name tokens of --tokenizer's "
                          "(or --init-from's) tokenizer; the one a run trains has its own: [BOT], "

@@ -4,6 +4,7 @@ they decide the data order and the schedule; a --max-steps that does not cut the
 its state restored: the model, the optimizer, the schedule, the grad scaler and the RNG.
 """
 
+import json
 import os
 import sys
 import warnings
@@ -11,8 +12,7 @@ import warnings
 import torch
 
 from data import corpus_digest, tokenizer_digest
-from lib.files import CHECKPOINT_DIR_RE, CHECKPOINT_RE, list_checkpoints, load_checkpoint
-from lib.metrics import read_metrics
+from lib.files import CHECKPOINT_DIR_RE, CHECKPOINT_RE, SUMS, checksums, list_checkpoints
 from model import MOE_FIELDS, LlamaConfig
 
 # The flags that fix the data order, what the model attends to (--document-mask) and the schedule:
@@ -24,12 +24,12 @@ from model import MOE_FIELDS, LlamaConfig
 RESUME_MUST_MATCH = (
     "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
     "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
-    "document_mask",
+    "document_mask", "optimizer",
 )  # fmt: skip
 # Flags newer than some checkpoints, and the value those checkpoints were made with.
 ADDED_SINCE = {
     "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
-    "streaming": False, "document_mask": False,
+    "streaming": False, "document_mask": False, "optimizer": "adamw", "muon_lr": 0.02,
 }  # fmt: skip
 
 
@@ -45,6 +45,7 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
     # A stream's validation is its first documents, as many as --eval-batches x --batch-size
     # sequences need: another --eval-batches holds out others (say which flag changed them).
     must_match = RESUME_MUST_MATCH + (("eval_batches",) if recorded["streaming"] else ())
+    must_match += ("muon_lr",) if recorded["optimizer"] == "muon" else ()  # (Muon's schedule)
     changed = [
         f"--{name.replace('_', '-')} {recorded.get(name)!r} (now {getattr(args, name)!r})"
         for name in must_match
@@ -54,7 +55,8 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         raise ValueError(f"the checkpoint was made with {', '.join(changed)}; resume with the "
                          f"same values, or start a new run in another --out-dir")  # fmt: skip
     # Fields newer than some checkpoints, or that a dense model leaves out: missing, the default.
-    absent = {"rope_scaling": None} | {name: getattr(LlamaConfig, name) for name in MOE_FIELDS}
+    absent = {"rope_scaling": None, "tokenizer_sha256": None} | {
+        name: getattr(LlamaConfig, name) for name in MOE_FIELDS}  # fmt: skip
     saved, now = ckpt["config"], config.to_dict()
     changed = [
         f"{name} {saved.get(name, absent.get(name))} (now {now.get(name, absent.get(name))})"
@@ -147,12 +149,13 @@ def resume_never_error(out_dir: str) -> ValueError:
                       f"--resume auto goes on, or choose another --out-dir")  # fmt: skip
 
 
-def newest_readable(paths: list[str], state_file=lambda path: path) -> str | None:
-    """The newest of `paths` (oldest first) whose state file loads: an unreadable newest one (a
-    disk error, say) must not cost the run: say so, and fall back to the one before."""
+def newest_readable(paths: list[str], check=None) -> str | None:
+    """The newest of `paths` (oldest first) that check(path) finds intact (its checksums, and
+    that it loads): a damaged newest one (a disk error, say) must not cost the run: say so, and
+    fall back to the one before."""
     for path in reversed(paths):
         try:
-            load_checkpoint(state_file(path))
+            (check or load_checkpoint)(path)
             return path
         except ValueError as e:
             print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
@@ -208,9 +211,65 @@ def choose_checkpoint(args) -> str | None:
             raise resume_never_error(args.out_dir)
         resume = None
     elif args.resume != "auto":
-        load_checkpoint(args.resume)  # readable? (ValueError with the reason if not)
-        resume = args.resume
+        resume = args.resume  # (checked by checkpoints.prepare_out_dir)
     else:
         resume = newest_readable(list_checkpoints(args.out_dir))
     refuse_other_checkpoints(args.out_dir, sharded=False)
     return start_from(args.out_dir, resume)
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading what an earlier run wrote: a checkpoint (checked against its checksums), metrics.jsonl
+
+
+def load_checkpoint(path: str) -> dict:
+    """Load a checkpoint file, checked against its checksums where it has them (PATH.sums);
+    ValueError (with the reason) if it cannot be read."""
+    if os.path.isfile(f"{path}{SUMS}"):
+        verify_sums(f"{path}{SUMS}")
+    try:
+        # weights_only=True: unpickling may only rebuild tensors and plain containers, never run
+        # code, so a checkpoint from someone else cannot execute anything on this machine.
+        # mmap=True: tensors are paged in from the file as they are used, not read up front.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+
+
+def verify_sums(path: str) -> None:
+    """ValueError naming the first file (of those `path` lists, beside it) whose bytes are not
+    the ones written, or that is missing."""
+    folder = os.path.dirname(path)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        chunk, sums = record["chunk"], record["crc32"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the checksums {path}: {e}") from e
+    for name, expected in sorted(sums.items()):
+        where = os.path.join(folder, name)
+        if not os.path.isfile(where) or checksums(where, chunk) != expected:
+            raise ValueError(f"{where} is damaged: its bytes are not those written (checksums "
+                             f"{path})")  # fmt: skip
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl's records ([] if none); ValueError for a line of JSON that is not a step's
+    record, or a file that cannot be read."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the torn last line of a killed run
+                if not isinstance(record, dict) or type(record.get("step")) is not int:
+                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
+                                     f"): correct or delete that line")  # fmt: skip
+                records.append(record)
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    return records

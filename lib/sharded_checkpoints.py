@@ -41,15 +41,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data import tokenizer_digest
-from lib import training
+from lib import files, training
 from lib.checkpoints import TrainingState, make_out_dir, rng_state, save_failed
 from lib.distributed import from_rank0
-from lib.files import CHECKPOINT_DIR_RE, atomic_save, list_checkpoints, load_checkpoint
+from lib.files import CHECKPOINT_DIR_RE, atomic_save, list_checkpoints
 from lib.resuming import (
+    load_checkpoint,
     newest_readable,
     refuse_other_checkpoints,
     resume_never_error,
     start_from,
+    verify_sums,
 )
 from model import LlamaForPretraining
 
@@ -81,6 +83,8 @@ def prepare_out_dir(args, script: str | None = None) -> str | None:
             f"--resume: {args.resume} is not a {script} checkpoint directory (the .pt "
             f"checkpoints of train_dp.py/train_ddp.py/train_zero1.py do not resume here)"
         )
+    if args.resume not in ("never", "auto"):
+        check_directory(args.resume)  # intact? (ValueError naming the damaged file if not)
     make_out_dir(args)
     ckpt_dir = os.path.join(args.out_dir, "checkpoints")
     if os.path.isdir(ckpt_dir):  # directories of a run killed mid-save (never renamed)
@@ -92,13 +96,20 @@ def prepare_out_dir(args, script: str | None = None) -> str | None:
             raise resume_never_error(args.out_dir)
         resume = None
     elif args.resume != "auto":
-        resume = args.resume
+        resume = args.resume  # (checked above)
     else:
         found = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
-        # A directory is checked through its train state, the file this script loads first.
-        resume = newest_readable(found, lambda path: os.path.join(path, TRAIN_STATE))
+        resume = newest_readable(found, check_directory)  # the newest intact one
     refuse_other_checkpoints(args.out_dir, sharded=True)  # .pt files: train_dp/ddp's
     return start_from(args.out_dir, resume)
+
+
+def check_directory(path: str) -> None:
+    """ValueError unless the checkpoint directory is intact: every file as its checksums say
+    (where it has them: files.SUMS), and its train state loads."""
+    if os.path.isfile(sums := os.path.join(path, files.SUMS)):
+        verify_sums(sums)
+    load_checkpoint(os.path.join(path, TRAIN_STATE))
 
 
 class ShardedSaves:
@@ -177,10 +188,20 @@ class ShardedSaves:
             except dcp.api.CheckpointException as e:
                 self._failed(e)
         (path, tmp, train_state), self._pending = self._pending, None
+        # The checksums of the files each rank wrote (DCP names them __RANK_N.distcp; rank 0's
+        # .metadata too), gathered on rank 0, which writes them all beside them (files.SUMS).
+        rank, sums = dist.get_rank(), [None] * dist.get_world_size()
+        own = (f"__{rank}_", ".metadata") if rank == 0 else (f"__{rank}_",)
+        written = [n for n in os.listdir(tmp) if n.startswith(own)]
+        mine = {n: files.checksums(os.path.join(tmp, n)) for n in written}
+        dist.all_gather_object(sums, mine)
 
-        def complete() -> None:  # rank 0's part: the train state, then the rename
+        def complete() -> None:  # rank 0's part: the train state, the checksums, the rename
             try:
                 atomic_save(train_state, os.path.join(tmp, TRAIN_STATE))
+                every = {name: crcs for part in sums for name, crcs in part.items()}
+                every[TRAIN_STATE] = files.checksums(os.path.join(tmp, TRAIN_STATE))
+                files.write_sums(every, os.path.join(tmp, files.SUMS))
             except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise save_failed(path, e) from e

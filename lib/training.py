@@ -1,10 +1,8 @@
 """The parts of a training run that no parallel strategy changes: the datasets and each step's
 batches, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and the
-end of a run. Each train_*.py keeps its own visible loop and calls these, which keeps the diff
-between neighbouring lessons to the concept each one adds. An optional feature's module is
-imported where it is used: lib/streaming.py, masks.py (--document-mask), lib/finished_run.py
-(--init-from).
-"""
+end of a run. Each train_*.py keeps its own visible loop and calls these, so neighbouring lessons
+differ by the concept each adds. Optional features' modules are imported where used:
+lib/streaming.py, masks.py (--document-mask), lib/finished_run.py (--init-from)."""
 
 import atexit
 import contextlib
@@ -27,13 +25,7 @@ from lib.checkpoints import save_failed, save_final
 from lib.distributed import main_process_first
 from lib.exits import ignore_stop_signals
 from lib.files import TEMP_RE
-from model import (
-    IGNORE_INDEX,
-    LlamaConfig,
-    LlamaForPretraining,
-    initial_weight,
-    reset_buffers,
-)
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, initial_weight, reset_buffers
 
 # -------------------------------------------------------------------------------------------------
 # Data
@@ -51,7 +43,8 @@ def build_datasets(args, tokenizer_path: str | None):
     else:
         train, val, tokenizer = _cached_datasets(args, tokenizer_path)
     steps_per_epoch(train, args)  # ValueError now if not even one batch
-    return train, Subset(val, range(min(len(val), args.eval_batches * args.batch_size))), tokenizer
+    held_out = range(min(len(val), args.eval_batches * args.batch_size))
+    return train, ValidationSet(val, held_out, tokenizer.token_bytes()), tokenizer
 
 
 def _cached_datasets(args, tokenizer_path: str | None):
@@ -114,10 +107,9 @@ def step_batches(
     args, settings, dataset, epoch_order: Callable[[int], list[int]], rows: int,
     device: torch.device, start: tuple[int, list[dict] | None], shard: tuple[int, int] = (0, 1),
 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
-    """The optimizer steps from start = (step, data position) on, each step's accumulation
-    micro-batches of `rows` sequences, in the sample order epoch_order(epoch) gives this process:
-    a function of the step, so a resume reads what an uninterrupted run would. A stream
-    (--streaming): streaming.StreamingBatches, with `shard` (dp rank, dp size) and its position."""
+    """The steps from start = (step, data position) on, each step's accumulation micro-batches of
+    `rows` sequences in the order epoch_order(epoch) gives (a resume reads what a run never stopped
+    would), or streaming.StreamingBatches with `shard` (dp rank, dp size) for --streaming."""
     start_step, data_position = start
     pin_memory = device.type == "cuda"  # copies to the GPU from pinned memory run asynchronously
     num_workers = args.num_workers
@@ -181,8 +173,7 @@ def _start_loader(loader: DataLoader) -> Iterator:
 
 def _end_open_loaders() -> None:
     for batches in list(_open_loaders):
-        # The DataLoader's own shutdown (what it does once its iterator is dropped): the
-        # workers are told to leave and are waited for, a few milliseconds.
+        # The DataLoader's own shutdown (as when its iterator is dropped): a few milliseconds.
         batches._shutdown_workers()
         for worker in batches._workers:
             if worker.is_alive():  # deaf even to that (stuck in a batch): no reason to wait
@@ -217,10 +208,9 @@ def build_model(args, preset: str | None, vocab_size: int):
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, config, args, device) -> None:
     """The initial values (and buffers) of a model built on the meta device and given storage:
-    whole, sharded, or a pipeline stage (named as the whole model). Each parameter is drawn whole
-    on `device` from a seed of its own (model.initial_weight: --seed and its name), or read from
-    --init-from's mapped model.pt, and this rank's slice kept: one process's weights whatever the
-    split, at a peak of this rank's part and the largest parameter."""
+    whole, sharded or a pipeline stage. Each parameter is drawn whole on `device` (initial_weight:
+    --seed and its name) or read from --init-from's mapped model.pt, and this rank's slice kept:
+    one process's weights whatever the split, at a peak of this part and the largest parameter."""
     reset_buffers(model, config)
     source = None
     if getattr(args, "init_from", None) is not None:
@@ -255,9 +245,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
-    """Compile each decoder layer in place (one layer's graph, reused; the parameter names
-    unchanged) and, with loss, model.loss, which fuses the upcast and log-softmax of the logits
-    (not under TP, whose loss runs on vocabulary shards, nor in pipeline stages)."""
+    """Compile each decoder layer in place (one graph, reused; names unchanged) and, with loss,
+    model.loss: the logits' upcast and log-softmax fused (not for TP's vocabulary shards or PP)."""
     for layer in decoder_layers(model):
         layer.compile()
     if loss:
@@ -265,23 +254,30 @@ def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
 
 
 def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
-    """Recompute each decoder layer's activations in backward instead of storing them (its
-    forward under torch.utils.checkpoint, non-reentrant: it works with DDP, FSDP and compile);
-    the parameter names, hence the checkpoints, unchanged."""
+    """Recompute each decoder layer's activations in backward instead of storing them (non-reentrant
+    torch.utils.checkpoint: fine with DDP, FSDP, compile); names, hence checkpoints, unchanged."""
     for layer in decoder_layers(model):
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts. With
+    --optimizer muon, the decoder's matrices take Muon's step instead (lib/muon.py)."""
+    optimizer, named, hidden = torch.optim.AdamW, list(model.named_parameters()), []
+    if getattr(args, "optimizer", "adamw") == "muon":  # (the tools have no --optimizer)
+        from lib import muon
+
+        optimizer, hidden = muon.MuonWithAdamW, [p for n, p in named if muon.is_hidden_matrix(n, p)]
+    rest = [p for _, p in named if not any(p is h for h in hidden)]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    if hidden:  # Muon's group: its own lr, and the decay of the matrices
+        groups.append({"params": hidden, "muon": True, "lr": args.muon_lr,
+                       "weight_decay": args.weight_decay})  # fmt: skip
     # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
     # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
     fused = device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return optimizer(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def build_scheduler(optimizer, args) -> LRScheduler:
@@ -334,18 +330,31 @@ def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], objec
 # Evaluation and the end of a run
 
 
+class ValidationSet(Subset):
+    """The validation sequences, and the bytes of text each token id stands for (data.py's
+    token_bytes): what bits per byte divides by."""
+
+    def __init__(self, dataset, indices, token_bytes: torch.Tensor):
+        super().__init__(dataset, indices)
+        self.token_bytes = token_bytes
+
+
 class ValidationShard:
-    """This rank's share of the validation set (every `ranks`-th sample from `rank` on), in
-    batches of `rows`, the same number on every rank (a sharded model's forward needs them all):
-    the last batch topped up to `rows` rows, a shorter shard given batches of padding (targets
-    all IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline. On
-    `device`."""
+    """This rank's share of the validation set (every `ranks`-th sample from `rank` on) on
+    `device`, in batches of `rows`, as many on every rank (a sharded model's forward needs them
+    all): the last topped up to `rows`, a shorter shard given batches of padding (targets all
+    IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline."""
 
     def __init__(self, val_set, rank: int, ranks: int, rows: int, device=None):
         self.shard = Subset(val_set, range(rank, len(val_set), ranks))
         self.rows, self.device = rows, device or torch.device("cpu")
         self.num_batches = math.ceil(math.ceil(len(val_set) / ranks) / rows)  # rank 0's count
         self.seq_len = val_set[0][0].size(0) if len(val_set) else 1
+        # Every evaluation reads the whole set once: its targets stand for this much text.
+        targets = torch.cat([val_set[i][1] for i in range(len(val_set))] or [torch.zeros(0)])
+        counted = targets[targets != IGNORE_INDEX].long()
+        text_bytes = val_set.token_bytes[counted].sum().item()
+        self.bytes_per_target = text_bytes / max(1, len(counted))
 
     def __len__(self) -> int:
         return self.num_batches
@@ -362,20 +371,27 @@ class ValidationShard:
 
 @torch.no_grad()
 def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
-    """The summed loss and the number of targets over `loader`, as one float64 tensor on `device`
-    (one all_reduce adds up the ranks' shares: divided once, one process's loss on the same
-    data), in the run's precision (settings: flags.RunSettings). attn_mask(x): the model's third
+    """batch_totals over `loader`, summed, on `device` (one all_reduce adds the ranks' shares,
+    divided once: one process's loss), in the run's precision. attn_mask(x): the model's third
     argument (attention_masks; train_cp.py's document ids)."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, device=device, dtype=torch.float64)
+    totals = torch.zeros(3, device=device, dtype=torch.float64)
     for x, y in loader:  # (on the device)
         with autocast(device, settings.precision):
-            loss_sum, targets = model(x, y, attn_mask(x))
-        # (.sum(): DataParallel's model returns one of each per replica)
-        totals += torch.stack([loss_sum.sum().double(), targets.sum().double()])
+            loss_sum, targets = model(x, y, attn_mask(x))  # (CP's: its slice of the sequences)
+        totals += batch_totals(loss_sum.sum(), targets.sum(), loader)  # (.sum(): DataParallel's)
     model.train(was_training)
     return totals
+
+
+def batch_totals(loss_sum: torch.Tensor, targets: torch.Tensor, loader) -> torch.Tensor:
+    """(summed loss, targets, the bytes of text they stand for) of a validation batch, one
+    float64 tensor: the loop divides the sums into the loss per token and the bits per byte.
+    The bytes are the targets' share of the whole set's: summed over one evaluation (which
+    counts every target once, on whichever rank), they are the set's text, exactly."""
+    targets = targets.double()
+    return torch.stack([loss_sum.double(), targets, targets * loader.bytes_per_target])
 
 
 def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:

@@ -252,6 +252,7 @@ def assert_same_losses(actual_dir: Path, expected_dir: Path) -> None:
         ("loss", train_a, train_e, LOSS_RTOL),
         ("grad_norm", train_a, train_e, GRAD_NORM_RTOL),
         ("val_loss", eval_a, eval_e, LOSS_RTOL),
+        ("val_bpb", eval_a, eval_e, LOSS_RTOL),  # (the same loss, over the same text's bytes)
     ]:
         got, want = [r[key] for r in a], [r[key] for r in e]
         assert got == pytest.approx(want, rel=rtol), f"{key}: {got} != {want}"
@@ -267,8 +268,18 @@ def build_args(data_dir: Path, cache_dir: Path, devices: int = 1, **overrides):
 def copy_checkpoint(src_dir: Path, step: int, dst_dir: Path) -> Path:
     """Copy one checkpoint into dst_dir/checkpoints/, as if a run there had stopped after it."""
     name = f"step_{step:07d}.pt"
-    (dst_dir / "checkpoints").mkdir(parents=True)
+    (dst_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if (sums := src_dir / "checkpoints" / f"{name}.sums").exists():  # its checksums, beside it
+        shutil.copy(sums, dst_dir / "checkpoints" / sums.name)
     return Path(shutil.copy(src_dir / "checkpoints" / name, dst_dir / "checkpoints" / name))
+
+
+def checkpoint_files(out_dir: Path) -> list[str]:
+    """The checkpoints in OUT/checkpoints, each with its checksums beside it (asserted)."""
+    names = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+    checkpoints = [n for n in names if not n.endswith(".sums")]
+    assert names == sorted([*checkpoints, *(f"{n}.sums" for n in checkpoints if n.endswith(".pt"))])
+    return checkpoints
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -256,6 +256,7 @@ def test_init_from_with_a_vocab_size_or_a_shape_flag_is_refused(corpus, cache_di
      ("router_aux_loss_coef", "nan", "expected a number >= 0, got 'nan'"),
      ("router_aux_loss_coef", "-0.5", "expected a number >= 0, got '-0.5'")],
 )  # fmt: skip
+@pytest.mark.quick
 def test_a_number_out_of_range_or_not_finite_is_refused_as_it_is_parsed(flag, value, expect):
     # In argparse itself (flags.number_arg), so --check refuses it too, and a --config file's value.
     name = f"--{flag.replace('_', '-')}"
@@ -263,6 +264,7 @@ def test_a_number_out_of_range_or_not_finite_is_refused_as_it_is_parsed(flag, va
         flags.build_parser("test").parse_args([f"{name}={value}"])
 
 
+@pytest.mark.quick
 def test_every_number_flag_of_the_shared_parser_refuses_nan_and_inf():
     parser = flags.build_parser("test", distributed=True)
     typed = [action for action in parser._actions if action.type is not None]
@@ -312,6 +314,7 @@ def test_train_ddp_check_refuses_a_world_size_that_is_not_positive(tmp_path, val
      ("RANK", "1", 1, False), ("LOCAL_RANK", "x", 2, False), ("RANK", "-1", 2, False),
      ("RANK", "", 2, False)],
 )  # fmt: skip
+@pytest.mark.quick
 def test_a_rank_must_be_an_integer_below_the_world_size(monkeypatch, name, value, world, accepted):
     monkeypatch.setenv(name, value)
     if accepted:
@@ -370,6 +373,7 @@ def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, c
      "tools.bench_loader", "tools.generate", "tools.export_hf", "tools.memory_plan",
      "tools.plot_metrics", "tools.profile_step", "tools.gpu_report"],
 )  # fmt: skip
+@pytest.mark.quick
 def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, module):
     class Parsed(Exception):
         pass
@@ -390,6 +394,7 @@ def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, mod
      "train_ep", "tools.generate", "tools.memory_plan", "tools.bench", "tools.profile_step",
      "tools.parity", "tools.gpu_report"],
 )  # fmt: skip
+@pytest.mark.quick
 def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, module):
     # The lessons' own flags too (--tp, --pp, --cp, --replicate, ...): stop main() at its parser.
     class Parsed(Exception):
@@ -414,6 +419,7 @@ def test_every_number_flag_of_every_script_refuses_nan_and_inf(monkeypatch, modu
                 action.type(value)
 
 
+@pytest.mark.quick
 def test_too_little_data_for_pack_mode_names_the_flag_that_exists():
     tokens = datasets.Dataset.from_dict({"input_ids": [[1, 5, 2]]})
     with pytest.raises(ValueError, match="too few for one window") as error:
@@ -421,6 +427,7 @@ def test_too_little_data_for_pack_mode_names_the_flag_that_exists():
     assert "--data-mode pad" in str(error.value)
 
 
+@pytest.mark.quick
 def test_warmup_beyond_max_steps_is_warned_about(corpus, cache_dir, capsys):
     # Warned, not refused: a quick `--max-steps 10` with the default warmup (20) is fine.
     build_args(corpus, cache_dir, max_steps=4, warmup_steps=10)
@@ -429,6 +436,7 @@ def test_warmup_beyond_max_steps_is_warned_about(corpus, cache_dir, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused(corpus, cache_dir, monkeypatch):
     # Inductor writes C++ for a CPU: without a compiler, torch.compile fails in the first step,
     # after the data is prepared, with a traceback. CXX names the compiler, as for Inductor.
@@ -608,6 +616,7 @@ def test_nccl_backend_without_cuda_is_refused(existing_run, corpus, cache_dir):
     assert_refused(DDP, argv, "--backend nccl needs CUDA GPUs", existing_run, cache_dir)
 
 
+@pytest.mark.quick
 def test_more_processes_per_node_than_gpus_is_refused(monkeypatch):
     # No GPU here: pretend the node has one, and be the second process on it.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

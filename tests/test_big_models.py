@@ -9,6 +9,7 @@ initial weights bit for bit. They must equal train_dp.py's, whatever the layout 
 of ranks (each weight is drawn whole from a seed of its own, then sliced).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ from harness import (
     stop_group,
     wait_for_step,
 )
+from test_faults import descendants
 
 from model import LlamaConfig, LlamaForPretraining
 
@@ -84,6 +87,14 @@ def test_init_from_reads_into_the_shards(dp_start, corpus, cache_dir, tmp_path):
     expected, actual = load_weights(source), load_weights(out)
     assert all(torch.equal(actual[k], expected[k]) for k in expected)
     assert not torch.equal(actual["norm.weight"], dp_start["dense"]["norm.weight"])
+
+
+def state(pid: int) -> str:
+    """A process's state letter (Z: a zombie, dead), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def torchrun(world: int, script: str, *argv: str) -> subprocess.Popen:
@@ -202,9 +213,14 @@ def test_a_run_killed_while_an_async_save_is_written_resumes_bit_for_bit(
     try:
         wait_for_step(out, 4, proc)  # step 3's save is being written: training went on
         assert (out / "checkpoints" / "step_0000003.tmp").is_dir()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+    finally:  # every process of the run, as a dead node: torchrun and its workers
+        run = [proc.pid, *descendants(proc.pid)]
+        for pid in run:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=LAUNCH_TIMEOUT)
+        while any(os.path.exists(f"/proc/{pid}") and "Z" not in state(pid) for pid in run):
+            time.sleep(0.05)  # (a worker's lock on the out-dir goes with it)
     assert sorted(os.listdir(out / "checkpoints")) == ["step_0000001", "step_0000002",
                                                        "step_0000003.tmp"]  # fmt: skip
     resumed = run_script(FSDP, argv, world=2)  # the same command again

@@ -24,6 +24,7 @@ def write(path, text: str):
 # --config: parsing
 
 
+@pytest.mark.quick
 def test_config_values_are_used_and_the_command_line_wins(tmp_path):
     config = write(
         tmp_path / "run.toml",
@@ -42,6 +43,7 @@ def test_config_values_are_used_and_the_command_line_wins(tmp_path):
     assert parser.parse_args([f"--config={config}"]).seq_length == 64
 
 
+@pytest.mark.quick
 def test_a_lesson_s_own_flags_come_from_the_file_too(tmp_path):
     parser = flags.build_parser("test", sharded=True)
     pipeline.add_flags(parser)  # train_pp.py's own flags
@@ -72,6 +74,7 @@ def test_a_lesson_s_own_flags_come_from_the_file_too(tmp_path):
         ("lr = 1e-3\nseed = \n", "not valid TOML: Invalid value (at line 2, column 8)"),
     ],
 )
+@pytest.mark.quick
 def test_a_bad_config_is_refused_naming_the_file_line_and_key(tmp_path, text, message):
     config = write(tmp_path / "bad.toml", text)
     with pytest.raises(ValueError, match="^--config ") as error:
@@ -81,6 +84,7 @@ def test_a_bad_config_is_refused_naming_the_file_line_and_key(tmp_path, text, me
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.quick
 def test_a_tool_without_config_refuses_the_flag_rather_than_reading_the_file(tmp_path):
     # Before: tools/memory_plan.py, tools/bench.py and tools/generate.py checked the file against
     # their flags, then refused a valid one as "unrecognized arguments"; a broken one was named as

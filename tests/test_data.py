@@ -20,6 +20,8 @@ from data import BOT, EOT, IGNORE_INDEX, PAD
 from lib import corpus, distributed, streaming
 from tools import bench_loader
 
+pytestmark = pytest.mark.quick  # the quick tier (`python -m pytest -m quick`)
+
 VOCAB = 300  # small: trains in well under a second
 
 SAMPLE_TEXTS = [

@@ -22,7 +22,7 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 from harness import REPO, build_args, run_ddp_sh_env
 
-from lib import checkpoints, exits, flags, loop, metrics, model_config, training
+from lib import checkpoints, exits, flags, loop, metrics, model_config, resuming, training
 from model import LlamaConfig, count_active_parameters, count_parameters
 from tools import bench, parity
 
@@ -165,7 +165,7 @@ def test_outputs_and_memory_md_quote_the_memory_line_as_build_memory_prints_it()
 
 
 def test_outputs_md_quotes_the_evaluations_as_log_validation_prints_them(tmp_path, capsys):
-    metrics.Metrics(str(tmp_path), True, 0, False).log_validation(50, 6.1874)
+    metrics.Metrics(str(tmp_path), True, 0, False).log_validation(50, 6.1874, 2.2531)
     printed = capsys.readouterr().out.strip()
     quoted = [line for line in transcript() if " val loss " in line]
     assert quoted and {shape(line) for line in quoted} == {shape(printed)}
@@ -435,8 +435,7 @@ def test_troubleshooting_md_quotes_the_note_a_stop_signal_prints(capfd):
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    assert_prints(quote("troubleshooting.md", "SIGINT: stopping after this step"),
-                  capfd.readouterr().err)  # fmt: skip
+    assert_prints(quote("troubleshooting.md", "SIGINT received"), capfd.readouterr().err)
 
 
 def test_troubleshooting_md_quotes_a_stopped_runs_last_line(capsys):
@@ -490,7 +489,7 @@ def test_troubleshooting_md_quotes_the_stop_when_no_checkpoint_can_be_read(tmp_p
         paths.append(f"out/checkpoints/step_{step:07d}.pt")
         (tmp_path / paths[-1]).write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError) as refused:
-        checkpoints.newest_readable(paths)
+        resuming.newest_readable(paths)
     assert_prints(quote("troubleshooting.md", "error: none of the 3 checkpoints"),
                   f"error: {refused.value}")  # fmt: skip
 
@@ -530,7 +529,7 @@ def test_troubleshooting_md_quotes_export_hfs_refusals(tmp_path):
         export_hf.read_json(str(tmp_path / "hf" / "config.json"))
     assert_prints(quote("troubleshooting.md", "config.json is not a JSON file"), str(refused.value))
     with pytest.raises(ValueError) as refused:
-        export_hf.load_hf_weights(tiny_model(300), str(tmp_path / "hf"))
+        export_hf.hf_reader(tiny_model(300).config, str(tmp_path / "hf"))
     assert_prints(quote("troubleshooting.md", "cannot read model.safetensors"), str(refused.value))
 
 

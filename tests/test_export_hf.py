@@ -81,7 +81,11 @@ def test_config_json_has_the_fields_transformers_needs(exported):
     ours = json.loads((out / "config.json").read_text())
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    assert {name: config[name] for name in ours} == ours  # every shape field, same names
+    # Every shape field, same names; the fingerprint is of the tokenizer.json beside each.
+    ours_sha, theirs_sha = ours.pop("tokenizer_sha256"), config["tokenizer_sha256"]
+    assert {name: config[name] for name in ours} == ours
+    assert ours_sha == data.tokenizer_digest(data.load_tokenizer(str(out / "tokenizer.json")))
+    assert theirs_sha == data.tokenizer_digest(data.load_tokenizer(str(hf_dir / "tokenizer.json")))
     assert config["head_dim"] == ours["hidden_size"] // ours["num_attention_heads"]
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
     assert config["hidden_act"] == "silu" and config["torch_dtype"] == "float32"
@@ -120,8 +124,12 @@ def test_export_then_from_hf_gives_back_the_same_model(exported, tmp_path):
     converted = torch.load(tmp_path / "model.pt", weights_only=True)
     assert converted.keys() == original.keys()
     assert all(torch.equal(converted[k], original[k]) for k in original)
-    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
-        (out / "config.json").read_text())  # fmt: skip
+    # The same config; its fingerprint is of the tokenizer.json it comes with (the exported one,
+    # which prepends BOT by itself).
+    back_config, config = (json.loads((d / "config.json").read_text()) for d in (tmp_path, out))
+    back_sha = back_config.pop("tokenizer_sha256")
+    assert back_config == {k: v for k, v in config.items() if k != "tokenizer_sha256"}
+    assert back_sha == data.tokenizer_digest(data.load_tokenizer(str(tmp_path / "tokenizer.json")))
     # The same tokens and special tokens (the exported post-processor is kept, and not used:
     # data.py adds BOT itself).
     back, original = (data.load_tokenizer(str(d / "tokenizer.json")) for d in (tmp_path, out))

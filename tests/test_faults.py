@@ -27,6 +27,7 @@ from harness import (
     REPO,
     STREAMING,
     assert_state_dicts_close,
+    checkpoint_files,
     cmd,
     copy_checkpoint,
     describe,
@@ -183,6 +184,32 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(
     assert_weights_equal(load_weights(out), load_weights(reference))
 
 
+@pytest.mark.parametrize("resume", ["auto", "explicit"])
+def test_a_flipped_bit_in_a_checkpoint_is_found_by_its_checksum(
+    trained, corpus, cache_dir, tmp_path, resume
+):
+    # Damage that leaves the file whole and loadable: torch.load would read the flipped weight
+    # without a word. --resume auto warns and goes back to the checkpoint before; one named
+    # explicitly is refused, naming the file, and nothing changes.
+    reference = trained(DP)  # 8 steps, checkpoints at 4 and 8
+    out = tmp_path / "out"
+    copy_checkpoint(reference, 4, out)
+    newest = copy_checkpoint(reference, 8, out)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10  # in the middle of the tensors' bytes
+    newest.write_bytes(bytes(data))
+    if resume == "explicit":
+        before = snapshot(out)
+        proc = run_script(DP, cmd(corpus, cache_dir, out, resume=str(newest)), expect_rc=2)
+        assert f"{newest} is damaged" in proc.stderr and "Traceback" not in proc.stderr
+        assert snapshot(out) == before
+        return
+    proc = run_script(DP, cmd(corpus, cache_dir, out))
+    assert f"warning: {newest} is damaged" in proc.stderr, proc.stderr
+    assert "resumed from" in proc.stdout and "step_0000004.pt" in proc.stdout
+    assert_weights_equal(load_weights(out), load_weights(reference))
+
+
 def test_a_text_file_that_cannot_be_written_keeps_the_old_one_and_leaves_no_temporary_file(
     tmp_path, monkeypatch
 ):
@@ -272,7 +299,7 @@ def test_nonfinite_loss_stops_the_run_naming_the_step_and_saves_nothing_bad(
     assert "NaN/infinite at step 2" in output
     assert output.count("error: the loss or the gradient became") == 1, "printed once, by rank 0"
     assert not (out / "model.pt").exists()
-    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    checkpoints = checkpoint_files(out)
     assert checkpoints == ["step_0000001.pt"], "only the last good state may be saved"
     ckpt = torch.load(out / "checkpoints" / checkpoints[0], weights_only=True)
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
@@ -302,7 +329,7 @@ def test_skip_nonfinite_stops_after_too_many_skipped_steps_in_a_row(corpus, cach
     )
     assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr
     assert not (out / "model.pt").exists()
-    checkpoints = sorted((out / "checkpoints").iterdir())
+    checkpoints = [out / "checkpoints" / name for name in checkpoint_files(out)]
     assert [p.name for p in checkpoints] == ["step_0000004.pt", "step_0000008.pt"]
     for path in checkpoints:  # skipped updates: nothing saved holds NaN/inf
         ckpt = torch.load(path, weights_only=True)
@@ -334,7 +361,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line_keeping_t
     assert "Traceback" not in proc.stderr.split("error: ")[0], proc.stderr[-4000:]
     assert f'{script}", line' not in proc.stderr, proc.stderr[-4000:]
     # The previous checkpoint intact, no partial file left behind, no model.pt.
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004.pt"]
+    assert checkpoint_files(out) == ["step_0000004.pt"]
     assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == before
     assert not (out / "model.pt").exists()
 
@@ -372,7 +399,7 @@ def test_a_failed_save_with_dataloader_workers_ends_the_run_and_its_workers_at_o
     assert run.left == [], f"processes of the run outlived it: {run.left}"
     assert run.seconds_after(error) < PROMPT, run.output[-6000:]
     # The previous checkpoint intact, nothing of the failed one left behind, no model.pt.
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [name]
+    assert checkpoint_files(out) == [name]
     assert {k: v for k, v in snapshot(out).items() if k.startswith("checkpoints")} == before
     assert not (out / "model.pt").exists()
 

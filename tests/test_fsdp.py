@@ -47,9 +47,18 @@ from test_bad_input import assert_refused
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from lib import files
 from model import LlamaConfig, LlamaForPretraining
 
 FSDP = "train_fsdp.py"
+
+
+def reseal(checkpoint: Path) -> None:
+    """Rewrite a checkpoint directory's checksums for what its files hold now, as whoever
+    crafted them would: the checksums catch damage, not an attacker."""
+    listed = json.loads((checkpoint / files.SUMS).read_text())["crc32"]
+    sums = {name: files.checksums(str(checkpoint / name)) for name in listed}
+    files.write_sums(sums, str(checkpoint / files.SUMS))
 
 
 def copy_sharded_checkpoint(src_dir: Path, step: int, dst_dir: Path) -> Path:
@@ -283,8 +292,39 @@ def test_fsdp_refuses_a_damaged_shard_clearly(launched, corpus, cache_dir, tmp_p
     shard = sorted(checkpoint.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
     proc = run_script(FSDP, cmd(corpus, cache_dir, out, resume=str(checkpoint)), expect_rc=2)
+    assert f"{shard} is damaged" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    # From before checksums (none beside the files): DCP's own read fails, and says so.
+    (checkpoint / files.SUMS).unlink()
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out, resume=str(checkpoint)), expect_rc=2)
     assert f"could not load the sharded checkpoint {checkpoint}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("resume", ["auto", "explicit"])
+def test_a_flipped_bit_in_a_shard_is_found_by_its_checksum(
+    launched, trained, corpus, cache_dir, tmp_path, resume
+):
+    # Damage that leaves the file whole: DCP itself would read it without a word. --resume auto
+    # warns and goes back to the checkpoint before (the same weights in the end); a checkpoint
+    # named explicitly is refused, naming the file, and nothing changes.
+    run = launched(FSDP, 2, *ZERO3)
+    out = tmp_path / "out"
+    copy_sharded_checkpoint(run, 4, out)
+    checkpoint = copy_sharded_checkpoint(run, 8, out)
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # in the middle of a tensor's bytes
+    shard.write_bytes(bytes(data))
+    if resume == "explicit":
+        argv = cmd(corpus, cache_dir, out, resume=str(checkpoint)) + list(ZERO3)
+        assert_refused(FSDP, argv, f"{shard} is damaged", out, cache_dir, world=2)
+        return
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out) + list(ZERO3), world=2)
+    assert f"warning: {shard} is damaged" in proc.stderr, proc.stderr
+    assert "resumed from" in proc.stdout and "step_0000004 at step 4" in proc.stdout
+    a, b = load_weights(out), load_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 class Touch:
@@ -323,6 +363,7 @@ def test_fsdp_resume_runs_no_code_from_a_crafted_metadata_file(
     checkpoint = copy_sharded_checkpoint(launched(FSDP, 2, *ZERO3), 4, out)
     marker = tmp_path / "code_ran"
     (checkpoint / ".metadata").write_bytes(code_running_pickle(marker))
+    reseal(checkpoint)
     proc = run_script(FSDP, cmd(corpus, cache_dir, out), expect_rc=2)
     assert_refused_without_running_code(proc, marker, f"cannot read {checkpoint}/.metadata")
 
@@ -351,6 +392,7 @@ def test_fsdp_resume_runs_no_code_from_a_crafted_optimizer_value(
         where, offset=offset, length=len(payload)
     )
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(checkpoint)
     proc = run_script(FSDP, cmd(corpus, cache_dir, out), expect_rc=2)
     assert_refused_without_running_code(proc, marker, f"the value of {fqn}")
 

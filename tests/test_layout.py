@@ -189,7 +189,7 @@ def test_copying_a_lesson_takes_few_files_and_lines():
     ddp = modules("train_ddp.py")
     assert len(ddp) <= 12  # the lesson, model.py, data.py and 9 of lib/'s
     assert sum(len((Path(REPO) / name).read_text().splitlines()) for name in ddp) <= 3000
-    assert max(len(modules(lesson)) for lesson in LESSONS) <= 16
+    assert max(len(modules(lesson)) for lesson in LESSONS) <= 17
 
 
 # -------------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from masks import (
     document_ids,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (`python -m pytest -m quick`)
+
 PAD = 0
 BOT = 1
 

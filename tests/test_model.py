@@ -23,6 +23,8 @@ from model import (
     rope_cos_sin,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (`python -m pytest -m quick`)
+
 VOCAB = 97
 TOL = 1e-5
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import BASE, DP, REPO, launch_env
+from harness import ATOL, BASE, DP, LOSS_RTOL, REPO, RTOL, launch_env
 
 from tools import parity
 
@@ -199,3 +199,7 @@ def test_a_mixture_of_experts_is_held_to_the_bounds_until_its_routing_differs(tr
     torch.save(weights, same / "model.pt")
     result = parity.compare(same, reference)
     assert result["routing_differs_from_step"] is None and not result["within_tolerance"]
+
+
+def test_the_picture_holds_the_strategies_to_the_test_suites_bounds():
+    assert (parity.ATOL, parity.RTOL, parity.LOSS_RTOL) == (ATOL, RTOL, LOSS_RTOL)

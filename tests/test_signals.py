@@ -1,4 +1,5 @@
-"""Specification of interruptions: Ctrl-C (SIGINT) and SIGTERM stop a run cleanly.
+"""Specification of interruptions: Ctrl-C (SIGINT), SIGTERM, SIGHUP (a closed terminal) and
+SIGQUIT stop a run cleanly; a process whose peer died says that.
 
 After the step in flight (the same step on every rank), the run saves a checkpoint there, prints
 one line saying so and exits with 128 + the signal's number, without a traceback; the same
@@ -24,7 +25,7 @@ from harness import (
     start,
     wait_for_step,
 )
-from test_faults import FAULT_RUN, assert_weights_equal, finish
+from test_faults import FAULT_RUN, assert_weights_equal, finish, worker_pid
 
 from lib import exits, loop
 
@@ -41,7 +42,7 @@ def assert_stopped_cleanly(output: str, out, max_steps: int, sharded: bool = Fal
     name = f"step_{step:07d}" if sharded else f"step_{step:07d}.pt"
     assert (out / "checkpoints" / name).exists(), sorted(os.listdir(out / "checkpoints"))
     assert not (out / "model.pt").exists(), "a stopped run wrote model.pt"
-    assert "stopping after this step" in output  # said at once, before the step ends
+    assert f"stopping after step {step}, with a checkpoint" in output  # said once all agreed
     return step
 
 
@@ -54,40 +55,46 @@ def assert_resumes_to(reference, script, argv, world, step, out) -> None:
     assert train_steps == list(range(1, len(train_steps) + 1)), "steps repeated or missing"
 
 
-def test_ctrl_c_stops_train_dp_cleanly_and_the_same_command_resumes_bit_identically(
-    trained, corpus, cache_dir, tmp_path
+# SIGHUP: the terminal (or SSH connection) closed; SIGQUIT: Ctrl-\. The terminal signals the
+# whole process group, as for Ctrl-C.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT],
+                         ids=["ctrl-c", "sighup", "sigquit"])  # fmt: skip
+def test_a_signal_stops_train_dp_cleanly_and_the_same_command_resumes_bit_identically(
+    trained, corpus, cache_dir, tmp_path, signum
 ):
     run = {**FAULT_RUN, "max_steps": 64}  # ~20 ms a step here: room for the signal to land
     reference = trained(DP, **run)
     out = tmp_path / "out"
-    # A DataLoader worker: the terminal's Ctrl-C reaches it too, and it must keep serving.
+    # A DataLoader worker: the terminal's signal reaches it too, and it must keep serving.
     argv = cmd(corpus, cache_dir, out, **run, num_workers=1)
     proc = start(DP, argv)
     wait_for_step(out, 2, proc)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole process group
+    os.killpg(proc.pid, signum)
     rc, output = finish(proc)
 
-    assert rc == 128 + signal.SIGINT, output[-6000:]
+    assert rc == 128 + signum, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
     step = assert_stopped_cleanly(output, out, run["max_steps"])
     assert_resumes_to(reference, DP, argv, 1, step, out)
 
 
-def test_sigterm_to_torchrun_stops_every_ddp_rank_at_one_step_and_the_run_resumes(
-    trained, corpus, cache_dir, tmp_path
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_a_signal_to_torchrun_stops_every_ddp_rank_at_one_step_and_the_run_resumes(
+    trained, corpus, cache_dir, tmp_path, signum
 ):
     reference = trained(DDP, world=2, **FAULT_RUN)
     out = tmp_path / "out"
     argv = cmd(corpus, cache_dir, out, **FAULT_RUN)
     proc = start(DDP, argv, world=2)
     wait_for_step(out, 2, proc)
-    proc.send_signal(signal.SIGTERM)  # to torchrun alone, as `kill` would: it signals its workers
+    proc.send_signal(signum)  # to torchrun alone, as `kill` would: it signals its workers
     rc, output = finish(proc)
 
-    # The workers exit with 143; torchrun, signalled itself, ends with a traceback of its own
-    # (SignalException) and exit code 1, as it would without them.
+    # The workers exit with 128 + signum; torchrun, signalled itself, ends with a traceback of
+    # its own (SignalException) and exit code 1, as it would without them.
     assert rc != 0, output[-6000:]
-    assert output.count("Traceback") == output.count("got signal: 15") == 1, output[-6000:]
+    got = f"got signal: {int(signum)}"
+    assert output.count("Traceback") == output.count(got) == 1, output[-6000:]
     step = assert_stopped_cleanly(output, out, FAULT_RUN["max_steps"])
     assert_resumes_to(reference, DDP, argv, 2, step, out)
 
@@ -217,3 +224,27 @@ def test_out_of_memory_ends_in_one_line_and_any_other_error_in_a_traceback(capsy
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("RuntimeError: a bug\n"), err
+
+
+def test_a_rank_whose_peer_was_killed_says_so_in_one_line_and_saves_nothing(
+    corpus, cache_dir, tmp_path
+):
+    # torchrun answers a dead worker with SIGTERM to the others; the survivor must not claim a
+    # checkpoint it cannot make (its next collective fails): one line, no traceback of its own.
+    out = tmp_path / "out"
+    proc = start(DDP, cmd(corpus, cache_dir, out, **{**FAULT_RUN, "max_steps": 400}), world=2)
+    wait_for_step(out, 2, proc)
+    saved = checkpoints_in(out)
+    os.kill(worker_pid(proc, rank=1), signal.SIGKILL)
+    rc, output = finish(proc)
+
+    assert rc != 0
+    assert "another process of this run ended" in output, output[-6000:]
+    assert "with a checkpoint" not in output and not STOPPED.search(output), output[-6000:]
+    # torchrun's own ChildFailedError report is its only traceback.
+    assert output.count("Traceback") <= 1, output[-6000:]
+    assert checkpoints_in(out) == saved, "a checkpoint was written after the peer died"
+
+
+def checkpoints_in(out) -> list[str]:
+    return sorted(os.listdir(out / "checkpoints")) if (out / "checkpoints").exists() else []

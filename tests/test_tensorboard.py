@@ -27,6 +27,7 @@ def test_tensorboard_gets_every_logged_value(corpus, cache_dir, tmp_path):
         logged = {r["step"]: r[name] for r in train}
         assert scalars(out, f"train/{name}") == pytest.approx(logged, rel=1e-6), name
     assert scalars(out, "val/loss") == pytest.approx({r["step"]: r["val_loss"] for r in val})
+    assert scalars(out, "val/bpb") == pytest.approx({r["step"]: r["val_bpb"] for r in val})
 
 
 def test_tensorboard_without_the_package_is_refused_in_one_line(corpus, cache_dir, monkeypatch):

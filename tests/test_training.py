@@ -293,7 +293,8 @@ def test_only_rank_zero_writes(tmp_path, corpus, cache_dir):
     out = cwds[0] / "out"
     for name in ("model.pt", "config.json", "tokenizer.json", "metrics.jsonl"):
         assert (out / name).is_file(), name
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_0000002.pt", "step_0000004.pt"]
+    written = sorted(os.listdir(out / "checkpoints"))  # each with its checksums
+    assert written == [f"step_000000{s}.pt{sums}" for s in (2, 4) for sums in ("", ".sums")]
     assert os.listdir(cwds[1]) == [], "rank 1 wrote files"
     assert "sample:" in outputs[0] and "sample:" not in outputs[1]
 
@@ -476,7 +477,8 @@ def test_short_run_writes_outputs_and_loss_falls(corpus, cache_dir, tmp_path, sc
     proc = run_script(script, argv)
     for name in ("model.pt", "config.json", "tokenizer.json", "metrics.jsonl"):
         assert (out / name).is_file(), name
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_0000010.pt", "step_0000020.pt"]
+    written = sorted(os.listdir(out / "checkpoints"))  # each with its checksums
+    assert written == [f"step_00000{s}.pt{sums}" for s in (10, 20) for sums in ("", ".sums")]
     assert "sample:" in proc.stdout
     # Each evaluation is printed above the progress bar, as well as logged.
     assert "step 10: val loss " in proc.stdout and "step 20: val loss " in proc.stdout

@@ -35,6 +35,7 @@ with the new ones; it is written under a temporary name beside DST and renamed a
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -46,9 +47,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from data import load_tokenizer
+from data import load_tokenizer, tokenizer_digest
 from lib import checkpoints, exits, files, flags, model_config
-from lib.finished_run import check_config_values, is_number, open_weights
+from lib.finished_run import check_config_values, check_tokenizer, is_number, open_weights
 from lib.sharded_checkpoints import save_tensor_by_tensor
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 
@@ -312,7 +313,6 @@ def write_export(out_dir: str, hf_dir: str) -> str:
         # One matrix, two names; HF stores it once, as embed_tokens, and ties it on load.
         del state_dict["lm_head.weight"]
     write_safetensors(state_dict, hf_dir)
-    write_json(os.path.join(hf_dir, "config.json"), hf_config(config, tokenizer))
 
     # Every training document starts with BOT: a post-processor makes HF's tokenizer add it, as
     # Llama's tokenizers add <s>, so `tokenizer(text)` gives the ids the model was trained on.
@@ -325,6 +325,9 @@ def write_export(out_dir: str, hf_dir: str) -> str:
         single=f"{bot} $A", pair=f"{bot} $A {bot} $B", special_tokens=[(bot, tokenizer.bot_id)]
     )
     files.atomic_write_text(os.path.join(hf_dir, "tokenizer.json"), hf_tokenizer.to_str())
+    # config.json carries the fingerprint of the tokenizer.json beside it (--from-hf checks it).
+    config = dataclasses.replace(config, tokenizer_sha256=tokenizer_digest(hf_tokenizer))
+    write_json(os.path.join(hf_dir, "config.json"), hf_config(config, tokenizer))
     special = tokenizer.config()  # bos_token, eos_token, pad_token
     write_json(os.path.join(hf_dir, "special_tokens_map.json"), special)
     write_json(
@@ -403,6 +406,7 @@ def import_hf(hf_dir: str, out_dir: str, specials: dict[str, str | None] | None 
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ValueError(f"{config_path}: {e}") from e
         tokenizer = load_tokenizer(os.path.join(hf_dir, "tokenizer.json"), specials)
+        check_tokenizer(config, tokenizer, hf_dir)  # (an export's config.json has its sha256)
         if tokenizer.get_vocab_size() > config.vocab_size:
             raise ValueError(
                 f"{hf_dir}'s tokenizer has {tokenizer.get_vocab_size()} tokens, its model only "

@@ -3,9 +3,10 @@
     python -m tools.plot_metrics out                               # -> out/metrics.png
     python -m tools.plot_metrics out_dp out_ddp --output dp_vs_ddp.png    # runs overlaid
 
-Four panels against the optimizer step: train and validation loss, learning rate, training
-tokens/s and MFU (model FLOPs utilisation, where a script logs it as `mfu`, a fraction of the
-device's peak). Each run gets one colour, labelled with its directory's name.
+Four panels against the optimizer step: train and validation loss (the validation's also in
+bits per byte of text, on the right axis: it compares runs with different tokenizers), learning
+rate, training tokens/s and MFU (model FLOPs utilisation, where a script logs it as `mfu`, a
+fraction of the device's peak). Each run gets one colour, labelled with its directory's name.
 
 Plotting is optional: `pip install -r requirements-plot.txt` (matplotlib). Reading the metrics
 needs only the standard library, and nothing here imports torch.
@@ -54,7 +55,7 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
-PLOTTED = ("loss", "val_loss", "lr", "tokens_per_sec", "mfu")  # each a number, or null
+PLOTTED = ("loss", "val_loss", "val_bpb", "lr", "tokens_per_sec", "mfu")  # each a number, or null
 
 
 def record_problem(record) -> str | None:
@@ -114,6 +115,7 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
     plt = load_pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     (ax_loss, ax_lr), (ax_speed, ax_mfu) = axes
+    ax_bpb = ax_loss.twinx()  # the validation's bits per byte (runs from before it: none)
 
     def series(records, key, scale=1.0):
         points = [(r["step"], r[key] * scale) for r in records if r.get(key) is not None]
@@ -124,6 +126,7 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
         color = f"C{i}"  # one colour per run across all four panels
         ax_loss.plot(*series(train, "loss"), color=color, alpha=0.8, label=f"{label} train")
         ax_loss.plot(*series(evals, "val_loss"), "o--", color=color, label=f"{label} val")
+        ax_bpb.plot(*series(evals, "val_bpb"), "s:", color=color, alpha=0.6)
         ax_lr.plot(*series(train, "lr"), color=color, label=label)
         ax_speed.plot(*series(train, "tokens_per_sec"), color=color, label=label)
         steps, mfu = series(train, "mfu", scale=100)
@@ -131,7 +134,8 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
             any_mfu = True
             ax_mfu.plot(steps, mfu, color=color, label=label)
 
-    ax_loss.set(title="loss", ylabel="cross-entropy (nats)")
+    ax_loss.set(title="loss", ylabel="cross-entropy (nats per token)")
+    ax_bpb.set_ylabel("validation: bits per byte (squares)")
     ax_lr.set(title="learning rate", ylabel="lr")
     ax_speed.set(title="training throughput", ylabel="tokens / s", xlabel="step")
     ax_mfu.set(title="model FLOPs utilisation", ylabel="MFU (%)", xlabel="step")
