@@ -5,6 +5,7 @@ expert parallelism (the formulas), put together for one layout (plan) and printe
 where each comes from and what it leaves out. `python -m tools.memory_plan` is the command line.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -420,9 +421,11 @@ def plan(
 
 
 def largest_parameter(config: LlamaConfig) -> int:
-    """The element count of the model's largest parameter (built on the meta device: no memory)."""
+    """The element count of the model's largest parameter: one layer of it built on the meta
+    device (no memory; every layer is alike, and a plan may ask for 10^30 of them)."""
     with torch.device("meta"):
-        return max(p.numel() for p in LlamaForPretraining(config).parameters())
+        one_layer = LlamaForPretraining(dataclasses.replace(config, num_hidden_layers=1))
+        return max(p.numel() for p in one_layer.parameters())
 
 
 def format_plan(p: dict) -> str:

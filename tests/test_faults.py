@@ -384,9 +384,11 @@ def test_a_failed_save_with_dataloader_workers_ends_the_run_and_its_workers_at_o
 ):
     out, sharded = tmp_path / "out", script == FSDP  # FSDP's checkpoints: DCP directories
     name = "step_0000004" if sharded else "step_0000004.pt"
-    (out / "checkpoints").mkdir(parents=True)
-    copy = shutil.copytree if sharded else shutil.copy
-    copy(trained(script, world=world) / "checkpoints" / name, out / "checkpoints" / name)
+    source = trained(script, world=world)
+    if sharded:
+        shutil.copytree(source / "checkpoints" / name, out / "checkpoints" / name)
+    else:
+        copy_checkpoint(source, 4, out)  # with its checksums
     before = snapshot(out)
     argv = cmd(corpus, cache_dir, out, num_workers=workers)  # resumes at 4, saves 8: fails
     run = watch_run(script_command(script, argv, world), timeout=180,

@@ -471,5 +471,5 @@ def test_cli_plans_a_mixture_of_experts_over_expert_parallel_gpus(monkeypatch, c
     out = capsys.readouterr().out
     config = LlamaConfig.from_preset("1b", num_local_experts=8)
     assert f"{count_parameters(config) / 1e9:.3g}B parameters" in out
-    assert "ep 8: each GPU of a group of 8 holds 1/8 of the experts" in out
+    assert "2 EP groups x ep 8: each GPU holds 1/8 of the experts" in out
     assert "parameters active per token; each GPU holds" in out and "all-to-alls send" in out

@@ -14,6 +14,8 @@ aux losses within 6e-8 relative, the same tokens per expert at every step. The m
 properties (dropless routing, any batch split gives the same loss) are test_moe.py's.
 """
 
+import argparse
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -267,11 +269,27 @@ def test_the_expert_flags_set_the_config_and_zero_experts_is_the_dense_model(cor
     assert shape(args) == shape(build_args(corpus, cache_dir)[0])
 
 
-@pytest.mark.parametrize("flag", ["num_experts", "experts_per_token", "router_aux_loss_coef"])
+@pytest.mark.parametrize("flag", ["num_experts", "experts_per_token"])
 def test_init_from_with_an_expert_flag_is_refused(corpus, cache_dir, tmp_path, flag):
     settings = {"model": None, "vocab_size": None, "init_from": tmp_path, flag: 2}
     with pytest.raises(ValueError, match=f"leave out --{flag.replace('_', '-')} \\(see --help\\)"):
         build_args(corpus, cache_dir, **settings)
+
+
+@pytest.mark.parametrize("experts", [E, 0])
+def test_init_from_takes_a_new_load_balancing_weight_for_its_experts_only(tmp_path, experts):
+    # The coefficient weighs a training loss, not the architecture: a run started from a finished
+    # mixture of experts may weigh it anew. A dense model has no router to balance: refused.
+    config = LlamaConfig.from_preset("tiny", num_local_experts=experts)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    (tmp_path / "model.pt").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    args = argparse.Namespace(init_from=str(tmp_path), router_aux_loss_coef=0.25)
+    if experts:
+        assert model_config.model_shape(args).router_aux_loss_coef == 0.25
+    else:
+        with pytest.raises(ValueError, match="is a dense model"):
+            model_config.model_shape(args)
 
 
 def test_the_memory_plan_counts_the_experts_rather_than_plan_them_as_a_dense_model(
@@ -284,5 +302,5 @@ def test_the_memory_plan_counts_the_experts_rather_than_plan_them_as_a_dense_mod
     assert p["active_params"] == count_active_parameters(config) < p["num_params"]
     args, run = build_args(corpus, cache_dir, num_experts=E, plan=True)  # not refused
     estimate = memory.estimate_for_run(args, run, config, 2, ep=2)
-    assert "ep 2: each GPU of a group of 2 holds 1/2 of the experts" in estimate
+    assert "1 EP group x ep 2: each GPU holds 1/2 of the experts" in estimate
     assert "mixture of experts:" in estimate and "all-to-alls send" in estimate

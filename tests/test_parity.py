@@ -138,8 +138,8 @@ def test_an_interrupted_launch_stops_its_run_with_a_sigterm_not_a_kill(monkeypat
         "time.sleep(60)\n"
     )
     monkeypatch.setitem(parity.STRATEGIES, "stand-in", (str(stand_in), 1, [], "a stand-in"))
-    args = argparse.Namespace(data="d", cache_dir="c", vocab_size=320, seq_length=32,
-                              batch_size=8, steps=1, seed=0, val_fraction=0.1)  # fmt: skip
+    args = argparse.Namespace(data="d", cache_dir="c", vocab_size=320, seq_length=32, batch_size=8,
+                              steps=1, seed=0, val_fraction=0.1, optimizer="adamw")  # fmt: skip
 
     def interrupt_when_ready():
         while not ready.exists():

@@ -116,7 +116,8 @@ def test_validation_loss_counts_every_validation_sample(trained, script, micro_b
 
 @pytest.mark.parametrize("size, ranks, rows", [(3, 2, 1), (7, 3, 2), (1, 2, 4), (8, 2, 2)])
 def test_validation_shards_cover_the_set_once_in_as_many_batches_on_every_rank(size, ranks, rows):
-    val_set = [(torch.full((4,), i), torch.full((4,), 100 + i)) for i in range(size)]
+    samples = [(torch.full((4,), i), torch.full((4,), 100 + i)) for i in range(size)]
+    val_set = training.ValidationSet(samples, range(size), torch.ones(100 + size, dtype=torch.long))
     shards = [list(training.ValidationShard(val_set, r, ranks, rows)) for r in range(ranks)]
     assert len({len(batches) for batches in shards}) == 1  # the same count on every rank
     targets = [

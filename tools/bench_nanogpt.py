@@ -77,6 +77,8 @@ SUITE_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-heads", "4",
 NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
                  "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
                  "--n_embd=128", "--dropout=0.0"]  # fmt: skip
+# The docs' laptop recipe (README, docs/optimizers.md): Muon, fewer steps. --suite-flags takes it.
+LAPTOP = ["--optimizer", "muon", "--max-steps", "600", "--warmup-steps", "30"]
 SEQ_LENGTH = 64
 CHAR_VOCAB = 99  # --transformers: the corpus's 96 characters and [PAD] [BOT] [EOT]
 DATASET = "bench_char"  # nanoGPT's data/<dataset>/ under --work-dir
@@ -169,10 +171,11 @@ def prepare(args) -> dict:
 # The runs
 
 
-def suite_command(prep: dict, out_dir: Path, max_steps: int, compile: bool = False) -> list[str]:
+def suite_command(prep: dict, out_dir: Path, max_steps: int, compile: bool = False,
+                  extra: str = "") -> list[str]:  # fmt: skip
     return [sys.executable, str(REPO / "train_dp.py"), *prep["suite_argv"],
             "--max-steps", str(max_steps), "--out-dir", str(out_dir),
-            *(["--compile"] if compile else [])]  # fmt: skip
+            *(["--compile"] if compile else []), *shlex.split(extra)]  # fmt: skip
 
 
 def nanogpt_command(
@@ -476,6 +479,8 @@ def main() -> None:
     p.add_argument("--compile-nanogpt", action="store_true",
                    help="nanoGPT (or, with --transformers, LlamaForCausalLM) compiled too: "
                    "its own --compile=True, for a like-for-like comparison")  # fmt: skip
+    p.add_argument("--suite-flags", default="", help="more flags for this suite's runs (after "
+                   "its own: they win), e.g. the laptop recipe: " + shlex.join(LAPTOP))
     p.add_argument("--step-rounds", type=int, default=9, help="--step, --transformers: rounds")
     p.add_argument("--step-steps", type=int, default=10, help="--step, --transformers: steps each")
     args = p.parse_args()
@@ -532,7 +537,8 @@ def run_both(args, nanogpt: Path) -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 log = work / f"{side}_{r}.log"
                 if side == "suite":
-                    cmd, cwd = suite_command(prep, out, args.max_steps, args.compile), REPO
+                    cmd = suite_command(prep, out, args.max_steps, args.compile, args.suite_flags)
+                    cwd = REPO
                     name = "train_dp.py"
                 else:  # train.py reads ./configurator.py and ./data/<dataset>/: from work
                     shutil.copy(nanogpt / "configurator.py", work / "configurator.py")
