@@ -1,8 +1,8 @@
 """Time train_dp.py against nanoGPT's CPU recipe, side by side, on one character-level corpus.
 
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT                 # the comparison, 2 rounds
-    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --rounds 3 \
-        --busy 1                                                       # beside a busy process
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT \
+        --suite-flags "--optimizer muon --max-steps 600 --warmup-steps 30"   # the laptop recipe
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --step       # the step alone, one process
     python -m tools.bench_nanogpt --transformers                # the step alone vs LlamaForCausalLM
@@ -14,40 +14,25 @@ model.py and config/train_shakespeare_char.py are used as they are). Nothing is 
 What it does, in --work-dir:
   1. A character-level corpus: the ASCII-only .py files of this Python's standard library, in
      path order, up to --corpus-chars characters, one document per line of corpus.jsonl.
-  2. The split train_dp.py makes of it (data.split_corpus: whole documents, --val-fraction
-     0.01), and the same split in nanoGPT's format: data/bench_char/train.bin and val.bin (each
-     side's documents joined by newlines, uint16 character ids) and meta.pkl, as nanoGPT's
-     shakespeare_char/prepare.py writes them; and a character-level tokenizer.json for this
-     suite (tokenizers: one token per character, plus [PAD] [BOT] [EOT]).
-  3. This suite's tokenized data cached (what a second run finds), so that no timed run pays
-     for tokenizing.
+  2. train_dp.py's split of it (whole documents, --val-fraction 0.01), and the same split in
+     nanoGPT's format (data/bench_char/{train,val}.bin, meta.pkl, as its shakespeare_char
+     prepare.py writes them); a character-level tokenizer.json for this suite.
+  3. This suite's tokenized data cached, so that no timed run pays for tokenizing.
   4. --rounds rounds of the two runs, alternating (A B, then B A, ...), each a fresh process
-     from start-up to exit: the wall time includes imports, data loading and the final save.
-       suite    python train_dp.py --num-layers 4 --hidden-size 128 --num-heads 4
-                --num-kv-heads 4 --ffn-size 344 --seq-length 64 --batch-size 12
-                --max-steps 2000 --lr 1e-3 --warmup-steps 100 (everything else its defaults)
-       nanoGPT  python train.py config/train_shakespeare_char.py --device=cpu --compile=False
-                --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
-                --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
-                (its README's CPU recipe)
-  5. Per run: the wall time, the median step time (the suite's metrics.jsonl step_ms, a mean
-     over each 10 logged steps with evaluation and saving left out; nanoGPT's per-iteration
-     `time`, its evaluation iterations left out), the validation loss each reports itself, and
-     both final models scored on the same held-out text (the validation documents, joined by
-     newlines, in windows of --seq-length + 1 characters): mean nats per character.
+     from start-up to exit (the wall time includes imports, data loading and the final save):
+     SUITE_FLAGS and then --suite-flags for train_dp.py; NANOGPT_FLAGS for nanoGPT's train.py
+     with config/train_shakespeare_char.py (its README's CPU recipe); --max-steps for both.
+  5. Per run: the wall time, the median step time (evaluation and saving left out), the
+     validation loss each reports itself, and both final models scored on the same held-out
+     text (the validation documents joined by newlines, in windows of 65 characters): mean
+     nats per character. Then, per round, this suite's time to nanoGPT's held-out loss: its
+     wall time over nanoGPT's where its final model is at least as good, else "not reached".
 
---compile runs this suite with --compile (Inductor: a C++ compiler on a CPU), against nanoGPT's
-recipe as it is; --compile-nanogpt compiles the other side too (nanoGPT's --compile=True, or
-LlamaForCausalLM under torch.compile), which is the like-for-like comparison.
---busy N runs N processes that spin on the CPU for the whole benchmark (a busy neighbour);
---threads N sets OMP_NUM_THREADS for both runs. The figures are printed, nothing is asserted:
-it is a measurement, not a test (tests/test_bench.py checks its preparation and parsing).
-
-A --nanogpt folder that lacks what the runs use (train.py, model.py, configurator.py,
-config/train_shakespeare_char.py) is refused before any work, and one whose train.py prints no
-nanoGPT iteration line after its run: one line, exit code 2. A run that fails ends the benchmark
-with one line (its exit code and last line of output; the whole output stays in its log under
---work-dir), exit code 1, after the table of the runs that finished.
+--compile compiles this suite's side, --compile-nanogpt the other (the like-for-like pair);
+--busy N spins N processes meanwhile; --threads N sets OMP_NUM_THREADS. Nothing is asserted: a
+measurement, not a test (tests/test_bench.py checks its preparation and parsing). A --nanogpt
+folder that is not nanoGPT's: one line, exit 2; a failed run: one line (its log under
+--work-dir), exit 1, after the table of the runs that finished.
 """
 
 import argparse
@@ -83,7 +68,6 @@ SEQ_LENGTH = 64
 CHAR_VOCAB = 99  # --transformers: the corpus's 96 characters and [PAD] [BOT] [EOT]
 DATASET = "bench_char"  # nanoGPT's data/<dataset>/ under --work-dir
 ITER_RE = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
-ITER_LINE = "'iter N: loss L, time T ms'"  # ITER_RE, as a message names it
 NANO_VAL_RE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
 
 
@@ -109,9 +93,7 @@ def stdlib_documents(max_chars: int) -> list[str]:
 
 
 def write_corpus(docs: list[str], path: Path) -> None:
-    with open(path, "w") as f:
-        for doc in docs:
-            f.write(json.dumps({"text": doc}) + "\n")
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
 
 
 def char_tokenizer(chars: list[str]):
@@ -178,9 +160,7 @@ def suite_command(prep: dict, out_dir: Path, max_steps: int, compile: bool = Fal
             *(["--compile"] if compile else []), *shlex.split(extra)]  # fmt: skip
 
 
-def nanogpt_command(
-    nanogpt: Path, out_dir: Path, max_steps: int, compile: bool = False
-) -> list[str]:
+def nanogpt_command(nanogpt: Path, out_dir: Path, max_steps: int, compile=False) -> list[str]:
     return [sys.executable, str(nanogpt / "train.py"),
             str(nanogpt / "config" / "train_shakespeare_char.py"), *NANOGPT_FLAGS,
             f"--max_iters={max_steps}", f"--lr_decay_iters={max_steps}", f"--dataset={DATASET}",
@@ -252,9 +232,7 @@ def held_out_windows(ids: list[int], seq_length: int):
 
     n = (len(ids) - 1) // seq_length
     tokens = torch.tensor(ids[: n * seq_length + 1])
-    x = tokens[:-1].view(n, seq_length)
-    y = tokens[1:].view(n, seq_length)
-    return x, y
+    return tokens[:-1].view(n, seq_length), tokens[1:].view(n, seq_length)
 
 
 def mean_loss(logits_of, x, y, rows: int = 64) -> float:
@@ -441,9 +419,6 @@ def report_steps(times: dict, other: str, rounds: int, steps: int) -> None:
               f"{statistics.median(ratios):.2f}, {spread} (target {target})")  # fmt: skip
 
 
-# -------------------------------------------------------------------------------------------------
-
-
 # What a run of nanoGPT's train.py needs of its checkout besides train.py and model.py, and why.
 NANOGPT_RUN_FILES = {
     "configurator.py": "its train.py reads it",
@@ -480,7 +455,7 @@ def main() -> None:
                    help="nanoGPT (or, with --transformers, LlamaForCausalLM) compiled too: "
                    "its own --compile=True, for a like-for-like comparison")  # fmt: skip
     p.add_argument("--suite-flags", default="", help="more flags for this suite's runs (after "
-                   "its own: they win), e.g. the laptop recipe: " + shlex.join(LAPTOP))
+                   "its own: they win), e.g. the laptop recipe: " + shlex.join(LAPTOP))  # fmt: skip
     p.add_argument("--step-rounds", type=int, default=9, help="--step, --transformers: rounds")
     p.add_argument("--step-steps", type=int, default=10, help="--step, --transformers: steps each")
     args = p.parse_args()
@@ -551,9 +526,9 @@ def run_both(args, nanogpt: Path) -> None:
                 else:
                     output = log.read_text(errors="replace")
                     if not any(ITER_RE.match(line) for line in output.splitlines()):
-                        raise ValueError(f"--nanogpt {nanogpt}: its train.py printed no "
-                                         f"{ITER_LINE} line (its output: {log}): not nanoGPT's "
-                                         f"train.py")  # fmt: skip
+                        raise ValueError(f"--nanogpt {nanogpt}: its train.py printed no 'iter N: "
+                                         f"loss L, time T ms' line (its output: {log}): not "
+                                         f"nanoGPT's train.py")  # fmt: skip
                     row = nanogpt_figures(output) | {
                         "held_out": score_nanogpt(nanogpt, out, prep["val_text"], prep["chars"])
                     }
@@ -604,10 +579,15 @@ def report(args, prep: dict, rows: list[dict]) -> None:
     by = {side: [r for r in rows if r["side"] == side] for side in ("suite", "nanogpt")}
     pairs = list(zip(by["suite"], by["nanogpt"], strict=False))
     if pairs:
-        wall = [s["wall_s"] / n["wall_s"] for s, n in pairs]
+        print("\nthis suite's time to nanoGPT's held-out loss (target <= 0.35x its wall time):")
+        for s, n in pairs:  # reached where the suite's final model is at least as good
+            ours, theirs = (("-" if v is None else f"{v:.4f}")
+                            for v in (s["held_out"], n["held_out"]))  # fmt: skip
+            reached = "-" not in (ours, theirs) and s["held_out"] <= n["held_out"]
+            print(f"  round {s['round']}: {'' if reached else 'not reached in '}"
+                  f"{s['wall_s'] / n['wall_s']:.2f}x ({s['wall_s']:.1f} s against "
+                  f"{n['wall_s']:.1f} s; held-out {ours} against {theirs} nats/char)")  # fmt: skip
         step = [n["step_ms"] / s["step_ms"] if n["step_ms"] else None for s, n in pairs]
-        print(f"\nsuite wall time / nanoGPT's, per round: {', '.join(f'{v:.2f}' for v in wall)}"
-              f" (target <= 0.90)")  # fmt: skip
         print(f"suite step speed / nanoGPT's (their step ms over ours), per round: "
               f"{', '.join('-' if v is None else f'{v:.2f}' for v in step)} (target >= "
               f"1.00)")  # fmt: skip
