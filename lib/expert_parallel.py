@@ -27,6 +27,7 @@ the gradients of the outputs go to the experts' ranks, those of the tokens come 
 """
 
 import functools
+import logging
 import math
 
 import torch
@@ -177,10 +178,20 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh, []).append(p)
-    norms = [
-        torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
-        for params in by_mesh.values()
-    ]
+    # DTensor warns (once per mesh) that the experts' norm, partial over dp and ep, takes two
+    # all-reduces, one per mesh dimension, and that such sums may differ between ranks. Here each
+    # is one scalar (nothing to gain from one flattened all-reduce), and every rank ends with the
+    # same sum of the same values in the same order: ranks agree (tests/test_ep.py holds the
+    # logged norm to one process's). The warning is silenced for this call only.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, _ = log.level, log.setLevel(logging.ERROR)
+    try:
+        norms = [
+            torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+            for params in by_mesh.values()
+        ]
+    finally:
+        log.setLevel(level)
     total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm < math.inf:
         for params in by_mesh.values():

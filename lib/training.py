@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
@@ -205,6 +204,13 @@ def build_model(args, preset: str | None, vocab_size: int):
     return model, config
 
 
+def is_dtensor(t) -> bool:
+    """isinstance(t, DTensor), without importing torch.distributed.tensor (1.3 s of start-up)
+    where no DTensor can exist: a lesson that shards has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, config, args, device) -> None:
     """The initial values (and buffers) of a model built on the meta device and given storage:
@@ -222,7 +228,9 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
             full = source[name].to(device)
         else:
             full = initial_weight(config, name, param.shape, args.seed, device)
-        if isinstance(param, DTensor):  # this rank's slice: as the DTensor holds it, no traffic
+        if is_dtensor(param):  # this rank's slice: as the DTensor holds it, no traffic
+            from torch.distributed.tensor import distribute_tensor  # (1.3 s to import: sharding only)
+
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(full.to_local())
         else:

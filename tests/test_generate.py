@@ -307,3 +307,33 @@ def test_cli_refuses_a_model_with_nan_weights_in_one_line(
     assert code == 2 and stdout == "", stdout
     assert stderr == (f"error: {out}/model.pt holds NaN or infinite weights: nothing to generate "
                       f"from (an earlier checkpoint may hold finite ones)\n")  # fmt: skip
+
+
+def test_a_replaced_tokenizer_is_refused_by_generate_export_and_init_from(out_dir, tmp_path):
+    # config.json records the sha256 of the tokenizer the model was trained with: another
+    # tokenizer.json of the same size (two tokens' ids swapped) would decode every id into the
+    # wrong text without an error. Each reader refuses it in one line, and writes nothing.
+    copy = tmp_path / "out"
+    copy.mkdir()
+    for name in ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (out_dir / name).exists():
+            (copy / name).write_bytes((out_dir / name).read_bytes())
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    said = f"{copy}/tokenizer.json is not the tokenizer this model was trained with"
+    proc = run_generate("--out-dir", str(copy), "--prompt", PROMPT)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    hf = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "tools.export_hf", str(copy), str(hf)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert not hf.exists()
+    proc = subprocess.run([sys.executable, "train_dp.py", "--init-from", str(copy), "--out-dir",
+                           str(tmp_path / "run"), "--max-steps", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()

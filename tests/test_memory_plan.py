@@ -115,13 +115,10 @@ def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
     assert "--hidden-size 4096 (the 7b preset's) is not divisible by --num-heads 7" in err
 
 
-def test_cli_table_says_what_fits():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "8",
-         "--gpu-memory", "40"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    )  # fmt: skip
-    assert "fits in 40 GB: zero3" in proc.stdout, proc.stdout
+def test_cli_table_says_what_fits(monkeypatch, capsys):
+    code, out, _ = run_main(monkeypatch, capsys, "--model", "7b", "--world-size", "8",
+                            "--gpu-memory", "40")  # fmt: skip
+    assert code == 0 and "fits in 40 GB: zero3" in out, out
 
 
 # -------------------------------------------------------------------------------------------------
@@ -178,13 +175,9 @@ def test_communication_per_step_follows_the_ring_formulas():
     assert c["pipeline"] == 0
 
 
-def test_world_size_must_be_a_multiple_of_tp_times_pp():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "6",
-         "--tp", "4"],
-        capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "not a multiple of --tp 4" in proc.stderr, proc.stderr
+def test_world_size_must_be_a_multiple_of_tp_times_pp(monkeypatch, capsys):
+    code, _, err = run_main(monkeypatch, capsys, "--model", "7b", "--world-size", "6", "--tp", "4")
+    assert code == 2 and "not a multiple of --tp 4" in err, err
 
 
 def test_3d_layout_fits_70b_where_data_parallelism_alone_cannot():
@@ -264,12 +257,9 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
         (["--world-size", "8", "--sequence-parallel"], "--sequence-parallel splits a layer's"),
     ],
 )
-def test_layouts_that_do_not_divide_are_refused(flags, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", *flags],
-        capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+def test_layouts_that_do_not_divide_are_refused(monkeypatch, capsys, flags, message):
+    code, _, err = run_main(monkeypatch, capsys, "--model", "7b", *flags)
+    assert code == 2 and message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
@@ -317,11 +307,10 @@ def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_cli_refuses_a_nan_parameter_count_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "tools.memory_plan", "--params", "nan"],
-                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == (
+def test_cli_refuses_a_nan_parameter_count_in_one_line(monkeypatch, capsys):
+    code, out, err = run_main(monkeypatch, capsys, "--params", "nan")
+    assert code == 2 and out == ""
+    assert err == (
         "error: argument --params: expected a number in [1, 1e+15], got 'nan' (see --help)\n"
     )
 
@@ -456,12 +445,9 @@ def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_ra
     ],
     ids=["ep-not-dividing-the-experts", "ep-not-dividing-the-gpus", "dense", "tensor-parallel"],
 )
-def test_expert_layouts_that_cannot_be_trained_are_refused(flags, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.memory_plan", "--model", "1b", *flags],
-        capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+def test_expert_layouts_that_cannot_be_trained_are_refused(monkeypatch, capsys, flags, message):
+    code, _, err = run_main(monkeypatch, capsys, "--model", "1b", *flags)
+    assert code == 2 and message in err and err.count("\n") == 1, err
 
 
 def test_cli_plans_a_mixture_of_experts_over_expert_parallel_gpus(monkeypatch, capsys):

@@ -55,10 +55,10 @@ def assert_resumes_to(reference, script, argv, world, step, out) -> None:
     assert train_steps == list(range(1, len(train_steps) + 1)), "steps repeated or missing"
 
 
-# SIGHUP: the terminal (or SSH connection) closed; SIGQUIT: Ctrl-\. The terminal signals the
-# whole process group, as for Ctrl-C.
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT],
-                         ids=["ctrl-c", "sighup", "sigquit"])  # fmt: skip
+# SIGHUP: the terminal (or SSH connection) closed, and with it the run's output. The terminal
+# signals the whole process group, as for Ctrl-C. (SIGQUIT, Ctrl-\, takes the same handler:
+# test_every_stop_signal_requests_a_stop, below.)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "sighup"])
 def test_a_signal_stops_train_dp_cleanly_and_the_same_command_resumes_bit_identically(
     trained, corpus, cache_dir, tmp_path, signum
 ):
@@ -117,6 +117,21 @@ def test_sigterm_to_every_process_stops_fsdp_with_a_sharded_checkpoint_and_it_re
     step = assert_stopped_cleanly(output, out, FAULT_RUN["max_steps"], sharded=True)
     assert (out / "checkpoints" / f"step_{step:07d}" / "train_state.pt").is_file()
     assert_resumes_to(reference, FSDP, argv, 2, step, out)
+
+
+def test_every_stop_signal_requests_a_stop(capfd):
+    handlers = {signum: signal.getsignal(signum) for signum in exits.STOP_SIGNALS}
+    assert {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT} <= set(handlers)
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+            request = loop.StopRequest(torch.device("cpu"))
+            assert request.all_reduce() == 0
+            os.kill(os.getpid(), signum)  # the handler runs before the next line
+            assert request.all_reduce() == signum
+            assert f"{signal.Signals(signum).name} received" in capfd.readouterr().err
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def test_a_second_signal_stops_at_once_but_an_echo_of_the_first_does_not(monkeypatch):
