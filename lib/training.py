@@ -229,7 +229,7 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
         else:
             full = initial_weight(config, name, param.shape, args.seed, device)
         if is_dtensor(param):  # this rank's slice: as the DTensor holds it, no traffic
-            from torch.distributed.tensor import distribute_tensor  # (1.3 s to import: sharding only)
+            from torch.distributed.tensor import distribute_tensor  # (see is_dtensor)
 
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(full.to_local())

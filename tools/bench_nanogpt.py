@@ -1,8 +1,8 @@
 """Time train_dp.py against nanoGPT's CPU recipe, side by side, on one character-level corpus.
 
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT                 # the comparison, 2 rounds
-    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT \
-        --suite-flags "--optimizer muon --max-steps 600 --warmup-steps 30"   # the laptop recipe
+    python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --suite-flags "--optimizer muon \
+        --max-steps 450 --warmup-steps 10 --muon-lr 0.04 --lr 3e-3"          # the laptop recipe
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --step       # the step alone, one process
     python -m tools.bench_nanogpt --transformers                # the step alone vs LlamaForCausalLM
@@ -62,8 +62,8 @@ SUITE_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-heads", "4",
 NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
                  "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
                  "--n_embd=128", "--dropout=0.0"]  # fmt: skip
-# The docs' laptop recipe (README, docs/optimizers.md): Muon, fewer steps. --suite-flags takes it.
-LAPTOP = ["--optimizer", "muon", "--max-steps", "600", "--warmup-steps", "30"]
+# The laptop recipe (README, BENCHMARKS.md): Muon, fewer steps, higher rates, for --suite-flags.
+LAPTOP = "--optimizer muon --max-steps 450 --warmup-steps 10 --muon-lr 0.04 --lr 3e-3".split()
 SEQ_LENGTH = 64
 CHAR_VOCAB = 99  # --transformers: the corpus's 96 characters and [PAD] [BOT] [EOT]
 DATASET = "bench_char"  # nanoGPT's data/<dataset>/ under --work-dir
@@ -568,7 +568,8 @@ def report(args, prep: dict, rows: list[dict]) -> None:
           f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'unset')}; busy neighbours "
           f"{args.busy}")  # fmt: skip
     print(f"corpus: {len(prep['chars'])} characters, {prep['train_chars']:,} train / "
-          f"{len(prep['val_text']):,} held-out; {args.max_steps} steps of 12 x 64\n")  # fmt: skip
+          f"{len(prep['val_text']):,} held-out; {args.max_steps} steps of 12 x 64 (this suite: "
+          f"then --suite-flags {args.suite_flags!r})\n")  # fmt: skip
     print("| round | run     | wall s | step ms (median) | own val loss | held-out nats/char |")
     print("| ----: | :------ | -----: | ---------------: | -----------: | -----------------: |")
     for r in rows:
