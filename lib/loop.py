@@ -9,9 +9,8 @@ bar, the non-finite guard and, after each step, the log, evaluation, checkpoint 
         ...
         loop.after_step(step, loss, grad_norm, evaluate, save)  # log, evaluate, save, stop
 
-A lesson's `evaluate()` returns the validation set's sums (loss, targets, bytes of text: its
-collectives on them are the lesson's own), from which the loop logs the loss and bits per byte;
-`save(step)` writes a checkpoint (.pt from rank 0, or DCP shards from every rank).
+A lesson's `evaluate()` returns the validation sums (loss, targets, bytes: its collectives are
+its own), `save(step)` writes a checkpoint (.pt from rank 0, or DCP shards from every rank).
 Every rank takes the same decisions at the same step, so no collective is ever left waiting."""
 
 import contextlib

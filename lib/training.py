@@ -91,8 +91,7 @@ def is_stream(dataset) -> bool:
 
 
 def steps_per_epoch(train_ds, args) -> int | None:
-    """Optimizer steps in one pass over the training split (ValueError if none); None for a
-    stream, whose length is not known."""
+    """Optimizer steps in one pass over the training split (ValueError if none); a stream: None."""
     if is_stream(train_ds):
         return None
     steps = len(train_ds) // args.batch_size
@@ -127,16 +126,14 @@ def step_batches(
 
 
 def to_device(micro_batches: list, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """A step's micro-batches on the device, copied asynchronously (from pinned memory): their
-    targets are counted there, where the count makes the CPU wait for no GPU work."""
+    """A step's micro-batches on the device, copied asynchronously (from pinned memory)."""
     return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in micro_batches]
 
 
 def batches_from(dataset, epoch_order, micro_batch_size: int, accumulation: int,
                  steps_per_epoch: int, start_step: int, num_workers: int = 0,
                  pin_memory: bool = False) -> Iterator[list]:  # fmt: skip
-    """step_batches over a cached dataset: each step's `accumulation` micro-batches of
-    `micro_batch_size`, from `start_step` on, in the order epoch_order(epoch) gives."""
+    """step_batches over a cached dataset: each step's `accumulation` micro-batches, in order."""
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
     per_step = micro_batch_size * accumulation
     while True:
@@ -205,8 +202,7 @@ def build_model(args, preset: str | None, vocab_size: int):
 
 
 def is_dtensor(t) -> bool:
-    """isinstance(t, DTensor), without importing torch.distributed.tensor (1.3 s of start-up)
-    where no DTensor can exist: a lesson that shards has imported it."""
+    """isinstance(t, DTensor), without importing torch.distributed.tensor (1.3 s) where none is."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 

@@ -5,9 +5,8 @@ without stopping, and a kill in the middle of one loses nothing.
 The weights a lesson starts from are read from model.pt after one step at --lr 1e-30: AdamW's
 update is then ~1e-30 (and weight decay multiplies by 1 - 1e-32, which is 1 in float), below
 the last bit of every weight (initial weights are ~0.02, norms 1), so model.pt holds the
-initial weights bit for bit. They must equal train_dp.py's, whatever the layout, on 2 ranks and
-on 4 (each weight is drawn whole from a seed of its own, then sliced); each lesson on one rank
-is tests/test_every_lesson.py's.
+initial weights bit for bit. They must equal train_dp.py's, whatever the layout and the number
+of ranks, 1, 2 or 4 (each weight is drawn whole from a seed of its own, then sliced).
 """
 
 import contextlib
@@ -58,14 +57,14 @@ def dp_start(tmp_path_factory, corpus, cache_dir):
 @pytest.mark.parametrize(
     "script, world, flags",
     [
-        (FSDP, 2, {}), (FSDP, 4, {"replicate": 2}),
-        (TP, 2, {"tp": 2}), (TP, 4, {"tp": 2}),
-        (PP, 2, {"pp": 2}), (PP, 4, {"pp": 2, "tp": 2}),
-        (CP, 2, {"cp": 2}), (CP, 4, {"cp": 2}),
-        (EP, 2, {"ep": 2, **MOE}), (EP, 4, {"ep": 2, **MOE}),
+        (FSDP, 1, {}), (FSDP, 2, {}), (FSDP, 4, {"replicate": 2}),
+        (TP, 1, {"tp": 1}), (TP, 2, {"tp": 2}), (TP, 4, {"tp": 2}),
+        (PP, 1, {"pp": 1}), (PP, 2, {"pp": 2}), (PP, 4, {"pp": 2, "tp": 2}),
+        (CP, 1, {"cp": 1}), (CP, 2, {"cp": 2}), (CP, 4, {"cp": 2}),
+        (EP, 1, {"ep": 1, **MOE}), (EP, 2, {"ep": 2, **MOE}), (EP, 4, {"ep": 2, **MOE}),
     ],
-    ids=["fsdp-2", "hsdp-4", "tp-2", "tp2-dp2", "pp-2", "pp2-tp2", "cp-2", "cp2-dp2", "ep-2",
-         "ep2-dp2"],
+    ids=["fsdp-1", "fsdp-2", "hsdp-4", "tp-1", "tp-2", "tp2-dp2", "pp-1", "pp-2", "pp2-tp2",
+         "cp-1", "cp-2", "cp2-dp2", "ep-1", "ep-2", "ep2-dp2"],
 )  # fmt: skip
 def test_a_sharded_build_starts_from_one_process_weights(
     dp_start, corpus, cache_dir, tmp_path, script, world, flags
