@@ -9,6 +9,8 @@
 Every step is cached under --cache-dir, so a second run, and every rank but one per node, starts
 in seconds. fingerprint() is what a checkpoint records of the documents."""
 
+from __future__ import annotations  # `datasets.Dataset` in signatures, `datasets` not imported
+
 import contextlib
 import hashlib
 import json
@@ -17,14 +19,16 @@ import re
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
+
+if TYPE_CHECKING:  # `datasets` takes 1.7 s to import: only where documents are read (below)
+    import datasets
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]  # trained first, so their ids are 0, 1, 2 in every tokenizer
@@ -47,6 +51,8 @@ STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split="auto"):
     """Documents in one "text" column, in a deterministic order, empty ones dropped: the stdlib's
     .py files, or what lib/corpus.py reads for another --data. ValueError if unusable."""
+    import datasets
+
     cache = writable_cache_dir(cache_dir, "datasets")
     source = None  # the stdlib's, or lib/corpus.py's for another --data
     if spec == "stdlib" and txt_split == "auto":
@@ -280,6 +286,8 @@ def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> 
 
 def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int | None = None):
     """Each document as BOT ids... EOT, one int32 "input_ids" column (cached by datasets)."""
+    import datasets
+
     return ds.map(
         _encode_batch, batched=True, input_columns="text", remove_columns=ds.column_names,
         fn_kwargs={"tokenizer": tokenizer.tokenizer, "bot_id": tokenizer.bot_id,
@@ -300,6 +308,8 @@ def _encode_batch(texts, tokenizer: Tokenizer, bot_id: int, eot_id: int) -> dict
 
 def count_tokens(ds: datasets.Dataset) -> int:
     """The number of tokens in the output of tokenize(), summed in Arrow (no Python loop)."""
+    import pyarrow.compute
+
     table = ds.with_format("arrow")[:]  # the rows of ds, even if it is a select() of others
     return pyarrow.compute.sum(pyarrow.compute.list_value_length(table["input_ids"])).as_py() or 0
 
@@ -328,6 +338,8 @@ class PretrainingDataset(torch.utils.data.Dataset):
             # The numpy format turns each row into an int64 array, with no Python lists between.
             self.rows = dataset.with_format("numpy", columns=["input_ids"])
             return
+        import datasets
+
         window = seq_length + 1
         windows = dataset.with_format("numpy").map(
             _cut_windows, batched=True, batch_size=PACK_BATCH_DOCS, input_columns="input_ids",
