@@ -88,8 +88,7 @@ def stdlib_files() -> list[str]:
 
 
 def writable_cache_dir(cache_dir: str, sub: str) -> str:
-    """cache_dir/sub, created and checked by writing a file into it: ValueError naming
-    --cache-dir if it cannot be, rather than a failure deep in datasets that looks like --data's."""
+    """cache_dir/sub, created and probed with a file: ValueError naming --cache-dir if it fails."""
     path = os.path.join(cache_dir, sub)
     try:
         os.makedirs(path, exist_ok=True)
@@ -246,11 +245,9 @@ class DocumentTokenizer:
         return {HF_NAMES[role]: token for role, token in self.specials.items()}
 
     def token_bytes(self) -> torch.Tensor:
-        """How many bytes of UTF-8 text each token id stands for, 0 for special tokens: what
-        bits per byte divides by, so that runs with different tokenizers compare. A byte-level
-        BPE's (this suite's, GPT-2's, Llama 3's) vocabulary spells each byte as one character;
-        others (SentencePiece's) spell a space "▁" and a lone byte "<0x0A>" (the space some
-        prepend to a document then counts too: one byte more per document)."""
+        """Bytes of UTF-8 text per token id (special tokens 0), what bits per byte divides by. A
+        byte-level BPE (this suite's, GPT-2's, Llama 3's) spells each byte as one character;
+        SentencePiece a space "▁" and a lone byte "<0x0A>" (a prepended space counts too)."""
         spec = json.loads(self.to_str())
         byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
         sizes = torch.zeros(self.get_vocab_size(), dtype=torch.long)
@@ -320,9 +317,8 @@ def count_tokens(ds: datasets.Dataset) -> int:
 
 class PretrainingDataset(torch.utils.data.Dataset):
     """(x, y) int64 pairs of shape (seq_length,) from tokenize()'s output; y is x shifted by 1.
-    pack: one token stream, cut (a cached map() per PACK_BATCH_DOCS documents, tails dropped) into
-    windows of seq_length + 1 at a stride of seq_length: each token after the first is a target
-    once. pad (classic): a document per row, clipped or right-padded (padding: IGNORE_INDEX)."""
+    pack: one token stream cut into windows of seq_length + 1 at a stride of seq_length (each
+    token after the first a target once); pad: a document per row, clipped or right-padded."""
 
     def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None):
         if mode not in ("pack", "pad"):

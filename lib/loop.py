@@ -77,8 +77,7 @@ class TrainingLoop:
         """After the optimizer step, on every rank alike:
         1. a stop requested by a signal on any rank is agreed on by all (a collective);
         2. a NaN/inf since the last check stops the run before any log, evaluation or save;
-        3. every --log-interval steps, the loss, learning rate, throughput and gradient norm
-           (reading a value from the GPU waits for it: only then, so the queue stays full);
+        3. every --log-interval steps, loss, lr, throughput, gradient norm (GPU reads: only then);
         4. every --eval-interval steps evaluate(), every --save-interval steps (and at a stop) save;
         5. at a stop, Stopped, which exits.run reports (exit code 128 + the signal).
         The last step logs, evaluates and saves whatever the intervals."""

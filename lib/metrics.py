@@ -118,10 +118,9 @@ PEAK_BF16_FLOPS = (
 
 
 def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
-    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T. N: the parameters of every
-    matrix multiply a token uses (lm_head, not the embedding lookup; tied, counted once; of a
-    mixture of experts, the router and num_experts_per_tok experts per layer). 12 L H Q T:
-    attention's QK^T and AV (H heads of width Q, context T), in full as PaLM counts it."""
+    """Training FLOPs per token, PaLM's appendix B: 6 N + 12 L H Q T. N: the parameters of the
+    matrix multiplies a token uses (lm_head, not the embedding; of a mixture of experts, the
+    router and k experts). 12 L H Q T: attention's QK^T and AV (H heads of width Q, context T)."""
     n = count_active_parameters(config)
     if not config.tie_word_embeddings:
         n -= config.vocab_size * config.hidden_size

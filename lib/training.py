@@ -209,10 +209,9 @@ def is_dtensor(t) -> bool:
 
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, config, args, device) -> None:
-    """The initial values (and buffers) of a model built on the meta device and given storage:
-    whole, sharded or a pipeline stage. Each parameter is drawn whole on `device` (initial_weight:
-    --seed and its name) or read from --init-from's mapped model.pt, and this rank's slice kept:
-    one process's weights whatever the split, at a peak of this part and the largest parameter."""
+    """The initial values (and buffers) of a model built on the meta device and given storage
+    (whole, sharded or a stage): each parameter drawn whole (--seed and its name) or read from
+    --init-from's mapped model.pt, this rank's slice kept: one process's weights, any split."""
     reset_buffers(model, config)
     source = None
     if getattr(args, "init_from", None) is not None:
@@ -345,9 +344,8 @@ class ValidationSet(Subset):
 
 class ValidationShard:
     """This rank's share of the validation set (every `ranks`-th sample from `rank` on) on
-    `device`, in batches of `rows`, as many on every rank (a sharded model's forward needs them
-    all): the last topped up to `rows`, a shorter shard given batches of padding (targets all
-    IGNORE_INDEX: nothing to the sums); full rows keep one shape for a pipeline."""
+    `device`, in batches of `rows`, as many on every rank (a sharded forward needs them all): a
+    short one topped up with padding rows (IGNORE_INDEX: nothing to the sums), one shape."""
 
     def __init__(self, val_set, rank: int, ranks: int, rows: int, device=None):
         self.shard = Subset(val_set, range(rank, len(val_set), ranks))
@@ -390,10 +388,8 @@ def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
 
 
 def batch_totals(loss_sum: torch.Tensor, targets: torch.Tensor, loader) -> torch.Tensor:
-    """(summed loss, targets, the bytes of text they stand for) of a validation batch, one
-    float64 tensor: the loop divides the sums into the loss per token and the bits per byte.
-    The bytes are the targets' share of the whole set's: summed over one evaluation (which
-    counts every target once, on whichever rank), they are the set's text, exactly."""
+    """(summed loss, targets, bytes of text they stand for) of a validation batch in float64;
+    the bytes are the targets' share of the set's, so one evaluation sums to the set's text."""
     targets = targets.double()
     return torch.stack([loss_sum.double(), targets, targets * loader.bytes_per_target])
 
