@@ -184,7 +184,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     # same sum of the same values in the same order: ranks agree (tests/test_ep.py holds the
     # logged norm to one process's). The warning is silenced for this call only.
     log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level, _ = log.level, log.setLevel(logging.ERROR)
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         norms = [
             torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()

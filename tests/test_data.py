@@ -190,7 +190,7 @@ def test_load_corpus_missing_path_is_an_error_not_a_hub_lookup(tmp_path, monkeyp
     def no_hub(*args, **kwargs):
         raise AssertionError("must not reach datasets.load_dataset")
 
-    monkeypatch.setattr(data.datasets, "load_dataset", no_hub)
+    monkeypatch.setattr("datasets.load_dataset", no_hub)
     with pytest.raises(ValueError, match="no .txt"):
         data.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
 
@@ -202,7 +202,7 @@ def test_load_corpus_hub_name_with_config_loads_that_config(tmp_path, monkeypatc
         calls.append((path, name, kwargs["split"]))
         return datasets.Dataset.from_dict({"text": ["one", " ", "two"], "label": [0, 1, 2]})
 
-    monkeypatch.setattr(data.datasets, "load_dataset", hub)
+    monkeypatch.setattr("datasets.load_dataset", hub)
     ds = data.load_corpus("org/wikitext:wikitext-2-raw-v1", cache_dir=str(tmp_path / ".cache"))
     assert calls == [("org/wikitext", "wikitext-2-raw-v1", "train")]
     assert ds.column_names == ["text"] and ds["text"] == ["one", "two"]
@@ -217,7 +217,7 @@ def test_load_corpus_hub_dataset_without_its_config_says_how_to_name_one(tmp_pat
             "['wikitext-103-raw-v1', 'wikitext-2-raw-v1']\nExample of usage:\n\t`load_dataset(...)`"
         )
 
-    monkeypatch.setattr(data.datasets, "load_dataset", hub)
+    monkeypatch.setattr("datasets.load_dataset", hub)
     with pytest.raises(ValueError) as error:
         data.load_corpus("wikitext", cache_dir=str(tmp_path / ".cache"))
     message = str(error.value)
@@ -348,7 +348,7 @@ def test_txt_split_is_refused_for_data_that_is_not_txt(tmp_path, monkeypatch, sp
     def no_load(*args, **kwargs):
         raise AssertionError("must be refused before any data is read")
 
-    monkeypatch.setattr(data.datasets, "load_dataset", no_load)
+    monkeypatch.setattr("datasets.load_dataset", no_load)
     if spec.endswith(".jsonl"):
         spec = str(write_jsonl(tmp_path / spec, [{"text": "a"}, {"text": "b"}]))
     with pytest.raises(ValueError, match=f"--txt-split line applies to .txt files only.*{what}"):

@@ -217,7 +217,7 @@ def test_a_hub_name_with_a_config_is_streamed(tmp_path, monkeypatch):
         rows = datasets.Dataset.from_dict({"content": texts, "n": list(range(40))})
         return rows.to_iterable_dataset(num_shards=4)
 
-    monkeypatch.setattr(data.datasets, "load_dataset", hub)
+    monkeypatch.setattr("datasets.load_dataset", hub)
     argv = ["--data", "org/corpus:en", "--text-column", "content", "--cache-dir", str(tmp_path)]
     argv += ["--vocab-size", "300", "--seq-length", "8", "--batch-size", "2", "--eval-batches"]
     args = flags.build_parser("test").parse_args([*argv, "1", "--data-mode", "pad", "--streaming"])
