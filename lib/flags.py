@@ -118,8 +118,8 @@ def build_parser(description: str, distributed: bool = False,
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=number_arg(int, 1), default=200,
                    help="optimizer steps to train for")
-    g.add_argument("--lr", type=number_arg(float, 0, low_open=True), default=3e-3,
-                   help="peak learning rate")
+    g.add_argument("--lr", type=number_arg(float, 0, low_open=True), default=3e-3, help="peak "
+                   "learning rate of AdamW (--optimizer muon: of the embedding, lm_head, norms)")
     g.add_argument("--min-lr-ratio", type=number_arg(float, 0, 1), default=0.1, help="the cosine "
                    "schedule decays to lr * this (0 to 1: the lr never rises after warmup)")
     g.add_argument("--warmup-steps", type=number_arg(int, 0), default=20,

@@ -2,7 +2,7 @@
 
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT                 # the comparison, 2 rounds
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --suite-flags "--optimizer muon \
-        --max-steps 450 --warmup-steps 10 --muon-lr 0.03 --lr 3e-3"          # the laptop recipe
+        --max-steps 350 --warmup-steps 10 --muon-lr 0.03 --lr 4e-2"          # the laptop recipe
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --max-steps 200      # a quick look
     python -m tools.bench_nanogpt --nanogpt ~/src/nanoGPT --step       # the step alone, one process
     python -m tools.bench_nanogpt --transformers                # the step alone vs LlamaForCausalLM
@@ -63,7 +63,7 @@ NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_in
                  "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
                  "--n_embd=128", "--dropout=0.0"]  # fmt: skip
 # The laptop recipe (README, BENCHMARKS.md): Muon, fewer steps, higher rates, for --suite-flags.
-LAPTOP = "--optimizer muon --max-steps 450 --warmup-steps 10 --muon-lr 0.03 --lr 3e-3".split()
+LAPTOP = "--optimizer muon --max-steps 350 --warmup-steps 10 --muon-lr 0.03 --lr 4e-2".split()
 SEQ_LENGTH = 64
 CHAR_VOCAB = 99  # --transformers: the corpus's 96 characters and [PAD] [BOT] [EOT]
 DATASET = "bench_char"  # nanoGPT's data/<dataset>/ under --work-dir
