@@ -50,21 +50,25 @@ STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split="auto"):
     """Documents in one "text" column, in a deterministic order, empty ones dropped: the stdlib's
-    .py files, or what lib/corpus.py reads for another --data. ValueError if unusable."""
+    .py files, or what lib/extras/corpus.py reads for another --data. ValueError if unusable."""
     import datasets
 
     cache = writable_cache_dir(cache_dir, "datasets")
-    source = None  # the stdlib's, or lib/corpus.py's for another --data
+    source = None  # the stdlib's, or lib/extras/corpus.py's for another --data
     if spec == "stdlib" and txt_split == "auto":
         try:
             ds = datasets.load_dataset("text", data_files=stdlib_files(), split="train",
                                        cache_dir=cache, **STDLIB_OPTIONS)  # fmt: skip
         except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
-            from lib import corpus  # no file scan: the stdlib's bad bytes are never the cause
+            from lib.extras import (
+                corpus,  # no file scan: the stdlib's bad bytes are never the cause
+            )
 
             raise corpus.load_error(e, cache_dir, [], "text", spec) from e
     else:
-        from lib import corpus  # only for another --data (or to refuse --txt-split for the stdlib)
+        from lib.extras import (
+            corpus,  # only for another --data (or to refuse --txt-split for the stdlib)
+        )
 
         source = corpus.resolve_source(spec, txt_split)
         ds = corpus.open_source(source, spec, text_column, cache_dir)
@@ -97,7 +101,7 @@ def writable_cache_dir(cache_dir: str, sub: str) -> str:
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        from lib import corpus  # the error's message
+        from lib.extras import corpus  # the error's message
 
         raise corpus.cache_dir_error(cache_dir, e) from e
     return path
@@ -271,8 +275,8 @@ def corpus_digest(tokenizer) -> str | None:
 
 def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> DocumentTokenizer:
     """A tokenizer.json made elsewhere (--tokenizer, an out-dir's), with the special tokens
-    `specials` names (--bot-token, ...) or lib/hf_tokenizer.py finds; ValueError if unusable."""
-    from lib import hf_tokenizer  # only for a tokenizer.json the run did not train
+    `specials` names (--bot-token, ...) or lib/extras/hf_tokenizer.py finds; ValueError if unusable."""
+    from lib.extras import hf_tokenizer  # only for a tokenizer.json the run did not train
 
     return DocumentTokenizer(*hf_tokenizer.read_tokenizer(path, specials, HF_NAMES))
 

@@ -109,7 +109,7 @@ def resolve_attention(args, device: torch.device, replicas: int = 1, context_par
     replicas: how many GPUs nn.DataParallel splits each batch over (train_dp.py): it splits
     every tensor argument along the batch, but a BlockMask is no tensor, and each GPU would get
     the whole batch's mask, on GPU 0. context_parallel: train_cp.py, whose ranks attend with
-    SDPA and build their own rows of the mask (lib/context_parallel.py).
+    SDPA and build their own rows of the mask (lib/parallel/context_parallel.py).
     """
     if args.attention == "auto":
         flex = args.document_mask and device.type == "cuda" and replicas == 1

@@ -2,14 +2,14 @@
 
 Llama 2/3's architecture: token embeddings -> N x [RMSNorm -> grouped-query attention with rotary
 position embeddings -> residual -> RMSNorm -> SwiGLU MLP (num_local_experts > 0: Mixtral's mixture
-of experts, lib/moe.py) -> residual] -> RMSNorm -> lm_head. Names follow Meta's code (`wq wk wv wo`,
+of experts, lib/extras/moe.py) -> residual] -> RMSNorm -> lm_head. Names follow Meta's code (`wq wk wv wo`,
 `w1 w2 w3`, `attention_norm`, `ffn_norm`), LlamaConfig Hugging Face's config.json, RoPE its
 `rotate_half` layout: weights map 1:1. No training or distributed code: strategies wrap or shard it.
 
     model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
-    logits = model(next_ids, kv_caches=caches)             # KV-cache decoding (lib/sampling.py)
+    logits = model(next_ids, kv_caches=caches)             # KV-cache decoding (lib/extras/sampling.py)
 """
 
 import functools
@@ -290,7 +290,9 @@ class DecoderLayer(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.num_local_experts > 0:
-            from lib.moe import MoEFeedForward  # here: a dense model never loads lib/moe.py
+            from lib.extras.moe import (
+                MoEFeedForward,  # here: a dense model never loads lib/extras/moe.py
+            )
 
             self.feed_forward = MoEFeedForward(config)
         else:
@@ -340,7 +342,7 @@ class LlamaForPretraining(nn.Module):
 
         attn_mask: None (plain causal, the fast path); a masks.py mask for SDPA (causal included,
         broadcasting to (B, heads, T, T)); a FlexAttention BlockMask (CUDA); or attend(q, k, v,
-        enable_gqa) -> (B, heads, T, head_dim) (lib/context_parallel.py's). position_ids: RoPE
+        enable_gqa) -> (B, heads, T, head_dim) (lib/parallel/context_parallel.py's). position_ids: RoPE
         positions, (T,) or (B, T); None: 0..T-1 after a KV cache's tokens (CP passes its slice's).
         """
         B, T = input_ids.shape
@@ -369,7 +371,7 @@ class LlamaForPretraining(nn.Module):
             return self.lm_head(self.norm(x))  # (B, T, vocab)
         loss_sum, num_tokens = self.loss(x, targets)
         if balance:
-            from lib.moe import balance_loss_sum
+            from lib.extras.moe import balance_loss_sum
 
             aux_sum = balance_loss_sum(experts, targets != IGNORE_INDEX)
             loss_sum = loss_sum + self.config.router_aux_loss_coef * aux_sum

@@ -26,17 +26,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
-from lib import context_parallel, distributed, exits, flags, sharded_checkpoints, sharding, training
-from lib.checkpoints import TrainingState
-from lib.context_parallel import ContextParallel, zigzag_slice
+from lib import distributed, exits, flags, training
+from lib.checkpoints import TrainingState, sharded
 from lib.loop import TrainingLoop
+from lib.parallel import context_parallel, fsdp
+from lib.parallel.context_parallel import ContextParallel, zigzag_slice
 from masks import document_ids
 from model import IGNORE_INDEX
 
 
 def main():
     parser = flags.build_parser("Pretrain a Llama with torchrun + CP + FSDP2.", sharded=True)
-    sharding.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
+    fsdp.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
     context_parallel.add_flags(parser)  # --cp
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
@@ -57,7 +58,7 @@ def main():
     # cp_mesh["dp"] the ranks that hold the same slice in the other groups.
     cp_mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     dp_rank, cp_rank = cp_mesh.get_local_rank("dp"), cp_mesh.get_local_rank("cp")
-    resume_path = distributed.from_rank0(sharded_checkpoints.prepare_out_dir, is_main, args)
+    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -85,7 +86,7 @@ def main():
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
     # None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node each), the
     # rows replicas of each other's shards, all-reducing their gradients.
-    mesh = sharding.hsdp_mesh(args, world_size, device)
+    mesh = fsdp.hsdp_mesh(args, world_size, device)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=mesh, reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy)
     options |= {"offload_policy": offload} if offload else {}
@@ -95,7 +96,7 @@ def main():
         fully_shard(layer, **options)
     fully_shard(model, **options)
     # cp_model(x, y, doc_ids(x)) takes whole sequences and runs this rank's zigzag slice of them
-    # through `model` (lib/context_parallel.py); checkpoints and model.pt are `model`'s own.
+    # through `model` (lib/parallel/context_parallel.py); checkpoints and model.pt are `model`'s own.
     cp_model = ContextParallel(model, cp_mesh["cp"])
     model.to_empty(device="cpu" if offload else device)  # (offload: the shards in CPU memory)
     training.init_weights(model, config, args, device)
@@ -105,7 +106,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
+    start_step, data_position = sharded.resume(resume_path, state, args)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, cp_model, doc_ids, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -122,7 +123,7 @@ def main():
         dist.all_reduce(totals)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
+    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
@@ -172,7 +173,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, saves, device)
+    sharded.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ import torch
 from lib import checkpoints, exits, flags, training
 from lib.checkpoints import TrainingState
 from lib.loop import TrainingLoop
-from lib.replica import Replica
+from lib.parallel.replica import Replica
 from model import IGNORE_INDEX
 
 

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=8 train_ep.py --num-experts 8 --ep 4  # dp 2 x ep 4
     torchrun --standalone --nproc_per_node=2 train_ep.py --num-experts 4 --ep 2  # no GPU: 2 CPUs
 
-What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/moe.py) has E MLPs
+What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/extras/moe.py) has E MLPs
 per layer, each token using k of them. The ranks form a (dp, ep) grid: shard_experts keeps E/ep
 of every layer's experts on each rank of an EP group, and each MoE layer sends every (token,
 expert) pair to its expert's rank and the outputs back, with two all-to-alls. Every rank reads
@@ -25,15 +25,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
-from lib import distributed, exits, expert_parallel, flags, sharded_checkpoints, sharding, training
-from lib.checkpoints import TrainingState
+from lib import distributed, exits, flags, training
+from lib.checkpoints import TrainingState, sharded
 from lib.loop import TrainingLoop
+from lib.parallel import expert_parallel, fsdp
 from model import IGNORE_INDEX
 
 
 def main():
     parser = flags.build_parser("Pretrain a MoE Llama with torchrun + EP + FSDP2.", sharded=True)
-    sharding.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
+    fsdp.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
     expert_parallel.add_flags(parser)  # --ep
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
@@ -49,7 +50,7 @@ def main():
     dp = expert_parallel.check_flags(args, world_size)  # the EP grid: dp groups of --ep ranks
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    resume_path = distributed.from_rank0(sharded_checkpoints.prepare_out_dir, is_main, args)
+    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -78,7 +79,7 @@ def main():
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
     # None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node each), the
     # rows replicas of each other's shards, all-reducing their gradients.
-    mesh = sharding.hsdp_mesh(args, world_size, device)
+    mesh = fsdp.hsdp_mesh(args, world_size, device)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=mesh, reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy)
     options |= {"offload_policy": offload} if offload else {}
@@ -106,7 +107,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
+    start_step, data_position = sharded.resume(resume_path, state, args)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -122,7 +123,7 @@ def main():
         dist.all_reduce(totals)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
+    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
@@ -170,7 +171,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, saves, device)
+    sharded.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

@@ -21,15 +21,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
-from lib import distributed, exits, flags, sharded_checkpoints, sharding, training
-from lib.checkpoints import TrainingState
+from lib import distributed, exits, flags, training
+from lib.checkpoints import TrainingState, sharded
 from lib.loop import TrainingLoop
+from lib.parallel import fsdp
 from model import IGNORE_INDEX
 
 
 def main():
     parser = flags.build_parser("Pretrain a Llama with torchrun + FSDP2.", sharded=True)
-    sharding.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
+    fsdp.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
@@ -43,7 +44,7 @@ def main():
     settings = flags.run_settings(parser, args, world_size, device, fp16=False)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    resume_path = distributed.from_rank0(sharded_checkpoints.prepare_out_dir, is_main, args)
+    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -67,7 +68,7 @@ def main():
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
     # None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node each), the
     # rows replicas of each other's shards, all-reducing their gradients.
-    mesh = sharding.hsdp_mesh(args, world_size, device)
+    mesh = fsdp.hsdp_mesh(args, world_size, device)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=mesh, reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy)
     options |= {"offload_policy": offload} if offload else {}
@@ -84,7 +85,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
+    start_step, data_position = sharded.resume(resume_path, state, args)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -100,7 +101,7 @@ def main():
         dist.all_reduce(totals)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
+    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
@@ -112,7 +113,7 @@ def main():
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    layout, plan = sharding.describe(args, world_size)  # at start-up, and --plan's
+    layout, plan = fsdp.describe(args, world_size)  # at start-up, and --plan's
     loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
@@ -147,7 +148,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, saves, device)
+    sharded.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

@@ -28,9 +28,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DistributedSampler
 
-from lib import distributed, exits, flags, pipeline, sharded_checkpoints, tensor_parallel, training
-from lib.checkpoints import TrainingState
+from lib import distributed, exits, flags, training
+from lib.checkpoints import TrainingState, sharded
 from lib.loop import TrainingLoop
+from lib.parallel import pipeline, tensor_parallel
 from model import IGNORE_INDEX
 
 
@@ -58,7 +59,7 @@ def main():
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
     pp_rank, pp_group = mesh.get_local_rank("pp"), mesh["pp"].get_group()  # this rank's pipeline
-    resume_path = distributed.from_rank0(sharded_checkpoints.prepare_out_dir, is_main, args)
+    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -105,7 +106,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
+    start_step, data_position = sharded.resume(resume_path, state, args)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
     # the schedule orders the m micro-batches' forwards, backwards and sends (loss normalised).
     stages = [PipelineStage(s, s.index, pp * v, device, group=pp_group) for s in stage_models]
@@ -142,7 +143,7 @@ def main():
         dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
+    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
@@ -181,7 +182,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, saves, device)
+    sharded.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

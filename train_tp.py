@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DistributedSampler
 
-from lib import distributed, exits, flags, sharded_checkpoints, tensor_parallel, training
-from lib.checkpoints import TrainingState
+from lib import distributed, exits, flags, training
+from lib.checkpoints import TrainingState, sharded
 from lib.loop import TrainingLoop
+from lib.parallel import tensor_parallel
 from model import IGNORE_INDEX
 
 
@@ -57,7 +58,7 @@ def main():
     # mesh["dp"] the ranks that hold the same TP shard in the other groups.
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
-    resume_path = distributed.from_rank0(sharded_checkpoints.prepare_out_dir, is_main, args)
+    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -104,7 +105,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded_checkpoints.resume(resume_path, state, args)
+    start_step, data_position = sharded.resume(resume_path, state, args)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -122,7 +123,7 @@ def main():
         dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded_checkpoints.ShardedSaves(args, state)  # the save in flight, its group
+    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
@@ -174,7 +175,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded_checkpoints.finish_run(args, saves, device)
+    sharded.finish_run(args, saves, device)
     dist.destroy_process_group()
 
 

@@ -77,8 +77,11 @@ def rendezvous_store() -> dist.Store:
         store, _, _ = next(dist.rendezvous("env://"))
     else:  # ranks started by hand: say what it waits for, and for how long
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        print(f"rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')} (no torchrun): waiting "
-              f"up to {HAND_STARTED_WAIT.seconds} s for the others at {where}", flush=True)
+        print(
+            f"rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')} (no torchrun): waiting "
+            f"up to {HAND_STARTED_WAIT.seconds} s for the others at {where}",
+            flush=True,
+        )
         try:
             store, _, _ = next(dist.rendezvous("env://", timeout=HAND_STARTED_WAIT))
         except (dist.DistError, RuntimeError, ValueError) as e:  # the others never came

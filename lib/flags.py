@@ -5,7 +5,7 @@
     settings = flags.run_settings(parser, args, devices, device)  # checked; micro-batch, ...
 
 Tools and tests drive the scripts by these flags' names: keep them stable. Every check runs
-before any data is read. Any flag can also come from `--config FILE` (lib/config_file.py)."""
+before any data is read. Any flag can also come from `--config FILE` (lib/extras/config_file.py)."""
 
 import argparse
 import importlib.util
@@ -46,11 +46,11 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, with --config FILE's values (lib/config_file.py) as this parse's defaults
+        """argparse's, with --config FILE's values (lib/extras/config_file.py) as this parse's defaults
         (the parser unchanged): the command line wins over the file, the file over the defaults."""
         argv = sys.argv[1:] if args is None else list(args)
         if namespace is None and any(a.split("=")[0] == "--config" for a in argv):
-            from lib import config_file  # only for --config
+            from lib.extras import config_file  # only for --config
 
             namespace = config_file.config_namespace(self, argv)
         return super().parse_known_args(argv, namespace)
@@ -132,7 +132,7 @@ def build_parser(description: str, distributed: bool = False,
     g.add_argument("--weight-decay", type=number_arg(float, 0), default=0.1,
                    help="AdamW decay of matrices")
     g.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="muon: Muon "
-                   "for the decoder layers' matrices, AdamW for the rest (lib/muon.py)")
+                   "for the decoder layers' matrices, AdamW for the rest (lib/extras/muon.py)")
     g.add_argument("--muon-lr", type=number_arg(float, 0, low_open=True), default=0.02,
                    help="Muon's peak learning rate (--optimizer muon; the schedule as --lr's)")
     g.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=1337,
@@ -289,7 +289,7 @@ def run_settings(
     except ValueError as e:
         parser.error(str(e))
     if args.streaming:
-        from lib import streaming  # only for --streaming
+        from lib.extras import streaming  # only for --streaming
 
         streaming.check_flags(parser, args)
     if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
@@ -303,7 +303,7 @@ def run_settings(
                      "value)")  # fmt: skip
     if args.compile and (missing := compiler_missing(device)):
         parser.error(missing)
-    if getattr(args, "replicate", 1) > 1:  # HSDP (lib/sharding.py's flags): a grid of ranks
+    if getattr(args, "replicate", 1) > 1:  # HSDP (lib/parallel/fsdp.py's flags): a grid of ranks
         try:
             divide_ranks(world_size, "--replicate", args.replicate, "replicas x shard groups")
         except ValueError as e:
@@ -378,10 +378,10 @@ def check_only(parser, args) -> bool:
 
 def measured(settings, args, model, attn_mask, optimizer, config, device):
     """The settings with --micro-batch-size auto measured on the GPU with the model as wrapped
-    (lib/auto_batch.py, imported only then); the settings as they are otherwise."""
+    (lib/extras/auto_batch.py, imported only then); the settings as they are otherwise."""
     if args.micro_batch_size != "auto":
         return settings
-    from lib.auto_batch import auto_micro_batch_size
+    from lib.extras.auto_batch import auto_micro_batch_size
 
     # A forward of one process takes micro-batch x replicas rows: DataParallel's GPUs, or 1.
     replicas = 1 if torch.distributed.is_initialized() else settings.devices

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lib.checkpoints import TrainingState, record_run
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
 from lib.exits import STOP_SIGNALS, Stopped, TrainingError
-from lib.files import CHECKPOINT_DIR_RE, list_checkpoints
 from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
 from lib.metrics import Metrics, Throughput, bar_postfix, build_memory, router_figures
 
@@ -50,8 +50,8 @@ class TrainingLoop:
                 print(f"parallelism: {layout}")
             print(build_memory(state.model, device))
             record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
-            if args.plan:  # lib/memory.py: only for --plan
-                from lib import memory
+            if args.plan:  # lib/extras/memory.py: only for --plan
+                from lib.extras import memory
 
                 print(memory.estimate_for_run(args, settings, config, devices, **plan))
         self.guard = NonFiniteGuard(device, skip=args.skip_nonfinite)

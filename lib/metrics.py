@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from lib.files import atomic_write_text
+from lib.checkpoints.files import atomic_write_text
 from model import LlamaConfig, count_active_parameters
 
 
@@ -31,7 +31,7 @@ class Metrics:
         if enabled and os.path.exists(self.path):
             # A run killed after its last checkpoint logged steps that this run logs again, and
             # maybe half a line: keep the whole lines up to the step this run starts from.
-            from lib.resuming import read_metrics  # (a file there: an earlier run's)
+            from lib.checkpoints.resuming import read_metrics  # (a file there: an earlier run's)
 
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -92,7 +92,7 @@ class Throughput:
 def router_figures(model: torch.nn.Module, group=None) -> dict:
     """A mixture of experts' routing since the last call, over the global batch (moe.router_figures,
     a collective over `group`, default all ranks); {} for a dense model (it never loads moe.py)."""
-    moe = sys.modules.get("lib.moe")
+    moe = sys.modules.get("lib.extras.moe")
     return {} if moe is None else moe.router_figures(model, group)
 
 

@@ -20,7 +20,7 @@ SHAPE_FLAGS = {
     "num_kv_heads": ("num_key_value_heads", "key/value heads (fewer: grouped-query attention)"),
     "ffn_size": ("intermediate_size", "width of the SwiGLU MLP"),
 }
-# The mixture-of-experts flags (lib/moe.py, check_expert_flags): each replaces one LlamaConfig field
+# The mixture-of-experts flags (lib/extras/moe.py, check_expert_flags): each replaces one LlamaConfig field
 # too, with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
 EXPERT_FLAGS = {
     "num_experts": ("num_local_experts", "experts per MoE layer (0: the dense SwiGLU MLP)",
@@ -66,7 +66,7 @@ def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConf
     config = {**base.to_dict(), **{SHAPE_FLAGS.get(n, (n,))[0]: v for n, v in given.items()}}
     config |= {EXPERT_FLAGS[name][0]: value for name, value in experts.items()}
     if experts:  # flags that shape a mixture of experts: do they fit together?
-        from lib.moe import check_expert_flags
+        from lib.extras.moe import check_expert_flags
 
         defaults = {field: getattr(LlamaConfig, field) for field, *_ in EXPERT_FLAGS.values()}
         check_expert_flags(experts, defaults | config)
@@ -99,7 +99,7 @@ def model_shape(args) -> LlamaConfig:
     shaped by the flags (vocab_size: a trained tokenizer's), or --init-from's config.json."""
     if args.init_from is None:
         return preset_config(args, args.model or "tiny")
-    from lib.finished_run import init_from_config  # only for --init-from
+    from lib.checkpoints.finished_run import init_from_config  # only for --init-from
 
     config = init_from_config(args.init_from)
     if getattr(args, "router_aux_loss_coef", None) is None:
@@ -115,7 +115,7 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
     --init-from, checked before any data is read: ValueError naming the flags that do not fit."""
     model, tokenizer = args.model or "tiny", args.tokenizer
     if args.init_from is not None:
-        from lib.finished_run import check_init_from  # only for --init-from
+        from lib.checkpoints.finished_run import check_init_from  # only for --init-from
 
         shaping = ["model", "tokenizer", "vocab_size",
                    *(n for n in MODEL_FLAGS if n not in TRAINING_ONLY)]  # fmt: skip
@@ -127,7 +127,7 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
     if tokenizer is not None:  # a given tokenizer.json: are its special tokens found?
         loaded = load_tokenizer(tokenizer, special_tokens(args))
         if args.init_from is not None:  # and is it the one the weights were trained with?
-            from lib.finished_run import check_tokenizer
+            from lib.checkpoints.finished_run import check_tokenizer
 
             check_tokenizer(config, loaded, args.init_from)
     elif any(special_tokens(args).values()):
@@ -141,7 +141,7 @@ def refuse_experts(parser, args, script: str) -> None:
     """parser.error (exit code 2) if this run's model is a mixture of experts, which `script`
     cannot train (moe.NO_EXPERTS says why); called after flags.run_settings, before any work."""
     if experts := model_shape(args).num_local_experts:
-        from lib.moe import cannot_train  # a mixture of experts: lib/moe.py
+        from lib.extras.moe import cannot_train  # a mixture of experts: lib/extras/moe.py
 
         parser.error(cannot_train(script, args, experts))
 
@@ -152,5 +152,5 @@ def vocab_size(args) -> int:
 
 
 def special_tokens(args) -> dict[str, str | None]:
-    """The special tokens the flags name (None: found in the tokenizer: lib/hf_tokenizer.py)."""
+    """The special tokens the flags name (None: found in the tokenizer: lib/extras/hf_tokenizer.py)."""
     return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}

@@ -2,7 +2,7 @@
 batches, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and the
 end of a run. Each train_*.py keeps its own visible loop and calls these, so neighbouring lessons
 differ by the concept each adds. Optional features' modules are imported where used:
-lib/streaming.py, masks.py (--document-mask), lib/finished_run.py (--init-from)."""
+lib/extras/streaming.py, masks.py (--document-mask), lib/checkpoints/finished_run.py (--init-from)."""
 
 import atexit
 import contextlib
@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, Subset
 import data
 from lib import model_config
 from lib.checkpoints import save_failed, save_final
+from lib.checkpoints.files import TEMP_RE
 from lib.distributed import main_process_first
 from lib.exits import ignore_stop_signals
-from lib.files import TEMP_RE
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, initial_weight, reset_buffers
 
 # -------------------------------------------------------------------------------------------------
@@ -35,7 +35,7 @@ def build_datasets(args, tokenizer_path: str | None):
     tokenizer), made by one process per node; val: the first --eval-batches x --batch-size
     sequences of the validation split. With --streaming, train is a streaming.Stream."""
     if args.streaming:
-        from lib import streaming  # only for --streaming
+        from lib.extras import streaming  # only for --streaming
 
         stream = streaming.open_stream(args, tokenizer_path)
         train, val, tokenizer = stream, stream.val_set, stream.tokenizer
@@ -85,8 +85,8 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
 
 
 def is_stream(dataset) -> bool:
-    """Whether `dataset` is a streaming.Stream (--streaming): only if lib/streaming.py is loaded."""
-    streaming = sys.modules.get("lib.streaming")
+    """Whether `dataset` is a streaming.Stream (--streaming): only if lib/extras/streaming.py is loaded."""
+    streaming = sys.modules.get("lib.extras.streaming")
     return streaming is not None and isinstance(dataset, streaming.Stream)
 
 
@@ -114,7 +114,7 @@ def step_batches(
     if num_workers is None:  # --num-workers' default (lib/flags.py): none on a CPU, one on a GPU
         num_workers = 1 if pin_memory else 0
     if is_stream(dataset):
-        from lib import streaming
+        from lib.extras import streaming
 
         state = streaming.own_position(data_position, *shard) if start_step > 0 else None
         return streaming.StreamingBatches(dataset, rows, settings.accumulation, *shard,
@@ -179,7 +179,9 @@ def _end_open_loaders() -> None:
 def data_positions(batches) -> list[dict] | None:
     """What a checkpoint saves of the position in the data: None for a cached dataset (the step
     is its position); for a stream, streaming.data_positions: a collective under torchrun."""
-    streaming = sys.modules.get("lib.streaming")  # imported for --streaming alone (is_stream)
+    streaming = sys.modules.get(
+        "lib.extras.streaming"
+    )  # imported for --streaming alone (is_stream)
     if streaming is None or not isinstance(batches, streaming.StreamingBatches):
         return None
     return streaming.data_positions(batches)
@@ -215,7 +217,7 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
     reset_buffers(model, config)
     source = None
     if getattr(args, "init_from", None) is not None:
-        from lib.finished_run import open_weights  # only for --init-from
+        from lib.checkpoints.finished_run import open_weights  # only for --init-from
 
         source, *_ = open_weights(args.init_from)
     for name, param in model.named_parameters():
@@ -265,10 +267,10 @@ def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
 
 def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts. With
-    --optimizer muon, the decoder's matrices take Muon's step instead (lib/muon.py)."""
+    --optimizer muon, the decoder's matrices take Muon's step instead (lib/extras/muon.py)."""
     optimizer, named, hidden = torch.optim.AdamW, list(model.named_parameters()), []
     if getattr(args, "optimizer", "adamw") == "muon":  # (the tools have no --optimizer)
-        from lib import muon
+        from lib.extras import muon
 
         optimizer, hidden = muon.MuonWithAdamW, [p for n, p in named if muon.is_hidden_matrix(n, p)]
     rest = [p for _, p in named if not any(p is h for h in hidden)]
@@ -399,7 +401,7 @@ def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer,
     (--plan, GPU) and a sample of the trained model (--sample-tokens)."""
     save_final_files(args, model, config, tokenizer, device)
     if args.sample_tokens:
-        from lib.sampling import print_sample  # at the end of a run
+        from lib.extras.sampling import print_sample  # at the end of a run
 
         print_sample(args, model.to(device), tokenizer)
 

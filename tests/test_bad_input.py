@@ -34,7 +34,8 @@ from harness import (
 )
 
 import data
-from lib import distributed, flags, model_config, resuming, training
+from lib import distributed, flags, model_config, training
+from lib.checkpoints import resuming
 from model import LlamaConfig
 
 

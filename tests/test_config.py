@@ -12,7 +12,8 @@ import pytest
 import torch
 from harness import DP, cmd, read_metrics, run_script, snapshot
 
-from lib import flags, pipeline, training
+from lib import flags, training
+from lib.parallel import pipeline
 
 
 def write(path, text: str):

@@ -1,4 +1,4 @@
-"""Specification of context parallelism (train_cp.py, lib/context_parallel.py): splitting every
+"""Specification of context parallelism (train_cp.py, lib/parallel/context_parallel.py): splitting every
 sequence over 2 ranks trains exactly like one process on the same global batch, with document
 masks and padding, resumes bit for bit, and writes the same sharded checkpoints as train_fsdp.py.
 
@@ -37,7 +37,7 @@ from test_fsdp import (
 )
 
 from lib import flags, training
-from lib.context_parallel import (
+from lib.parallel.context_parallel import (
     attend_to_sequence,
     chunk_masks,
     in_sequence_order,

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import data
 from data import BOT, EOT, IGNORE_INDEX, PAD
-from lib import corpus, distributed, streaming
+from lib import distributed
+from lib.extras import corpus, streaming
 from tools import bench_loader
 
 pytestmark = pytest.mark.quick  # the quick tier (`python -m pytest -m quick`)
@@ -476,10 +477,12 @@ def test_build_datasets_gives_the_tokenizer_the_corpus_fingerprint(request, stre
     from harness import STREAMING, build_args
 
     from lib import training
-    from lib.streaming import stream_fingerprint  # (the parameter `streaming` hides the module)
+    from lib.extras.streaming import (
+        stream_fingerprint,  # (the parameter `streaming` hides the module)
+    )
 
     # The session's corpus and cache (conftest.py); "corpus" is this module's name for
-    # lib/corpus.py.
+    # lib/extras/corpus.py.
     docs, cache = request.getfixturevalue("corpus"), request.getfixturevalue("cache_dir")
     args, plan = build_args(docs, cache, **(STREAMING if streaming else {}))
     *_, tokenizer = training.build_datasets(args, plan.tokenizer)

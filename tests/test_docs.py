@@ -22,7 +22,8 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 from harness import REPO, build_args, run_ddp_sh_env
 
-from lib import checkpoints, exits, flags, loop, metrics, model_config, resuming, training
+from lib import checkpoints, exits, flags, loop, metrics, model_config, training
+from lib.checkpoints import resuming
 from model import LlamaConfig, count_active_parameters, count_parameters
 from tools import bench, parity
 
@@ -497,7 +498,7 @@ def test_troubleshooting_md_quotes_the_stop_when_no_checkpoint_can_be_read(tmp_p
 def test_troubleshooting_md_quotes_the_refusal_of_other_data_at_a_resume():
     from types import SimpleNamespace
 
-    from lib import resuming
+    from lib.checkpoints import resuming
 
     tokenizer = SimpleNamespace(corpus_sha256="b" * 64)
     args = SimpleNamespace(data="X", streaming=False)

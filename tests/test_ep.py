@@ -1,4 +1,4 @@
-"""Specification of expert parallelism (train_ep.py, lib/expert_parallel.py): the experts of every
+"""Specification of expert parallelism (train_ep.py, lib/parallel/expert_parallel.py): the experts of every
 MoE layer split over the ep ranks of a group, the tokens sent to them and back with all-to-alls,
 train exactly like one process on the same global batch, resume bit for bit, and write the
 sharded checkpoints of train_fsdp.py.
@@ -41,8 +41,9 @@ from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically, copy_sharded_checkpoint
 from test_moe_training import MOE
 
-from lib import exits, expert_parallel
-from lib.moe import MoEFeedForward
+from lib import exits
+from lib.extras.moe import MoEFeedForward
+from lib.parallel import expert_parallel
 from model import LlamaConfig
 
 EP, FSDP = "train_ep.py", "train_fsdp.py"

@@ -1,4 +1,3 @@
-
 """Specification of tools/export_hf.py: our out-dir <-> a Hugging Face Llama directory.
 
 Without `transformers` these tests still prove the files: every tensor gets its Hugging Face
@@ -23,8 +22,8 @@ from tokenizers import Tokenizer
 
 import data
 from lib import checkpoints, exits
-from lib.finished_run import load_model
-from lib.sampling import generate_text
+from lib.checkpoints.finished_run import load_model
+from lib.extras.sampling import generate_text
 from tools import export_hf
 
 REPO = Path(__file__).resolve().parents[1]

@@ -44,7 +44,8 @@ from harness import (
     watch_run,
 )
 
-from lib import files, loop
+from lib import loop
+from lib.checkpoints import files
 
 # Long enough that a kill lands mid-run: ~0.1 s a step, checkpoints every 4 steps.
 FAULT_RUN = {"max_steps": 24, "save_interval": 4, "keep_checkpoints": 3, "eval_interval": 12}

@@ -47,7 +47,7 @@ from test_bad_input import assert_refused
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from lib import files
+from lib.checkpoints import files
 from model import LlamaConfig, LlamaForPretraining
 
 FSDP = "train_fsdp.py"

@@ -1,4 +1,3 @@
-
 """Specification of tools/generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
 
 The out-dir comes from conftest.py (a tiny random model saved with checkpoints.save_final, exactly
@@ -13,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib import exits, sampling
-from lib.finished_run import load_model
-from lib.sampling import generate_ids, generate_text
+from lib import exits
+from lib.checkpoints.finished_run import load_model
+from lib.extras import sampling
+from lib.extras.sampling import generate_ids, generate_text
 from tools import generate
 
 REPO = Path(__file__).resolve().parents[1]

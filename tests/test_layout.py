@@ -25,8 +25,8 @@ def repository_modules() -> dict[str, Path]:
     """{module name: its file}: the root's .py files, and lib/'s and tools/' with their packages."""
     modules = {path.stem: path for path in Path(REPO).glob("*.py")}
     for package in PACKAGES:
-        for path in (Path(REPO) / package).glob("*.py"):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        for path in (Path(REPO) / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
             modules[name] = path
     return modules
 
@@ -131,7 +131,7 @@ def test_no_lesson_or_library_module_imports_a_tool_at_module_level():
     assert not offenders, f"these import a tool at module level: {offenders}"
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", [*PACKAGES, "lib/parallel", "lib/extras"])
 def test_a_package_init_holds_only_its_docstring(package):
     # A lesson's copy takes lib/__init__.py for the package alone: it must run nothing.
     tree = ast.parse((Path(REPO) / package / "__init__.py").read_text())
@@ -160,7 +160,7 @@ COPIED_WITH_A_LESSON = ("model.py", "data.py", "masks.py", "lib/")
 
 def copy_of(lesson: str) -> set[str]:
     """The files of a lesson's copy: the lesson, the root's three modules, every file of lib/."""
-    library = {p.relative_to(REPO).as_posix() for p in (Path(REPO) / "lib").glob("*.py")}
+    library = {p.relative_to(REPO).as_posix() for p in (Path(REPO) / "lib").rglob("*.py")}
     return {lesson, "model.py", "data.py", "masks.py"} | library
 
 
@@ -212,7 +212,7 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     lesson, tmp_path, stdlib_cache
 ):
     # Only the run's size is changed from the defaults (train_ep.py's needs experts): the default
-    # corpus (so no lib/corpus.py), the default tokenizer training, evaluation, checkpoints, a
+    # corpus (so no lib/extras/corpus.py), the default tokenizer training, evaluation, checkpoints, a
     # resume, the sample at the end and every figure logged each step (a mixture of experts'
     # routing).
     folder = tmp_path / "copy"

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lib import exits, memory, pipeline
+from lib import exits
+from lib.extras import memory
+from lib.parallel import pipeline
 from model import LlamaConfig, count_parameters
 from tools import memory_plan
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import masks
-from lib import sampling
-from lib.sampling import sample
+from lib.extras import sampling
+from lib.extras.sampling import sample
 from model import (
     IGNORE_INDEX,
     PRESETS,
@@ -354,7 +354,7 @@ def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(model):
 
 
 def test_position_ids_and_an_attention_function_continue_a_sequence_from_elsewhere(sharp_model):
-    # The two seams context parallelism uses (lib/context_parallel.py): position_ids place a slice
+    # The two seams context parallelism uses (lib/parallel/context_parallel.py): position_ids place a slice
     # of a sequence at its positions (RoPE), and an attention function attends to keys and values
     # computed elsewhere. Here the second half of a sequence attends to the first half's keys and
     # values, recorded by a first call, and gives the logits of the whole sequence's run.

@@ -1,4 +1,4 @@
-"""Specification of the mixture of experts in lib/moe.py (MoEFeedForward), and its Mixtral export.
+"""Specification of the mixture of experts in lib/extras/moe.py (MoEFeedForward), and its Mixtral export.
 
 A config with num_local_experts > 0 replaces every layer's SwiGLU MLP by Mixtral's sparse MoE:
 a router sends each token to num_experts_per_tok experts, dropless (no token is ever dropped),
@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import data
-from lib import checkpoints, exits, sampling, training
-from lib.finished_run import load_model
-from lib.moe import MoEFeedForward, router_stats, sequence_balance_loss
-from lib.sampling import generate_text
+from lib import checkpoints, exits, training
+from lib.checkpoints.finished_run import load_model
+from lib.extras import sampling
+from lib.extras.moe import MoEFeedForward, router_stats, sequence_balance_loss
+from lib.extras.sampling import generate_text
 from model import (
     IGNORE_INDEX,
     LlamaConfig,

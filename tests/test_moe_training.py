@@ -42,8 +42,10 @@ from harness import (
 from test_bad_input import assert_refused
 
 import data
-from lib import finished_run, memory, metrics, model_config, resuming, training
-from lib.moe import router_stats
+from lib import metrics, model_config, training
+from lib.checkpoints import finished_run, resuming
+from lib.extras import memory
+from lib.extras.moe import router_stats
 from model import (
     LlamaConfig,
     LlamaForPretraining,

@@ -1,4 +1,4 @@
-"""Specification of --optimizer muon (lib/muon.py): Muon for the decoder layers' matrices, AdamW for
+"""Specification of --optimizer muon (lib/extras/muon.py): Muon for the decoder layers' matrices, AdamW for
 the rest, the same update in every lesson however the matrices are sharded.
 
 Muon's update is torch.optim.Muon's, operation for operation (its Newton-Schulz in bf16 gives
@@ -31,7 +31,8 @@ from harness import (
 from test_bad_input import assert_refused
 from test_fsdp import copy_sharded_checkpoint
 
-from lib import muon, training
+from lib import training
+from lib.extras import muon
 from model import LlamaConfig, LlamaForPretraining
 
 FSDP, TP, PP, CP, EP = (f"train_{n}.py" for n in ("fsdp", "tp", "pp", "cp", "ep"))

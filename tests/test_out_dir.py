@@ -29,7 +29,8 @@ from harness import (
 )
 from test_bad_input import assert_refused
 
-from lib import checkpoints, sharded_checkpoints
+from lib import checkpoints
+from lib.checkpoints import sharded
 
 FSDP = "train_fsdp.py"
 
@@ -131,7 +132,7 @@ def refused_at_resume(out: Path, expect: str, script: str = DP) -> None:
             if script == DP:
                 checkpoints.prepare_out_dir(args)
             else:
-                sharded_checkpoints.prepare_out_dir(args, script)
+                sharded.prepare_out_dir(args, script)
     finally:
         checkpoints.release_out_dir()  # (a run's lock, held by this process)
     assert expect in str(refusal.value) and "\n" not in str(refusal.value), str(refusal.value)
@@ -219,5 +220,5 @@ def test_a_resume_path_that_holds_no_checkpoint_leaves_no_out_dir_behind(tmp_pat
         if script == DP:
             checkpoints.prepare_out_dir(args)
         else:
-            sharded_checkpoints.prepare_out_dir(args, script)
+            sharded.prepare_out_dir(args, script)
     assert not out.exists()

@@ -17,7 +17,8 @@ import pytest
 import torch
 from harness import DDP, DP, cmd, run_script
 
-from lib import auto_batch, exits, flags, training
+from lib import exits, flags, training
+from lib.extras import auto_batch
 from model import LlamaConfig, LlamaForPretraining
 from tools import profile_step
 

@@ -33,9 +33,10 @@ from test_fsdp import (
     sharded_checkpoint_state,
 )
 
-from lib import flags, pipeline
-from lib.finished_run import load_model
-from lib.sampling import generate_text
+from lib import flags
+from lib.checkpoints.finished_run import load_model
+from lib.extras.sampling import generate_text
+from lib.parallel import pipeline
 from model import LlamaConfig, LlamaForPretraining
 
 PP = "train_pp.py"

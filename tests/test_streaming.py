@@ -1,4 +1,4 @@
-"""Specification of lib/streaming.py (--streaming): exact resume, one shard per rank, held-out
+"""Specification of lib/extras/streaming.py (--streaming): exact resume, one shard per rank, held-out
 validation, and the same windows as the cached path, in-process on corpora made in tmp_path;
 then the train scripts' side: the position each checkpoint saves, and a run under torchrun
 resumed from one. (A killed streaming job: tests/test_faults.py.)"""
@@ -18,7 +18,9 @@ from test_bad_input import assert_refused
 from test_fsdp import assert_resumes_bit_identically
 
 import data
-from lib import flags, resuming, streaming, training
+from lib import flags, training
+from lib.checkpoints import resuming
+from lib.extras import streaming
 
 TP = "train_tp.py"
 

@@ -1,4 +1,4 @@
-"""Specification of tokenizers made elsewhere (lib/hf_tokenizer.py): any Hugging Face
+"""Specification of tokenizers made elsewhere (lib/extras/hf_tokenizer.py): any Hugging Face
 tokenizer.json works, its beginning/end-of-document and padding tokens found by the flags
 (--bot-token, ...), a tokenizer_config.json beside it, or the usual names, in that order; and
 whatever is wrong with them is said before any data is read."""
@@ -10,7 +10,7 @@ from harness import build_args, write_foreign_tokenizer
 
 import data
 from lib import checkpoints
-from lib.finished_run import load_model
+from lib.checkpoints.finished_run import load_model
 
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 TEXT = "def add(x, y):\n    return x + y"

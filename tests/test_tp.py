@@ -46,9 +46,13 @@ from test_fsdp import (
     copy_sharded_checkpoint,
 )
 
-from lib.finished_run import load_model
-from lib.sampling import generate_text
-from lib.tensor_parallel import check_sequence_parallel, check_tensor_parallel, data_parallel_size
+from lib.checkpoints.finished_run import load_model
+from lib.extras.sampling import generate_text
+from lib.parallel.tensor_parallel import (
+    check_sequence_parallel,
+    check_tensor_parallel,
+    data_parallel_size,
+)
 from model import LlamaConfig, LlamaForPretraining
 
 TP = "train_tp.py"

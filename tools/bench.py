@@ -50,8 +50,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lib import distributed, exits, files, flags, metrics, model_config, training
-from lib.replica import Replica
+from lib import distributed, exits, flags, metrics, model_config, training
+from lib.checkpoints import files
+from lib.parallel.replica import Replica
 from model import IGNORE_INDEX, count_parameters
 from tools import bench_loader
 from tools.plot_metrics import check_output_file, output_failed

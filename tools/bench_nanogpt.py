@@ -249,7 +249,7 @@ def mean_loss(logits_of, x, y, rows: int = 64) -> float:
 
 
 def score_suite(out_dir: Path, val_text: str) -> float:
-    from lib.finished_run import load_model
+    from lib.checkpoints.finished_run import load_model
 
     model, tokenizer = load_model(str(out_dir), "cpu")
     x, y = held_out_windows(tokenizer.encode(val_text), SEQ_LENGTH)

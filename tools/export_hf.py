@@ -48,9 +48,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from data import load_tokenizer, tokenizer_digest
-from lib import checkpoints, exits, files, flags, model_config
-from lib.finished_run import check_config_values, check_tokenizer, is_number, open_weights
-from lib.sharded_checkpoints import save_tensor_by_tensor
+from lib import checkpoints, exits, flags, model_config
+from lib.checkpoints import files
+from lib.checkpoints.finished_run import (
+    check_config_values,
+    check_tokenizer,
+    is_number,
+    open_weights,
+)
+from lib.checkpoints.sharded import save_tensor_by_tensor
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------

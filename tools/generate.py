@@ -11,7 +11,7 @@ uses), as every training document is, and decoding stops at the end-of-document 
 which the model learnt to put at the end of a document. On a GPU the weights are loaded in bf16
 (half the memory) where the GPU supports it; on CPU they stay fp32.
 
-The training scripts' end-of-run sample calls lib/sampling.py's generate_text, as this script does,
+The training scripts' end-of-run sample calls lib/extras/sampling.py's generate_text, as this script does,
 so what they print is exactly what this script prints for the same prompt and seed.
 """
 
@@ -21,8 +21,8 @@ import sys
 import torch
 
 from lib import exits, flags
-from lib.finished_run import load_model
-from lib.sampling import generate_ids
+from lib.checkpoints.finished_run import load_model
+from lib.extras.sampling import generate_ids
 
 
 def device_arg(value: str) -> torch.device:

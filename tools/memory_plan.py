@@ -12,7 +12,7 @@ HSDP, and tensor (+ sequence), pipeline, context and expert parallelism?
     python -m tools.memory_plan --model 7b --json                            # machine-readable
     torchrun ... train_fsdp.py --plan ...                        # the plan of the run itself
 
-The command line over lib/memory.py, which holds the formulas, puts them together for one layout
+The command line over lib/extras/memory.py, which holds the formulas, puts them together for one layout
 (plan) and prints its table (format_plan); docs/memory.md says where each formula comes from.
 """
 
@@ -20,7 +20,7 @@ import json
 import math
 
 from lib import exits, flags, model_config
-from lib.memory import (
+from lib.extras.memory import (
     BYTES_PER_PARAM,
     format_plan,
     plan,

@@ -13,7 +13,7 @@ It prints
   2. milliseconds per step of our step and of `reference_step`: the same Llama (the same
      weights, optimizer and loss), written lean, with torch.nn.functional ops only (one matmul
      for q, k and v, one for the gate and up projections, no modules, no wrapper; with
-     --num-experts, lib/moe.py's routing and load-balancing loss, written so too). The two are
+     --num-experts, lib/extras/moe.py's routing and load-balancing loss, written so too). The two are
      timed in alternating rounds (the median is printed), so that a busy machine slows both
      alike; their ratio is what the suite's readable model and loop cost;
   3. with --compile: how long compiling took (the first step, less a compiled one), and the
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from lib import exits, flags, loop, model_config, training
-from lib.replica import Replica
+from lib.parallel.replica import Replica
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
 
 # -------------------------------------------------------------------------------------------------
@@ -91,7 +91,9 @@ def reference_params(model: LlamaForPretraining) -> dict:
         return nn.Parameter(torch.cat([t.detach() for t in tensors], dim))
 
     def mlp(ffn: nn.Module) -> dict:
-        if model.config.num_local_experts:  # lib/moe.py's: w1, w3 (E, ffn, d), w2 (E, d, ffn)
+        if (
+            model.config.num_local_experts
+        ):  # lib/extras/moe.py's: w1, w3 (E, ffn, d), w2 (E, d, ffn)
             return {"gate": leaf(ffn.gate.weight), "w13": leaf(ffn.w1, ffn.w3, dim=1),
                     "w2": leaf(ffn.w2)}  # fmt: skip
         return {"w13": leaf(ffn.w1.weight, ffn.w3.weight), "w2": leaf(ffn.w2.weight)}
@@ -139,11 +141,11 @@ def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig):
     return h + F.linear(F.silu(gate) * up, layer["w2"]), None
 
 
-# Not compiled, as lib/moe.py's forward is not (--compile compiles the rest of the layer): the
+# Not compiled, as lib/extras/moe.py's forward is not (--compile compiles the rest of the layer): the
 # split sizes are read on the host.
 @torch.compiler.disable
 def reference_moe(x: torch.Tensor, layer: dict, config: LlamaConfig):
-    """Mixtral's dropless mixture of experts on x (B, T, d), as lib/moe.py computes it: the
+    """Mixtral's dropless mixture of experts on x (B, T, d), as lib/extras/moe.py computes it: the
     router's softmax in fp32, the top k renormalised, each expert's tokens in one block (one
     matmul for its gate and up projections, one for down). Returns (out (B, T, d), the
     per-sequence load-balancing loss x the sequence's tokens, summed: every target counts)."""

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model
 
 import masks
-from lib.context_parallel import attend_to_sequence, chunk_masks, zigzag_positions
+from lib.parallel.context_parallel import attend_to_sequence, chunk_masks, zigzag_positions
 from model import LlamaForPretraining
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -41,11 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data import tokenizer_digest
-from lib import files, training
-from lib.checkpoints import TrainingState, make_out_dir, rng_state, save_failed
-from lib.distributed import from_rank0
-from lib.files import CHECKPOINT_DIR_RE, atomic_save, list_checkpoints
-from lib.resuming import (
+from lib import training
+from lib.checkpoints import TrainingState, files, make_out_dir, rng_state, save_failed
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, atomic_save, list_checkpoints
+from lib.checkpoints.resuming import (
     load_checkpoint,
     newest_readable,
     refuse_other_checkpoints,
@@ -53,6 +52,7 @@ from lib.resuming import (
     start_from,
     verify_sums,
 )
+from lib.distributed import from_rank0
 from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
@@ -247,7 +247,7 @@ def load_shards(
         return
     model, optimizer = state.model, state.optimizer
     train_state = load_checkpoint(os.path.join(path, TRAIN_STATE))
-    from lib.resuming import check_resumable  # (before changing anything)
+    from lib.checkpoints.resuming import check_resumable  # (before changing anything)
 
     check_resumable(train_state, state.config, args, state.tokenizer)
     fresh_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -274,7 +274,7 @@ def load_shards(
         options=STATE_DICT_OPTIONS,
     )  # fmt: skip
     # The schedule of this run's --max-steps, at the checkpoint's step (see resume_schedule).
-    from lib.resuming import resume_schedule, set_rng_state
+    from lib.checkpoints.resuming import resume_schedule, set_rng_state
 
     resume_schedule(state.scheduler, optimizer, fresh_lrs, train_state["step"])
     set_rng_state(train_state["rng"])
@@ -324,8 +324,8 @@ def finish_run(args, saves: ShardedSaves, device) -> None:
                   f"and none holds it whole): python -m tools.generate --out-dir {args.out_dir} "
                   f"--prompt {shlex.quote(args.sample_prompt)}")  # fmt: skip
             return
-        from lib.finished_run import load_model  # the whole model, in this one process
-        from lib.sampling import print_sample
+        from lib.checkpoints.finished_run import load_model  # the whole model, in this one process
+        from lib.extras.sampling import print_sample
 
         print_sample(args, load_model(args.out_dir, device, torch.float32)[0], state.tokenizer)
 

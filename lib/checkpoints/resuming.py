@@ -12,7 +12,13 @@ import warnings
 import torch
 
 from data import corpus_digest, tokenizer_digest
-from lib.files import CHECKPOINT_DIR_RE, CHECKPOINT_RE, SUMS, checksums, list_checkpoints
+from lib.checkpoints.files import (
+    CHECKPOINT_DIR_RE,
+    CHECKPOINT_RE,
+    SUMS,
+    checksums,
+    list_checkpoints,
+)
 from model import MOE_FIELDS, LlamaConfig
 
 # The flags that fix the data order, what the model attends to (--document-mask) and the schedule:

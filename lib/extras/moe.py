@@ -5,10 +5,10 @@
     figures = router_figures(model)         # the balance loss and tokens per expert, and reset
 
 model.py builds it in place of the dense FeedForward (and imports this file only then: copying a
-lesson for a dense model needs no lib/moe.py) and adds the load-balancing loss (balance_loss_sum) to
+lesson for a dense model needs no lib/extras/moe.py) and adds the load-balancing loss (balance_loss_sum) to
 the loss it returns; lib/metrics.py logs router_figures where this file is loaded. The expert flags'
 checks are here too (check_expert_flags, and which lessons cannot train experts: NO_EXPERTS).
-No training or distributed code: expert parallelism (lib/expert_parallel.py) sets each layer's
+No training or distributed code: expert parallelism (lib/parallel/expert_parallel.py) sets each layer's
 `dispatch` to its all-to-all, which calls run_experts on the tokens a rank receives.
 """
 
@@ -48,7 +48,7 @@ class MoEFeedForward(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, ffn, d))  # gate projections
         self.w3 = nn.Parameter(torch.empty(E, ffn, d))  # up projections
         self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
-        # Expert parallelism (lib/expert_parallel.py) sets this to a function like run_experts that
+        # Expert parallelism (lib/parallel/expert_parallel.py) sets this to a function like run_experts that
         # sends the tokens to the ranks holding their experts and brings the outputs back.
         self.dispatch: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
         self.record_routing = False

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from lib.pipeline import bubble_fraction, split_layers
-from lib.tensor_parallel import check_tensor_parallel
+from lib.parallel.pipeline import bubble_fraction, split_layers
+from lib.parallel.tensor_parallel import check_tensor_parallel
 from model import LlamaConfig, LlamaForPretraining, count_active_parameters, count_parameters
 
 # Bytes per parameter of (weights, gradients, optimizer state) for each --precision.

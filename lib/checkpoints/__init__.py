@@ -1,7 +1,7 @@
 """A run's --out-dir: checkpoints and final files, written so that a kill at any moment loses
 nothing; one live run per directory (a lock); the checkpoint to resume from, checked to be this
 run's; each start's settings (args.jsonl). A `.pt` checkpoint (train_dp.py, train_ddp.py,
-train_zero1.py) holds all a resumed run needs to go on exactly; DCP's: lib/sharded_checkpoints.py.
+train_zero1.py) holds all a resumed run needs to go on exactly; DCP's: lib/checkpoints/sharded.py.
 """
 
 import atexit
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from data import corpus_digest, tokenizer_digest
-from lib import files
+from lib.checkpoints import files
+from lib.checkpoints.files import atomic_save, atomic_write_text, list_checkpoints
 from lib.distributed import world_size_from_env
 from lib.exits import TrainingError
-from lib.files import atomic_save, atomic_write_text, list_checkpoints
 from model import LlamaConfig
 
 
@@ -104,7 +104,7 @@ def resume(path: str | None, state: TrainingState, args) -> tuple[int, list[dict
     loaded into `state` (ValueError, changing nothing, if another run's: restore_checkpoint)."""
     if path is None:
         return 0, None
-    from lib.resuming import load_checkpoint, restore_checkpoint  # only when resuming
+    from lib.checkpoints.resuming import load_checkpoint, restore_checkpoint  # only when resuming
 
     start = restore_checkpoint(load_checkpoint(path), state, args)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -130,7 +130,7 @@ def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
 
 # -------------------------------------------------------------------------------------------------
 # The out-dir itself: one live run per directory, a killed run's debris cleared, and the
-# checkpoint to resume from chosen (lib/sharded_checkpoints.py likewise among DCP directories)
+# checkpoint to resume from chosen (lib/checkpoints/sharded.py likewise among DCP directories)
 
 # One run per --out-dir (two would mix files): its writer locks this file for life, named in it.
 LOCK_FILE = ".lock"
@@ -205,17 +205,17 @@ def make_out_dir(args) -> None:
 
 def prepare_out_dir(args) -> str | None:
     """make_out_dir, then the checkpoint to resume from (None: start fresh), which
-    lib/resuming.py chooses where an earlier run left anything (imported only then)."""
+    lib/checkpoints/resuming.py chooses where an earlier run left anything (imported only then)."""
     if args.resume not in ("never", "auto"):  # (checked before the out-dir is made)
         if not os.path.isfile(args.resume):
             raise ValueError(f"--resume: no checkpoint file at {args.resume}")
-        from lib.resuming import load_checkpoint
+        from lib.checkpoints.resuming import load_checkpoint
 
         load_checkpoint(args.resume)  # intact and readable? (ValueError: what is wrong)
     make_out_dir(args)
     if args.resume in ("never", "auto") and not earlier_run(args.out_dir):
         return None
-    from lib.resuming import choose_checkpoint
+    from lib.checkpoints.resuming import choose_checkpoint
 
     return choose_checkpoint(args)
 
@@ -224,7 +224,8 @@ def earlier_run(out_dir: str) -> bool:
     """Whether an earlier run left checkpoints, metrics.jsonl or model.pt in --out-dir."""
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     return any(os.path.exists(os.path.join(out_dir, n)) for n in ("metrics.jsonl", "model.pt")) or (
-        os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir)))
+        os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+    )
 
 
 def record_run(args, settings, start_step: int) -> None:

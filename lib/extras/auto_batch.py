@@ -123,7 +123,7 @@ def auto_micro_batch_size(
         return peak.item()
 
     best, peaks = search_micro_batch_size(per_device, peak_bytes, budget)
-    from lib.moe import router_stats
+    from lib.extras.moe import router_stats
 
     router_stats(model)  # a mixture of experts counted the probes' routing: not training's
     if args.compile or (args.document_mask and plan.attention == "flex"):

@@ -55,10 +55,14 @@ def add_flags(parser) -> None:
                         "of ranks, and FSDP shards over the dp = world_size / tp groups (default: "
                         "the processes of one node, torchrun's LOCAL_WORLD_SIZE: TP inside nodes, "
                         "FSDP across)")  # fmt: skip
-    parser.add_argument("--sequence-parallel", action="store_true", help="also split the "
-                        "activations around the norms (and the residual stream) along the "
-                        "sequence over the tp ranks: the same traffic, 1/tp of their memory per "
-                        "rank (needs --tp 2 or more and a --seq-length divisible by --tp)")
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also split the "
+        "activations around the norms (and the residual stream) along the "
+        "sequence over the tp ranks: the same traffic, 1/tp of their memory per "
+        "rank (needs --tp 2 or more and a --seq-length divisible by --tp)",
+    )
 
 
 def describe(args, tp: int, dp: int) -> tuple[str, dict]:

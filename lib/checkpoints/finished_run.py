@@ -2,7 +2,7 @@
 from an out-dir (model.pt, config.json, tokenizer.json, which every train script writes at its end).
 
     model, tokenizer = load_model("out", "cpu")
-    text = generate_text(model, tokenizer, "def ", 64)     # lib/sampling.py
+    text = generate_text(model, tokenizer, "def ", 64)     # lib/extras/sampling.py
 
 The train scripts import this only for --init-from (init_from_config, check_init_from).
 """
@@ -16,7 +16,7 @@ import zipfile
 import torch
 
 from data import DocumentTokenizer, load_tokenizer, tokenizer_digest
-from lib.files import CHECKPOINT_DIR_RE, list_checkpoints
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
 from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # checkpoints.save_final's

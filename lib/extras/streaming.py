@@ -42,8 +42,9 @@ from datasets.distributed import split_dataset_by_node
 from huggingface_hub import HfFileSystem
 
 import data
-from lib import corpus, model_config
+from lib import model_config
 from lib.distributed import main_process_first
+from lib.extras import corpus
 
 READ_DOCS = 64  # documents per read; the saved states count in these, so keep it fixed
 # Validation holds out this many characters per token it needs: BPE tokens average 2 to 5

@@ -34,9 +34,13 @@ def add_flags(parser) -> None:
                         "resharded after forward (least memory); 2: weights kept gathered until "
                         "backward (less communication). Gradients and optimizer state: sharded "
                         "in both")  # fmt: skip
-    parser.add_argument("--cpu-offload", action="store_true", help="keep sharded weights, "
-                        "gradients and optimizer state in CPU memory; the optimizer step runs on "
-                        "the CPU (ZeRO-Offload's idea; slower, fits far bigger models)")
+    parser.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep sharded weights, "
+        "gradients and optimizer state in CPU memory; the optimizer step runs on "
+        "the CPU (ZeRO-Offload's idea; slower, fits far bigger models)",
+    )
     parser.add_argument("--replicate", type=number_arg(int, 1), default=1, help="HSDP: shard "
                         "within groups of world_size / R ranks (say, one node each) and keep R "
                         "replicas of the shards; 1: plain FSDP over all ranks")  # fmt: skip

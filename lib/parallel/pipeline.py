@@ -18,7 +18,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from lib import flags, model_config, training
-from lib.tensor_parallel import check_tensor_parallel
+from lib.parallel.tensor_parallel import check_tensor_parallel
 from model import IGNORE_INDEX, LlamaForPretraining
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}

@@ -1,7 +1,7 @@
 """The corpora other than the default (the stdlib's .py files, read by data.py): a file, a glob
 or a directory of .txt/.jsonl/.json/.parquet files (.txt split into documents by paragraph, line
 or file: --txt-split), or a Hugging Face hub dataset, NAME or NAME:CONFIG. data.py imports this
-only for such a --data (and lib/streaming.py, which reads any --data as a stream).
+only for such a --data (and lib/extras/streaming.py, which reads any --data as a stream).
 
     source = resolve_source(spec, txt_split)      # which builder, files, options: nothing read
     ds = open_source(source, spec, text_column, cache_dir, streaming=False)  # one "text" column
@@ -59,7 +59,7 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
         ds = load_hub(source.path, source.config, spec, **kwargs)
         return select_text_column(ds, text_column, spec)
     # A user's file that is not UTF-8 (a binary file, another encoding) is refused below, naming
-    # it, not trained on as garbage. (A stream's errors come as it is read: lib/streaming.py.)
+    # it, not trained on as garbage. (A stream's errors come as it is read: lib/extras/streaming.py.)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
     try:
@@ -309,7 +309,7 @@ def _first_line(error: BaseException) -> str:
 def select_text_column(ds, text_column: str, spec: str):
     """ds (a Dataset, or an IterableDataset) with only its text column, named "text". A stream
     may not know its columns before it is read (features None): then a missing column is an
-    error as it is read, which lib/streaming.py reports in one line."""
+    error as it is read, which lib/extras/streaming.py reports in one line."""
     if ds.features is None:
         ds = ds.select_columns([text_column])
         return ds if text_column == "text" else ds.rename_column(text_column, "text")

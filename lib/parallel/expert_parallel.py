@@ -35,10 +35,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lib import model_config, sharding
+from lib import model_config
 from lib.distributed import divide_ranks
+from lib.extras.moe import MoEFeedForward
 from lib.flags import number_arg
-from lib.moe import MoEFeedForward
+from lib.parallel import fsdp
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # stacked (E, ...): expert first, the dim EP shards
 
@@ -55,11 +56,11 @@ def add_flags(parser) -> None:
 
 def describe(args, dp: int, num_experts: int, world_size: int) -> tuple[str, dict]:
     """train_ep.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
-    fsdp, plan = sharding.describe(args, world_size)
+    sharded, plan = fsdp.describe(args, world_size)
     text = f"experts: {num_experts} per layer over the {args.ep} ranks of each EP group "
     text += f"({num_experts // args.ep} each), {dp} group{'s' * (dp > 1)}; the experts' FSDP over "
     text += f"{dp} rank{'s' * (dp > 1)}; "
-    return text + fsdp, dict(plan, ep=args.ep)
+    return text + sharded, dict(plan, ep=args.ep)
 
 
 def check_flags(args, world_size: int) -> int:

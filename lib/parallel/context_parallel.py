@@ -30,9 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from lib import distributed, model_config, sharding
+from lib import distributed, model_config
 from lib.distributed import divide_ranks
 from lib.flags import number_arg
+from lib.parallel import fsdp
 
 # -------------------------------------------------------------------------------------------------
 # The zigzag split
@@ -49,8 +50,8 @@ def add_flags(parser) -> None:
 
 def describe(args, cp: int, dp: int, world_size: int) -> tuple[str, dict]:
     """train_cp.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
-    fsdp, plan = sharding.describe(args, world_size)
-    text = f"dp {dp} x cp {cp}, {args.seq_length // cp} tokens of each sequence per rank; {fsdp}"
+    sharded, plan = fsdp.describe(args, world_size)
+    text = f"dp {dp} x cp {cp}, {args.seq_length // cp} tokens of each sequence per rank; {sharded}"
     return text, dict(plan, cp=cp)
 
 
