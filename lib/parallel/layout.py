@@ -4,7 +4,7 @@ what the memory planner (lib/extras/memory.py) reads. The sizes of its grid, the
 
     layout = tensor_parallel.setup(parser, args, world_size, device)  # checked; its meshes
     layout.dp, layout.dp_rank, layout.dp_group   # who splits the batch, and how the sums add up
-    layout.mesh["tp"], layout.fsdp_mesh          # what parallelize_module and fully_shard split over
+    layout.mesh["tp"], layout.fsdp_mesh          # what parallelize_module, fully_shard split over
 """
 
 from dataclasses import dataclass, field
