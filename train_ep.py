@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node=8 train_ep.py --num-experts 8 --ep 4  # dp 2 x ep 4
     torchrun --standalone --nproc_per_node=2 train_ep.py --num-experts 4 --ep 2  # no GPU: 2 CPUs
 
-What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/extras/moe.py) has E MLPs
-per layer, each token using k of them. The ranks form a (dp, ep) grid: shard_experts keeps E/ep
+What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/extras/moe.py) has E
+MLPs per layer, each token using k of them. The ranks form a (dp, ep) grid: shard_experts keeps E/ep
 of every layer's experts on each rank of an EP group, and each MoE layer sends every (token,
 expert) pair to its expert's rank and the outputs back, with two all-to-alls. Every rank reads
 its own share of the batch; FSDP shards the dense part over all ranks, and the experts over the
@@ -21,21 +21,19 @@ Read it against the lesson before: `diff train_fsdp.py train_ep.py`.
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, training
-from lib.checkpoints import TrainingState, sharded
+from lib.checkpoints.sharded import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
-from lib.parallel import expert_parallel, fsdp
+from lib.parallel import expert_parallel
 from model import IGNORE_INDEX
 
 
 def main():
     parser = flags.build_parser("Pretrain a MoE Llama with torchrun + EP + FSDP2.", sharded=True)
-    fsdp.add_flags(parser)  # --zero-stage, --cpu-offload, --replicate
-    expert_parallel.add_flags(parser)  # --ep
+    expert_parallel.add_flags(parser)  # --ep, and FSDP's
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
@@ -45,22 +43,25 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
-    settings = flags.run_settings(parser, args, world_size, device, fp16=False)  # checked
-    dp = expert_parallel.check_flags(args, world_size)  # the EP grid: dp groups of --ep ranks
+    # The grid: every rank reads its own share of the batch; the EP groups share out the experts.
+    layout = expert_parallel.setup(parser, args, world_size, device)  # checked; the meshes
+    settings = flags.run_settings(parser, args, layout.dp, device)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
+    resume_path = checkpoints.prepare_out_dir()  # rank 0 makes it; every rank learns the choice
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
     attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
-    # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
+    # The samples this rank reads in an epoch: every dp-th of one shared shuffle, so that each
+    # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
+        sampler = DistributedSampler(
+            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
+        )
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -70,32 +71,31 @@ def main():
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
     # rank = dp_rank * ep + ep_rank: each rank keeps E / ep experts of every layer, and each MoE
-    # layer dispatches its tokens over its EP group, ep_mesh["ep"] (ep consecutive ranks);
-    # ep_mesh["dp"]: the ranks that hold the same experts in the other groups.
-    ep_mesh = init_device_mesh(device.type, (dp, args.ep), mesh_dim_names=("dp", "ep"))
-    expert_parallel.shard_experts(model, ep_mesh["ep"])
-    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32: no casts.
+    # layer dispatches its tokens over its EP group, mesh["ep"] (ep consecutive ranks);
+    # mesh["dp"]: the ranks that hold the same experts in the other groups.
+    expert_parallel.shard_experts(model, layout.mesh["ep"])
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
+    # no casts (fp16 computes under autocast, as train_ddp.py does).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    # None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node each), the
-    # rows replicas of each other's shards, all-reducing their gradients.
-    mesh = fsdp.hsdp_mesh(args, world_size, device)
+    # fsdp_mesh None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node
+    # each), the rows replicas of each other's shards, all-reducing their gradients.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
-    options = dict(mesh=mesh, reshard_after_forward=args.zero_stage == 3, mp_policy=mp_policy)
-    options |= {"offload_policy": offload} if offload else {}
+    options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
+    options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
     # Layers first, then the root, which takes what no layer owns (embeddings, final norm,
-    # lm_head). In place: `model`'s parameters are now DTensors, this rank's 1/world_size of each.
+    # lm_head). In place: `model`'s parameters are now DTensors, this rank's share of each.
     # In each layer two units first: the router (gate) over all ranks, as the rest of the layer
-    # (every rank routes its own tokens), and the experts over ep_mesh["dp"] (2-D DTensors).
+    # (every rank routes its own tokens), and the experts over mesh["dp"] (2-D DTensors).
     for layer in model.layers:
         fully_shard(layer.feed_forward.gate, **options)
-        fully_shard(layer.feed_forward, **{**options, "mesh": ep_mesh["dp"]})
+        fully_shard(layer.feed_forward, **{**options, "mesh": layout.mesh["dp"]})
         # An expert's gradient comes back from the all-to-all summed over its EP group's tokens,
         # and the reduce-scatter sums it over dp: divide by all the ranks, dp x ep, as the dense
         # gradients are (FSDP's default, the mean over its mesh, would divide by dp alone).
         layer.feed_forward.set_gradient_divide_factor(world_size)
-        if dp > 1:  # a plain sum, then the division (gloo has no reduction that scales as it
-            # sums); with dp = 1 there is nothing to reduce, and torch would divide twice.
+        if world_size > layout.ep:  # a plain sum, then the division (gloo has no reduction
+            # that scales as it sums); with dp = 1 nothing is reduced, and torch divides twice.
             layer.feed_forward.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, **options)
     fully_shard(model, **options)
@@ -104,15 +104,17 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
+    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
-    state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
+    state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, rank, world_size, rows, device)  # its share
-    start, shard = (start_step, data_position), (rank, world_size)  # shard: --streaming's
+    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows, device)
+    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -120,31 +122,29 @@ def main():
     def evaluate() -> torch.Tensor:
         # Each rank its share (every forward all-gathers each layer: all run it); sums added up.
         totals = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(totals)  # (loss sum, targets, their bytes)
+        dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
         return totals
-
-    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
         # copies them to CPU memory, and a thread writes them as training goes on).
-        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
+        with checkpoints.saving(step, state, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
-                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+                group = checkpoints.group  # (a gloo group of its own, for the background thread)
+                checkpoints.job = dcp.async_save(to_save, checkpoint_id=path, process_group=group)
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    E = config.num_local_experts
-    layout, plan = expert_parallel.describe(args, dp, E, world_size)  # at start-up, and --plan's
-    loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
+    describe = expert_parallel.describe(layout, config.num_local_experts)  # at start-up
+    loop = TrainingLoop(args, settings, state, device, start_step, layout, describe)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
         # Normalise by the number of targets in the whole global batch, not per micro-batch: then
         # every target token weighs the same however the batch is split (micro-batches, ranks),
         # and padded batches give the same gradient as one big batch would.
         global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        dist.all_reduce(global_tokens)
+        dist.all_reduce(global_tokens, group=layout.dp_group)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: reduce-scatter only after the last micro-step; before it,
@@ -152,18 +152,21 @@ def main():
             model.set_requires_gradient_sync(i == settings.accumulation - 1)
             with training.autocast(device, settings.precision):
                 loss_sum, _ = model(x, y, attn_mask(x))
-            # The reduce-scatter averages gradients over ranks, as DDP's all-reduce does: the
-            # factor world_size undoes that division, leaving sum of all losses / all tokens.
-            loss = loss_sum * world_size / global_tokens
-            loss.backward()
+            # The reduce-scatter averages gradients over the dp ranks, as DDP's all-reduce does:
+            # the factor dp undoes that division, leaving sum of all losses / all tokens.
+            loss = loss_sum * layout.dp / global_tokens
+            scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        dist.all_reduce(step_loss)
-        # The gradients are sharded DTensors on two meshes (the experts', the rest's): the norm
-        # of each mesh's shards, combined, so every rank clips by the whole gradient's norm.
+        dist.all_reduce(step_loss, group=layout.dp_group)
+        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
+        # The gradients are sharded DTensors on two meshes (the experts' and the rest of the
+        # model's): the norm of each mesh's shards, combined, so every rank clips by the whole.
         grad_norm = expert_parallel.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        if loop.step_ok(step, step_loss, grad_norm):
-            optimizer.step()
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if loop.step_ok(step, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).
@@ -171,7 +174,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded.finish_run(args, saves, device)
+    checkpoints.finish(state, device)
     dist.destroy_process_group()
 
 

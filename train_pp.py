@@ -22,14 +22,13 @@ Read it against the lesson before: `diff train_tp.py train_pp.py`.
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, training
-from lib.checkpoints import TrainingState, sharded
+from lib.checkpoints.sharded import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from lib.parallel import pipeline, tensor_parallel
 from model import IGNORE_INDEX
@@ -37,7 +36,7 @@ from model import IGNORE_INDEX
 
 def main():
     parser = flags.build_parser("Pretrain a Llama with torchrun + PP (+ TP).", sharded=True)
-    pipeline.add_flags(parser)  # --pp, --tp, --schedule, --stages-per-rank
+    pipeline.add_flags(parser)  # --pp, --schedule, --stages-per-rank, and TP's and FSDP's
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
@@ -47,19 +46,15 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
     # accumulation steps are the m micro-batches the schedule streams through each pipeline.
-    settings, pp, v, dp = pipeline.check_flags(parser, args, world_size, device)  # checked
-    tp, m = args.tp, settings.accumulation  # (--tp: TP inside each stage, train_tp.py's)
+    layout = pipeline.setup(parser, args, world_size, device)  # checked; the device mesh
+    # No fp16: its loss scaling would need every stage to agree to skip a step; use bf16.
+    settings = pipeline.run_settings(parser, args, layout, device)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    # rank = (pp_rank * dp + dp_rank) * tp + tp_rank: a TP group is tp consecutive ranks (a node),
-    # then come a stage's dp replicas; the pipeline, the lightest traffic, spans the rest.
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
-    pp_rank, pp_group = mesh.get_local_rank("pp"), mesh["pp"].get_group()  # this rank's pipeline
-    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
+    resume_path = checkpoints.prepare_out_dir()  # rank 0 makes it; every rank learns the choice
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -69,7 +64,9 @@ def main():
     # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
+        sampler = DistributedSampler(
+            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
+        )
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -79,45 +76,54 @@ def main():
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
-    if tp > 1:  # train_tp.py's plan, with each stage's inputs and outputs plain tensors (sends)
-        layer_plan = tensor_parallel.layer_plan()
-        for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], layer_plan)
-        tensor_parallel.apply_tensor_parallel(model, mesh["tp"], loss_parallel=False)
+    tp_mesh = layout.mesh["tp"]  # train_tp.py's plan; lm_head all-gathers the logits (sends)
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, tensor_parallel.layer_plan(args.sequence_parallel))
+    tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel, False)
     training.prepare_layers(model, args, loss=False)  # (the last stage runs PipelineLoss)
     # This rank's stages: its own layers, under the full model's names; the rest goes with model.
-    stage_models = pipeline.build_stages(model, pp_rank, pp, v, settings.precision)
-    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32: no casts.
+    pp_rank, pp_group = layout.mesh.get_local_rank("pp"), layout.mesh["pp"].get_group()
+    split = layout.tp if args.sequence_parallel else 1  # (a stage gets 1/tp of each sequence)
+    stages = (pp_rank, layout.pp, layout.stages_per_rank, settings.precision, split)
+    stage_models = pipeline.build_stages(model, *stages)
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
+    # no casts (fp16 computes under autocast, as train_ddp.py does).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    for stage_model in stage_models:  # FSDP over mesh["dp"], ZeRO-2 (forwards run ahead)
-        if dp > 1:
-            options = dict(mesh=mesh["dp"], mp_policy=mp_policy, reshard_after_forward=False)
-            for layer in stage_model.layers.values():
-                fully_shard(layer, **options)
-            fully_shard(stage_model, **options)
-        stage_model.to_empty(device=device)
+    # fsdp_mesh None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node
+    # each), the rows replicas of each other's shards, all-reducing their gradients.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
+    options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
+    options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
+    # FSDP over the dp ranks, stage by stage, as train_tp.py does: each TP shard is split again
+    # over the dp pipelines, and its gradients reduce-scattered among the ranks holding it.
+    for stage_model in stage_models:
+        for layer in stage_model.layers.values():
+            fully_shard(layer, **options)
+        fully_shard(stage_model, **options)
+        stage_model.to_empty(device="cpu" if offload else device)  # (offload: in CPU memory)
         training.init_weights(stage_model, config, args, device)
     # `model`: this rank's part, its stages' parameters under the full model's names (RankModel).
     model = pipeline.RankModel(stage_models)
-    # Built on the shards, AdamW's state is sharded like them.
-    optimizer = training.build_optimizer(model, args, device.type)
+    # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
+    optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
     # the schedule orders the m micro-batches' forwards, backwards and sends (loss normalised).
-    stages = [PipelineStage(s, s.index, pp * v, device, group=pp_group) for s in stage_models]
+    num_stages, m = layout.pp * layout.stages_per_rank, settings.accumulation
+    stages = [PipelineStage(s, s.index, num_stages, device, group=pp_group) for s in stage_models]
     loss_fn = pipeline.PipelineLoss()  # the summed cross-entropy x loss_fn.scale
     Schedule = pipeline.SCHEDULES[args.schedule]  # GPipe, 1F1B or interleaved 1F1B
     runs = stages if args.schedule == "interleaved" else stages[0]
     schedule = Schedule(runs, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    is_first, is_last = pp_rank == 0, pp_rank == pp - 1  # the tokens go in; the loss comes out
+    is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1  # tokens go in; the loss comes out
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows * m, device)  # its share
-    start, shard = (start_step, data_position), (dp_rank, dp)  # shard: --streaming's
+    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows * m, device)
+    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -132,7 +138,7 @@ def main():
         inputs, target = (x,) if is_first else (), y if is_last else None
         run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
         # The last stage's (loss sum, targets, their bytes); zeros on the other stages.
-        loss_sum = sum(losses, torch.zeros((), device=device))
+        loss_sum = sum(losses, torch.zeros((), device=device)) / scale
         return training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), val_loader) * is_last
 
     def evaluate() -> torch.Tensor:
@@ -140,37 +146,39 @@ def main():
         with torch.no_grad():
             totals = sum(run_pipeline(x, y, 1.0, train=False) for x, y in val_loader)
         dist.all_reduce(totals, group=pp_group)
-        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
+        dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
         return totals
-
-    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
         # copies them to CPU memory, and a thread writes them as training goes on).
-        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
+        with checkpoints.saving(step, state, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
-                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+                group = checkpoints.group  # (a gloo group of its own, for the background thread)
+                checkpoints.job = dcp.async_save(to_save, checkpoint_id=path, process_group=group)
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    layout, plan = pipeline.describe(args, pp, v, dp, m, rows, config)  # at start-up, and --plan's
-    loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
+    describe = pipeline.describe(layout, m, rows, config.num_hidden_layers)  # at start-up
+    loop = TrainingLoop(args, settings, state, device, start_step, layout, describe)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
         # Normalise by the number of targets in the whole global batch, not per micro-batch: then
         # every target token weighs the same however the batch is split (micro-batches, ranks),
         # and padded batches give the same gradient as one big batch would.
         global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        dist.all_reduce(global_tokens, group=dp_group)  # every stage counts the same tokens
+        dist.all_reduce(global_tokens, group=layout.dp_group)
         # One batch for the whole pipeline: the schedule cuts it back into the m micro-batches.
         x, y = (torch.cat(tensors) for tensors in zip(*micro_batches, strict=True))  # (m * rows, T)
-        # FSDP averages gradients over the dp pipelines: x dp undoes that (all losses / all tokens).
-        step_loss = run_pipeline(x, y, dp / global_tokens, train=True)[0]  # (dp x its share)
+        # FSDP averages gradients over the dp pipelines, as DDP's all-reduce does: the factor dp
+        # undoes that division, leaving sum of all losses / all tokens.
+        step_loss = run_pipeline(x, y, layout.dp / global_tokens, train=True)[0]
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=pp_group)  # the last stage's (the others hold zeros)
-        dist.all_reduce(step_loss, group=dp_group)
+        dist.all_reduce(step_loss, group=layout.dp_group)
+        if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
+            tensor_parallel.replicate_partial_grads(model.parameters())
         # Each rank holds its own stages' gradients: their squared norms add up over the pipeline.
         grad_norm = pipeline.clip_grad_norm_(model.parameters(), settings.max_grad_norm, pp_group)
         if loop.step_ok(step, step_loss, grad_norm):
@@ -178,11 +186,11 @@ def main():
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).
-        loop.after_step(step, step_loss / dp, grad_norm, evaluate, save)
+        loop.after_step(step, step_loss / global_tokens, grad_norm, evaluate, save)
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded.finish_run(args, saves, device)
+    checkpoints.finish(state, device)
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ a group (one node: TP talks in every layer) read the same samples. parallelize_m
 every matrix over them, Megatron's way: wq, wk, wv, w1, w3 by columns, wo, w2 by rows (one
 all-reduce each for attention and the MLP), the embedding and lm_head by vocabulary, with the
 loss on the sharded logits (loss_parallel). --sequence-parallel splits what runs between them
-along the sequence. FSDP then shards over dp alone. docs/tensor-parallel.md: the details.
+along the sequence. FSDP (HSDP with --replicate: the 70b layout) then shards over dp alone.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
 every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
@@ -18,19 +18,15 @@ data.py, masks.py and the lib/ folder.
 Read it against the lesson before: `diff train_fsdp.py train_tp.py`.
 """
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, training
-from lib.checkpoints import TrainingState, sharded
+from lib.checkpoints.sharded import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from lib.parallel import tensor_parallel
 from model import IGNORE_INDEX
@@ -38,7 +34,7 @@ from model import IGNORE_INDEX
 
 def main():
     parser = flags.build_parser("Pretrain a Llama with torchrun + TP + FSDP2.", sharded=True)
-    tensor_parallel.add_flags(parser)  # --tp, --sequence-parallel
+    tensor_parallel.add_flags(parser)  # --tp, --sequence-parallel, and FSDP's
     args = parser.parse_args()
     # torchrun starts N copies of this script, each with its RANK, LOCAL_RANK (its index on its
     # own machine) and WORLD_SIZE in the environment; each computes on the GPU of its local rank.
@@ -48,17 +44,13 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # The grid: dp x tp ranks. Only the dp groups split the batch: a tp group shares its samples.
-    tp, dp = tensor_parallel.check_flags(parser, args, world_size)
-    settings = flags.run_settings(parser, args, dp, device, fp16=False)  # checked
+    layout = tensor_parallel.setup(parser, args, world_size, device)  # checked; the device mesh
+    settings = flags.run_settings(parser, args, layout.dp, device)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    # rank = dp_rank * tp + tp_rank: mesh["tp"] is this rank's TP group (tp consecutive ranks),
-    # mesh["dp"] the ranks that hold the same TP shard in the other groups.
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
-    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
+    resume_path = checkpoints.prepare_out_dir()  # rank 0 makes it; every rank learns the choice
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -68,7 +60,9 @@ def main():
     # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
+        sampler = DistributedSampler(
+            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
+        )
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -78,39 +72,44 @@ def main():
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
-    if tp > 1:  # Megatron's plan in every layer, then the embedding, the norms and lm_head
-        layer_plan = tensor_parallel.layer_plan(args.sequence_parallel)
-        for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], layer_plan)
-        tensor_parallel.apply_tensor_parallel(model, mesh["tp"], args.sequence_parallel)
+    tp_mesh = layout.mesh["tp"]  # Megatron's plan in every layer, then embedding, norms, lm_head
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, tensor_parallel.layer_plan(args.sequence_parallel))
+    tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
     training.prepare_layers(model, args, loss=False)  # (the loss runs on vocabulary shards)
-    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32: no casts.
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
+    # no casts (fp16 computes under autocast, as train_ddp.py does).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    # FSDP over mesh["dp"], as train_fsdp.py over all ranks: each TP shard is split again over
-    # the dp groups (2-D DTensors), and its gradients reduce-scattered among the ranks holding it.
-    if dp > 1:
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"], mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
-    model.to_empty(device=device)
+    # fsdp_mesh None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node
+    # each), the rows replicas of each other's shards, all-reducing their gradients.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
+    options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
+    options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
+    # FSDP over the dp ranks, as train_fsdp.py over all: each TP shard is split again over the dp
+    # groups (2-D DTensors), and its gradients reduce-scattered among the ranks holding it.
+    for layer in model.layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    model.to_empty(device="cpu" if offload else device)  # (offload: the shards in CPU memory)
     training.init_weights(model, config, args, device)
-    if tp > 1:  # after FSDP's hooks: the model's (loss, tokens) as plain tensors
-        model.register_forward_hook(tensor_parallel.local_outputs)
-    # The cross-entropy of vocab-sharded logits, forward and backward: under loss_parallel().
-    vocab_parallel = loss_parallel if tp > 1 else contextlib.nullcontext
-    # Built on the shards, AdamW's state is sharded like them.
-    optimizer = training.build_optimizer(model, args, device.type)
+    model.register_forward_hook(tensor_parallel.local_outputs)  # (loss, tokens): plain tensors
+    # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
+    optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
+    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
-    state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
+    state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded.resume(resume_path, state, args)
-    # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
-    settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
+    start_step, data_position = checkpoints.resume(resume_path, state)
+    # --micro-batch-size auto: the largest that fits, measured with the model as it trains (the
+    # cross-entropy of vocab-sharded logits, forward and backward, runs under loss_parallel()).
+    with loss_parallel():
+        settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)  # its share
-    start, shard = (start_step, data_position), (dp_rank, dp)  # shard: --streaming's
+    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows, device)
+    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -118,56 +117,57 @@ def main():
     def evaluate() -> torch.Tensor:
         # Each rank its dp group's share (every forward is a collective: all run it); the sums
         # added up over the dp groups (the tp ranks of a group hold the same).
-        with vocab_parallel():
+        with loss_parallel():
             totals = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
+        dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
         return totals
-
-    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
 
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
         # copies them to CPU memory, and a thread writes them as training goes on).
-        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
+        with checkpoints.saving(step, state, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
-                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+                group = checkpoints.group  # (a gloo group of its own, for the background thread)
+                checkpoints.job = dcp.async_save(to_save, checkpoint_id=path, process_group=group)
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    layout, plan = tensor_parallel.describe(args, tp, dp)  # at start-up, and --plan's
-    loop = TrainingLoop(args, settings, state, device, start_step, layout, **plan)
+    describe = tensor_parallel.describe(layout)  # at start-up
+    loop = TrainingLoop(args, settings, state, device, start_step, layout, describe)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
         # Normalise by the number of targets in the whole global batch, not per micro-batch: then
         # every target token weighs the same however the batch is split (micro-batches, ranks),
         # and padded batches give the same gradient as one big batch would.
         global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        dist.all_reduce(global_tokens, group=dp_group)  # the tp ranks count the same tokens
+        dist.all_reduce(global_tokens, group=layout.dp_group)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: reduce-scatter only after the last micro-step; before it,
             # each layer accumulates its unsharded gradients locally (FSDP's no_sync).
-            if dp > 1:
-                model.set_requires_gradient_sync(i == settings.accumulation - 1)
-            with vocab_parallel():
+            model.set_requires_gradient_sync(i == settings.accumulation - 1)
+            with loss_parallel():  # (TP's shards are of this one loss: no factor for them)
                 with training.autocast(device, settings.precision):
                     loss_sum, _ = model(x, y, attn_mask(x))
-                # FSDP averages gradients over the dp groups: the factor dp undoes that, leaving
-                # sum of all losses / all tokens (TP's shards are of this one loss: no factor).
-                loss = loss_sum * dp / global_tokens
-                loss.backward()
+                # The reduce-scatter averages gradients over the dp ranks, as DDP's all-reduce
+                # does: the factor dp undoes that division, leaving sum of all losses / all tokens.
+                loss = loss_sum * layout.dp / global_tokens
+                scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        dist.all_reduce(step_loss, group=dp_group)
+        dist.all_reduce(step_loss, group=layout.dp_group)
+        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
             tensor_parallel.replicate_partial_grads(model.parameters())
-        # Sharded DTensor gradients: the norm sums their squares over the ranks; full_tensor(): it.
+        # The gradients are sharded DTensors: the norm sums their squares over the ranks, and
+        # full_tensor() gives every rank that whole norm as a plain tensor.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        if isinstance(grad_norm, DTensor):  # (a plain tensor on one rank: no TP, no FSDP)
-            grad_norm = grad_norm.full_tensor()
-        if loop.step_ok(step, step_loss, grad_norm):
-            optimizer.step()
+        grad_norm = grad_norm.full_tensor()
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if loop.step_ok(step, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).
@@ -175,7 +175,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded.finish_run(args, saves, device)
+    checkpoints.finish(state, device)
     dist.destroy_process_group()
 
 

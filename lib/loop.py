@@ -34,10 +34,19 @@ from lib.metrics import Metrics, Throughput, bar_postfix, build_memory, router_f
 class TrainingLoop:
     """The steps from `start_step` to --max-steps, and what runs around each of them."""
 
-    def __init__(self, args, settings, state: TrainingState, device, start_step: int,
-                 layout: str | None = None, **plan):  # fmt: skip
-        """state: what the lesson trains; layout: how the model is spread over the ranks, printed
-        at start-up; plan: the same for --plan (memory.estimate_for_run's tp, pp, cp, ep, ...)."""
+    def __init__(
+        self,
+        args,
+        settings,
+        state: TrainingState,
+        device,
+        start_step: int,
+        layout=None,
+        description: str | None = None,
+    ):
+        """state: what the lesson trains; layout: how its ranks are arranged (a strategy module's
+        Layout, for --plan; None: every rank, or DataParallel's GPU, one data-parallel replica),
+        described at start-up by `description` (the strategy module's describe(layout))."""
         config = state.config
         self.args, self.model, self.optimizer = args, state.model, state.optimizer
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
@@ -46,14 +55,16 @@ class TrainingLoop:
         self.metrics = Metrics(args.out_dir, self.is_main, start_step, args.tensorboard)
         if self.is_main:
             print(describe_run(args, settings, config, device))
-            if layout is not None:
-                print(f"parallelism: {layout}")
+            if description is not None:
+                print(f"parallelism: {description}")
             print(build_memory(state.model, device))
             record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
             if args.plan:  # lib/extras/memory.py: only for --plan
                 from lib.extras import memory
+                from lib.parallel.layout import Layout
 
-                print(memory.estimate_for_run(args, settings, config, devices, **plan))
+                layout = layout or Layout(world_size=devices, dp=devices)
+                print(memory.estimate_for_run(args, settings, config, layout))
         self.guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
         self.throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
         self.stop_request = StopRequest(device)  # Ctrl-C, SIGTERM, ...: stop cleanly (see there)

@@ -453,3 +453,28 @@ def safe_load_options(path: str) -> dict:
 def safe_load(state_dict: dict, path: str, no_dist: bool = False) -> None:
     """dcp.load(state_dict, checkpoint_id=path, no_dist=no_dist) that runs no code from path."""
     dcp.load(state_dict, **safe_load_options(path), no_dist=no_dist)
+
+
+class Checkpoints:
+    """TEMPORARY adapter (replaced by the checkpoint package's own)."""
+
+    def __init__(self, args):
+        self.args, self.saves, self.job = args, None, None
+        self.group = dist.new_group(backend="gloo") if args.async_save else None
+
+    def prepare_out_dir(self):
+        return from_rank0(prepare_out_dir, dist.get_rank() == 0, self.args)
+
+    def resume(self, path, state):
+        self.saves = ShardedSaves(self.args, state)
+        self.saves.group = self.group
+        return resume(path, state, self.args)
+
+    @contextlib.contextmanager
+    def saving(self, step, state, position):
+        with self.saves.checkpoint(step, position) as got:
+            yield got
+            self.saves.job, self.job = self.job, None
+
+    def finish(self, state, device):
+        finish_run(self.args, self.saves, device)

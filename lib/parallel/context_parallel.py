@@ -28,41 +28,61 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 
 from lib import distributed, model_config
 from lib.distributed import divide_ranks
 from lib.flags import number_arg
 from lib.parallel import fsdp
+from lib.parallel.layout import Layout
 
 # -------------------------------------------------------------------------------------------------
 # The zigzag split
 
 
 def add_flags(parser) -> None:
-    """train_cp.py's own flag: --cp."""
-    parser.add_argument("--cp", type=number_arg(int, 1), default=None, help="context-parallel "
-                        "ranks per group: each holds 1/cp of every sequence. It must divide the "
-                        "number of ranks (dp = world_size / cp groups split the batch) and "
-                        "--seq-length must be divisible by 2 x cp (default: the processes of one "
-                        "node, torchrun's LOCAL_WORLD_SIZE)")  # fmt: skip
+    """train_cp.py's flags: FSDP's (it shards over all ranks), and --cp."""
+    fsdp.add_flags(parser)
+    parser.add_argument(
+        "--cp",
+        type=number_arg(int, 1),
+        default=None,
+        help="context-parallel ranks per group: each holds 1/cp of every sequence. It must divide "
+        "the number of ranks (dp = world_size / cp groups split the batch) and --seq-length must "
+        "be divisible by 2 x cp (default: the processes of one node, torchrun's LOCAL_WORLD_SIZE)",
+    )
 
 
-def describe(args, cp: int, dp: int, world_size: int) -> tuple[str, dict]:
-    """train_cp.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
-    sharded, plan = fsdp.describe(args, world_size)
-    text = f"dp {dp} x cp {cp}, {args.seq_length // cp} tokens of each sequence per rank; {sharded}"
-    return text, dict(plan, cp=cp)
-
-
-def check_flags(parser, args, world_size: int) -> tuple[int, int]:
-    """(cp, dp) of train_cp.py's grid, checked before any work (ValueError): --cp (default: the
-    processes of one node) divides the ranks, 2 x cp divides --seq-length; no mixture of
-    experts."""
+def setup(parser, args, world_size: int, device) -> Layout:
+    """train_cp.py's grid, dp x cp ranks, checked before any work (ValueError through
+    parser.error): --cp (default: the processes of one node) divides the ranks, 2 x cp divides
+    --seq-length; no mixture of experts. FSDP shards over all ranks (HSDP: --replicate rows of
+    them): to it the cp ranks are data-parallel like the others. Meshes built unless --check."""
     cp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.cp is None else args.cp
-    dp = data_parallel_size(world_size, cp, args.seq_length)
+    try:
+        dp = data_parallel_size(world_size, cp, args.seq_length)
+    except ValueError as e:
+        parser.error(str(e))
     model_config.refuse_experts(parser, args, "train_cp.py")  # MoE: not here (NO_EXPERTS: why)
-    return cp, dp
+    fsdp.check_replicate(parser, args, world_size)
+    if args.check:
+        return Layout(world_size, dp, cp=cp, **fsdp.options(args))
+    # rank = dp_rank * cp + cp_rank: mesh["cp"] is this rank's CP group (cp consecutive ranks),
+    # mesh["dp"] the ranks that hold the same slice in the other groups. Each target is in one
+    # rank's slice: the sums of the batch add up over all ranks (dp_group None).
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    fsdp_mesh = fsdp.hsdp_mesh(args, world_size, device)
+    dp_rank = mesh.get_local_rank("dp")
+    return Layout(
+        world_size, dp, cp=cp, **fsdp.options(args), mesh=mesh, fsdp_mesh=fsdp_mesh, dp_rank=dp_rank
+    )
+
+
+def describe(layout: Layout) -> str:
+    """train_cp.py's grid, and FSDP's over it: the start-up summary's line."""
+    text = f"dp {layout.dp} x cp {layout.cp}; "
+    return text + fsdp.describe(layout)
 
 
 def data_parallel_size(world_size: int, cp: int, seq_length: int) -> int:

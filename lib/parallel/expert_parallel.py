@@ -33,6 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lib import model_config
@@ -40,6 +41,7 @@ from lib.distributed import divide_ranks
 from lib.extras.moe import MoEFeedForward
 from lib.flags import number_arg
 from lib.parallel import fsdp
+from lib.parallel.layout import Layout
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # stacked (E, ...): expert first, the dim EP shards
 
@@ -48,24 +50,51 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")  # stacked (E, ...): expert first, the dim E
 
 
 def add_flags(parser) -> None:
-    """train_ep.py's own flag: --ep."""
-    parser.add_argument("--ep", type=number_arg(int, 1), default=1, help="expert-parallel ranks "
-                        "per group: each holds 1/ep of every layer's experts. It must divide the "
-                        "number of ranks and --num-experts")  # fmt: skip
+    """train_ep.py's flags: FSDP's (it shards the dense part over all ranks), and --ep."""
+    fsdp.add_flags(parser)
+    parser.add_argument(
+        "--ep",
+        type=number_arg(int, 1),
+        default=1,
+        help="expert-parallel ranks per group: each holds 1/ep of every layer's experts. It must "
+        "divide the number of ranks and --num-experts",
+    )
 
 
-def describe(args, dp: int, num_experts: int, world_size: int) -> tuple[str, dict]:
-    """train_ep.py's grid, and FSDP's over it: the start-up summary's line, and --plan's layout."""
-    sharded, plan = fsdp.describe(args, world_size)
-    text = f"experts: {num_experts} per layer over the {args.ep} ranks of each EP group "
-    text += f"({num_experts // args.ep} each), {dp} group{'s' * (dp > 1)}; the experts' FSDP over "
-    text += f"{dp} rank{'s' * (dp > 1)}; "
-    return text + sharded, dict(plan, ep=args.ep)
+def setup(parser, args, world_size: int, device) -> Layout:
+    """train_ep.py's grid, (world_size / ep) x ep ranks, checked before any work (ValueError
+    through parser.error): --ep divides the ranks and the experts. Every rank reads its own share
+    of the batch (dp = world_size). Meshes built unless --check: mesh["ep"] shares out the
+    experts, mesh["dp"] (the ranks that hold the same ones) shards them with FSDP."""
+    try:
+        groups = data_parallel_size(
+            world_size, args.ep, model_config.model_shape(args).num_local_experts
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    fsdp.check_replicate(parser, args, world_size)
+    if args.check:
+        return Layout(world_size, world_size, ep=args.ep, **fsdp.options(args))
+    mesh = init_device_mesh(device.type, (groups, args.ep), mesh_dim_names=("dp", "ep"))
+    fsdp_mesh = fsdp.hsdp_mesh(args, world_size, device)
+    return Layout(
+        world_size,
+        world_size,
+        ep=args.ep,
+        **fsdp.options(args),
+        mesh=mesh,
+        fsdp_mesh=fsdp_mesh,
+        dp_rank=dist.get_rank(),
+    )
 
 
-def check_flags(args, world_size: int) -> int:
-    """dp: the number of EP groups, --ep checked against the ranks and the experts (ValueError)."""
-    return data_parallel_size(world_size, args.ep, model_config.model_shape(args).num_local_experts)
+def describe(layout: Layout, num_experts: int) -> str:
+    """train_ep.py's grid, and FSDP's over it: the start-up summary's line."""
+    ep, groups = layout.ep, layout.world_size // layout.ep
+    text = f"experts: {num_experts} per layer over the {ep} ranks of each EP group "
+    text += f"({num_experts // ep} each), {groups} group{'s' * (groups > 1)}; the experts' FSDP "
+    text += f"over {groups} rank{'s' * (groups > 1)}; "
+    return text + fsdp.describe(layout)
 
 
 def data_parallel_size(world_size: int, ep: int, num_experts: int) -> int:

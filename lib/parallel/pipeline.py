@@ -18,7 +18,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from lib import flags, model_config, training
-from lib.parallel.tensor_parallel import check_tensor_parallel
+from lib.parallel import fsdp, tensor_parallel
+from lib.parallel.layout import Layout
+from lib.parallel.tensor_parallel import check_sequence_parallel, check_tensor_parallel
 from model import IGNORE_INDEX, LlamaForPretraining
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -28,22 +30,15 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 
 
 def add_flags(parser) -> None:
-    """train_pp.py's own flags: --pp, --tp, --schedule, --stages-per-rank (the other flags are
-    every lesson's, lib/flags.py; here --micro-batch-size defaults to 1: many micro-batches, a
-    small pipeline bubble)."""
+    """train_pp.py's flags: train_tp.py's (FSDP's, --tp, --sequence-parallel; here --tp defaults
+    to 1), and --pp, --schedule, --stages-per-rank."""
+    tensor_parallel.add_flags(parser)
     parser.add_argument(
         "--pp",
         type=flags.number_arg(int, 1),
         default=None,
         help="pipeline-parallel size: stages per pipeline; world_size / (pp x tp) pipelines "
         "train data-parallel (FSDP). Default: all ranks (world_size / tp) in one pipeline",
-    )
-    parser.add_argument(
-        "--tp",
-        type=flags.number_arg(int, 1),
-        default=1,
-        help="tensor-parallel ranks inside each stage (3D: pp x dp x tp = world_size); keep it "
-        "within a node",
     )
     parser.add_argument(
         "--schedule",
@@ -61,37 +56,24 @@ def add_flags(parser) -> None:
     )
 
 
-def check_flags(
-    parser, args, world_size: int, device: torch.device
-) -> tuple[flags.RunSettings, int, int, int]:
-    """Validate the pipeline flags; returns (run, pp, stages per rank, dp): the run's
-    accumulation is the number of micro-batches m per step. ValueError if wrong.
-
-    Called before any data is read: a mistake costs seconds, not a tokenized corpus.
-    """
-    schedule = args.schedule
-    v = args.stages_per_rank
-    if v is None:
-        v = 2 if schedule == "interleaved" else 1
-    if v < 1:
-        parser.error(f"--stages-per-rank must be positive, got {v}")
-    if schedule == "interleaved" and v < 2:
+def setup(parser, args, world_size: int, device) -> Layout:
+    """train_pp.py's grid, pp x dp x tp ranks (HSDP: pp x replicate x shard x tp), v stages per
+    rank, its flags checked before any work (ValueError through parser.error); the mesh is built
+    unless --check. The micro-batches are checked against the schedule by run_settings."""
+    v = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
+    if args.schedule == "interleaved" and v < 2:
         parser.error("--schedule interleaved needs --stages-per-rank >= 2 (1 is plain 1f1b)")
-    if schedule != "interleaved" and v != 1:
-        parser.error(f"--stages-per-rank applies to --schedule interleaved, not {schedule}")
-    if args.tp < 1:
-        parser.error(f"--tp must be positive, got {args.tp}")
-    # Default: one pipeline over all ranks (of a tp rank).
-    pp = max(1, world_size // args.tp) if args.pp is None else args.pp
-    if pp < 1:
-        parser.error(f"--pp must be positive, got {pp}")
-    if world_size % (pp * args.tp):
+    if args.schedule != "interleaved" and v != 1:
+        parser.error(f"--stages-per-rank applies to --schedule interleaved, not {args.schedule}")
+    tp = 1 if args.tp is None else args.tp
+    pp = max(1, world_size // tp) if args.pp is None else args.pp  # one pipeline over all ranks
+    if world_size % (pp * tp):
         parser.error(
-            f"--pp {pp} x --tp {args.tp} does not divide the number of processes "
-            f"({world_size}): the mesh is pp x dp x tp, so launch a multiple of "
-            f"{pp * args.tp} processes (--nproc_per_node x nodes) or change --pp/--tp"
+            f"--pp {pp} x --tp {tp} does not divide the number of processes ({world_size}): the "
+            f"mesh is pp x dp x tp, so launch a multiple of {pp * tp} processes (--nproc_per_node "
+            f"x nodes) or change --pp/--tp"
         )
-    dp = world_size // (pp * args.tp)
+    dp = world_size // (pp * tp)
     if args.micro_batch_size == "auto":
         parser.error(
             "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
@@ -101,30 +83,51 @@ def check_flags(
         # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
         # micro-batch would get the whole batch's mask.
         parser.error("--attention flex is not supported by train_pp.py; use sdpa (or auto)")
-    # Pipelining wants many micro-batches (the bubble shrinks as m grows): one sequence each
-    # unless --micro-batch-size says otherwise, as in Megatron-LM and torchtitan.
-    run = flags.run_settings(parser, args, dp, device, default_micro_batch_size=1, fp16=False)
-    run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
     model_config.refuse_experts(parser, args, "train_pp.py")  # MoE: not here (NO_EXPERTS says why)
-    microbatches = run.accumulation
     config = model_config.model_shape(args)
-    check_tensor_parallel(config, args.tp)  # whole heads and hidden units per tp rank
-    num_stages = pp * v
-    split_layers(config.num_hidden_layers, num_stages)  # ValueError if the layers do not go round
-    if config.tie_word_embeddings and num_stages > 1:
-        raise tied_embeddings_error(num_stages)
-    if schedule == "1f1b" and microbatches < pp:
+    try:
+        check_tensor_parallel(config, tp)  # whole heads and hidden units per tp rank
+        if args.sequence_parallel:
+            check_sequence_parallel(tp, args.seq_length)
+        split_layers(config.num_hidden_layers, pp * v)  # ValueError if the layers do not go round
+        if config.tie_word_embeddings and pp * v > 1:
+            raise tied_embeddings_error(pp * v)
+    except ValueError as e:
+        parser.error(str(e))
+    fsdp.check_replicate(parser, args, dp)
+    sizes = dict(tp=tp, pp=pp, schedule=args.schedule, stages_per_rank=v)
+    sizes |= dict(sequence_parallel=args.sequence_parallel, **fsdp.options(args))
+    if args.check:
+        return Layout(world_size, dp, **sizes)
+    # rank = (pp_rank * dp + dp_rank) * tp + tp_rank: a TP group is tp consecutive ranks (a node),
+    # then come a stage's dp replicas; the pipeline, the lightest traffic, spans the rest.
+    mesh, fsdp_mesh, dp_rank, dp_group = fsdp.grid(args, dp, device, [(pp, "pp")], [(tp, "tp")])
+    return Layout(
+        world_size, dp, **sizes, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_rank=dp_rank, dp_group=dp_group
+    )
+
+
+def run_settings(parser, args, layout: Layout, device) -> flags.RunSettings:
+    """flags.run_settings for a pipeline: one sequence per micro-batch unless --micro-batch-size
+    says otherwise (many micro-batches, a small bubble: Megatron-LM's and torchtitan's default),
+    sdpa attention, and as many micro-batches as the schedule needs (parser.error if not)."""
+    run = flags.run_settings(
+        parser, args, layout.dp, device, default_micro_batch_size=1, fp16=False
+    )
+    run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
+    m, pp = run.accumulation, layout.pp
+    if args.schedule == "1f1b" and m < pp:
         parser.error(
-            f"1f1b needs at least as many micro-batches as stages: {microbatches} < {pp}; "
-            f"lower --micro-batch-size or raise --batch-size"
+            f"1f1b needs at least as many micro-batches as stages: {m} < {pp}; lower "
+            f"--micro-batch-size or raise --batch-size"
         )
-    rounds = max(1, microbatches // pp)
-    if schedule == "interleaved" and microbatches % rounds:
+    rounds = max(1, m // pp)
+    if args.schedule == "interleaved" and m % rounds:
         parser.error(
-            f"interleaved needs the micro-batches ({microbatches}) to be a multiple of "
-            f"{rounds} (micro-batches // --pp); a multiple of --pp always works"
+            f"interleaved needs the micro-batches ({m}) to be a multiple of {rounds} "
+            f"(micro-batches // --pp); a multiple of --pp always works"
         )
-    return run, pp, v, dp
+    return run
 
 
 # -------------------------------------------------------------------------------------------------
@@ -146,17 +149,19 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank:
     return (pp - 1) / (slots + pp - 1)
 
 
-def describe(args, pp: int, v: int, dp: int, m: int, rows: int, config) -> tuple[str, dict]:
-    """The pipeline at start-up: schedule, stages, layers per stage, micro-batches, the bubble;
-    and --plan's layout."""
-    layers = [len(r) for r in split_layers(config.num_hidden_layers, pp * v)]
-    bubble = bubble_fraction(args.schedule, pp, m, v)
-    formula = "(p-1)/(v*m+p-1)" if args.schedule == "interleaved" else "(p-1)/(m+p-1)"
-    text = (f"{args.schedule} schedule, {pp * v} stages on {pp} ranks ({v} per rank), layers per "
-            f"stage {layers}, m = {m} micro-batches of {rows} sequences per pipeline, "
-            f"{dp} data-parallel pipelines, tensor parallel {args.tp} inside each stage; bubble "
-            f"{formula} = {bubble:.1%}")  # fmt: skip
-    return text, dict(tp=args.tp, pp=pp, schedule=args.schedule, stages_per_rank=v)
+def describe(layout: Layout, m: int, rows: int, num_layers: int) -> str:
+    """The pipeline at start-up: schedule, stages, layers per stage, micro-batches, the bubble,
+    TP inside each stage and FSDP across the pipelines."""
+    pp, v = layout.pp, layout.stages_per_rank
+    layers = [len(r) for r in split_layers(num_layers, pp * v)]
+    bubble = bubble_fraction(layout.schedule, pp, m, v)
+    formula = "(p-1)/(v*m+p-1)" if layout.schedule == "interleaved" else "(p-1)/(m+p-1)"
+    text = (
+        f"{layout.schedule} schedule, {pp * v} stages on {pp} ranks ({v} per rank), layers per "
+        f"stage {layers}, m = {m} micro-batches of {rows} sequences per pipeline, bubble "
+        f"{formula} = {bubble:.1%}; "
+    )
+    return text + tensor_parallel.describe(layout)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -190,8 +195,16 @@ class StageModel(nn.Module):
     states, or logits (B, T, vocab) on the last stage; the schedule's loss function takes them.
     """
 
-    def __init__(self, model: LlamaForPretraining, index: int, layer_ids: range, first: bool,
-                 last: bool, precision: str = "fp32"):  # fmt: skip
+    def __init__(
+        self,
+        model: LlamaForPretraining,
+        index: int,
+        layer_ids: range,
+        first: bool,
+        last: bool,
+        precision: str = "fp32",
+        sequence_split: int = 1,
+    ):
         super().__init__()
         self.index = index  # its place in the pipeline, 0 to pp x v - 1
         self.tok_embeddings = model.tok_embeddings if first else None
@@ -204,6 +217,8 @@ class StageModel(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.precision = precision
+        # Sequence parallelism: what a stage receives is this rank's 1/tp of each sequence.
+        self.sequence_split = sequence_split
 
     def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         # autocast here, inside the stage: the schedule calls the stages itself, and the stage is
@@ -211,7 +226,7 @@ class StageModel(nn.Module):
         with training.autocast(h.device, self.precision):
             if self.tok_embeddings is not None:
                 h = self.tok_embeddings(h)  # (B, T) ids -> (B, T, d)
-            T = h.size(1)
+            T = h.size(1) * self.sequence_split  # (the whole sequence, for RoPE)
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim)
             for layer in self.layers.values():  # in the model's order: keys were added ascending
                 h = layer(h, cos, sin, attn_mask)
@@ -229,9 +244,13 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[
 
 
 def build_stages(
-    model: LlamaForPretraining, pp_rank: int, pp_size: int, stages_per_rank: int,
+    model: LlamaForPretraining,
+    pp_rank: int,
+    pp_size: int,
+    stages_per_rank: int,
     precision: str = "fp32",
-) -> list[StageModel]:  # fmt: skip
+    sequence_split: int = 1,
+) -> list[StageModel]:
     """This rank's stage modules, in stage order: the model's own submodules (on the meta device
     in train_pp.py, which then gives the stages storage and values), under its names; the rest
     of the model goes with it. ValueError if the layers do not go round."""
@@ -239,8 +258,9 @@ def build_stages(
     layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
     if model.config.tie_word_embeddings and num_stages > 1:
         raise tied_embeddings_error(num_stages)
+    last = num_stages - 1
     return [
-        StageModel(model, s, layer_ranges[s], s == 0, s == num_stages - 1, precision)
+        StageModel(model, s, layer_ranges[s], s == 0, s == last, precision, sequence_split)
         for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
     ]
 

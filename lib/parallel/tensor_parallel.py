@@ -24,6 +24,8 @@ from torch.distributed.tensor.parallel import (
 from lib import model_config, training
 from lib.distributed import divide_ranks
 from lib.flags import number_arg
+from lib.parallel import fsdp
+from lib.parallel.layout import Layout
 from model import LlamaConfig
 
 # Tensor parallelism. A linear layer computes Y = X A (nn.Linear stores A transposed, as weight
@@ -49,46 +51,55 @@ from model import LlamaConfig
 
 
 def add_flags(parser) -> None:
-    """train_tp.py's flags: --tp and --sequence-parallel."""
-    parser.add_argument("--tp", type=number_arg(int, 1), default=None, help="tensor-parallel "
-                        "ranks per group, at most the GPUs of one node; it must divide the number "
-                        "of ranks, and FSDP shards over the dp = world_size / tp groups (default: "
-                        "the processes of one node, torchrun's LOCAL_WORLD_SIZE: TP inside nodes, "
-                        "FSDP across)")  # fmt: skip
+    """train_tp.py's flags: FSDP's (it shards across the tp groups), --tp, --sequence-parallel."""
+    fsdp.add_flags(parser)
+    parser.add_argument(
+        "--tp",
+        type=number_arg(int, 1),
+        default=None,
+        help="tensor-parallel ranks per group, at most the GPUs of one node; it must divide the "
+        "number of ranks, and FSDP shards over the dp = world_size / tp groups (default: the "
+        "processes of one node, torchrun's LOCAL_WORLD_SIZE: TP inside nodes, FSDP across)",
+    )
     parser.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="also split the "
-        "activations around the norms (and the residual stream) along the "
-        "sequence over the tp ranks: the same traffic, 1/tp of their memory per "
-        "rank (needs --tp 2 or more and a --seq-length divisible by --tp)",
+        help="also split the activations around the norms (and the residual stream) along the "
+        "sequence over the tp ranks: the same traffic, 1/tp of their memory per rank (needs "
+        "--tp 2 or more and a --seq-length divisible by --tp)",
     )
 
 
-def describe(args, tp: int, dp: int) -> tuple[str, dict]:
-    """train_tp.py's grid: the start-up summary's line, and --plan's layout."""
-    text = f"dp {dp} x tp {tp} (tensor parallel {tp > 1}, sequence parallel "
-    text += f"{args.sequence_parallel}, FSDP {dp > 1})"
-    return text, dict(tp=tp, sequence_parallel=args.sequence_parallel)
-
-
-def check_flags(parser, args, world_size: int) -> tuple[int, int]:
-    """(tp, dp) of train_tp.py's grid, its flags checked before any work (ValueError): --tp
-    (default: the processes of one node) divides the ranks and the model's heads and hidden
-    units; --sequence-parallel splits the sequence evenly; no mixture of experts, no
-    --micro-batch-size auto."""
+def setup(parser, args, world_size: int, device) -> Layout:
+    """train_tp.py's grid, dp x tp ranks (HSDP: replicate x shard x tp), its flags checked before
+    any work (ValueError through parser.error): --tp (default: the processes of one node) divides
+    the ranks and the model's heads and hidden units; --sequence-parallel splits the sequence
+    evenly; --replicate divides dp; no mixture of experts. The mesh is built unless --check."""
     tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if args.tp is None else args.tp
-    dp = data_parallel_size(world_size, tp)
-    if args.micro_batch_size == "auto":
-        # Its probe runs the model's forward and backward outside loss_parallel(), which the
-        # vocabulary-sharded loss needs.
-        parser.error("--micro-batch-size auto is not supported by train_tp.py; give a number "
-                     "(python -m tools.memory_plan --tp N estimates what fits)")  # fmt: skip
+    try:
+        dp = data_parallel_size(world_size, tp)
+        check_tensor_parallel(model_config.model_shape(args), tp)
+        if args.sequence_parallel:
+            check_sequence_parallel(tp, args.seq_length)
+    except ValueError as e:
+        parser.error(str(e))
     model_config.refuse_experts(parser, args, "train_tp.py")  # MoE: not here (NO_EXPERTS: why)
-    check_tensor_parallel(model_config.model_shape(args), tp)
-    if args.sequence_parallel:
-        check_sequence_parallel(tp, args.seq_length)
-    return tp, dp
+    fsdp.check_replicate(parser, args, dp)
+    sizes = dict(tp=tp, sequence_parallel=args.sequence_parallel, **fsdp.options(args))
+    if args.check:
+        return Layout(world_size, dp, **sizes)
+    # rank = dp_rank * tp + tp_rank: mesh["tp"] is this rank's TP group (tp consecutive ranks);
+    # FSDP's dimensions, the ranks that hold the same TP shard in the other groups, come first.
+    mesh, fsdp_mesh, dp_rank, dp_group = fsdp.grid(args, dp, device, inner=[(tp, "tp")])
+    return Layout(
+        world_size, dp, **sizes, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_rank=dp_rank, dp_group=dp_group
+    )
+
+
+def describe(layout: Layout) -> str:
+    """train_tp.py's grid, and FSDP's over it: the start-up summary's line."""
+    text = f"dp {layout.dp} x tp {layout.tp} (sequence parallel {layout.sequence_parallel}); "
+    return text + fsdp.describe(layout)
 
 
 def data_parallel_size(world_size: int, tp: int) -> int:
