@@ -4,13 +4,12 @@
     torchrun --standalone --nproc_per_node=8 train_cp.py --cp 2              # 2D: dp 4 x cp 2
     torchrun --standalone --nproc_per_node=2 train_cp.py --cp 2              # no GPU: 2 CPU ranks
 
-What this adds to train_fsdp.py: for sequences too long for one GPU's activations, the ranks form
-a (dp, cp) grid, and the cp ranks of a group split every sequence: each runs its T / cp tokens,
-and only them, through every layer. ContextParallel cuts the zigzag slice of each sequence (rank
-r keeps chunks r and 2cp-1-r of 2cp: the same causal work on every rank) and, in every layer,
-all-gathers the keys and values of the whole sequence for this rank's queries. FSDP shards over
-all ranks: to it the cp ranks are data-parallel like the others. docs/context-parallel.md: why
-an all-gather (Llama 3's choice) rather than a ring, the memory, the cost.
+What this adds to train_fsdp.py: for sequences too long for one GPU's activations, the cp ranks
+of a group split every sequence, each running its T / cp tokens through every layer: the zigzag
+slice (rank r keeps chunks r and 2cp-1-r of 2cp: the same causal work on every rank). In every
+layer they all-gather the keys and values of the whole sequence for their queries. FSDP shards
+over all ranks: to it the cp ranks are data-parallel like the others. docs/context-parallel.md:
+why an all-gather (Llama 3's choice) rather than a ring, the memory, the cost.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
 every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
@@ -96,6 +95,7 @@ def main():
     # cp_model(x, y, doc_ids(x)) takes whole sequences and runs this rank's zigzag slice of them
     # through `model` (lib/parallel/context_parallel.py); checkpoints and model.pt are `model`'s.
     cp_model = ContextParallel(model, layout.mesh["cp"])
+    cp_rank = layout.mesh.get_local_rank("cp")  # (its slice of every sequence: zigzag_slice)
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
@@ -140,10 +140,8 @@ def main():
         # every target token weighs the same however the batch is split (micro-batches, ranks),
         # and padded batches give the same gradient as one big batch would.
         # Each target is in exactly one rank's slice: the slices' counts add up to the batch's.
-        cp_rank, cp = layout.mesh.get_local_rank("cp"), layout.cp
-        global_tokens = sum(
-            (zigzag_slice(y, cp_rank, cp) != IGNORE_INDEX).sum() for _, y in micro_batches
-        )
+        slices = [zigzag_slice(y, cp_rank, layout.cp) for _, y in micro_batches]
+        global_tokens = sum((y != IGNORE_INDEX).sum() for y in slices)
         dist.all_reduce(global_tokens, group=layout.dp_group)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):

@@ -4,12 +4,11 @@
     torchrun --standalone --nproc_per_node=8 train_ep.py --num-experts 8 --ep 4  # dp 2 x ep 4
     torchrun --standalone --nproc_per_node=2 train_ep.py --num-experts 4 --ep 2  # no GPU: 2 CPUs
 
-What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/extras/moe.py) has E
-MLPs per layer, each token using k of them. The ranks form a (dp, ep) grid: shard_experts keeps E/ep
-of every layer's experts on each rank of an EP group, and each MoE layer sends every (token,
-expert) pair to its expert's rank and the outputs back, with two all-to-alls. Every rank reads
-its own share of the batch; FSDP shards the dense part over all ranks, and the experts over the
-ranks that hold the same ones (dp). docs/expert-parallel.md: routing, dropless, the cost.
+What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/extras/moe.py), E
+MLPs per layer of which each token uses k. The ranks form a (dp, ep) grid: shard_experts keeps
+E/ep of every layer's experts on each rank of an EP group, and each MoE layer sends every (token,
+expert) pair to its expert's rank and the output back, in two all-to-alls. FSDP shards the rest
+over all ranks, the experts over those that hold the same ones. docs/expert-parallel.md: more.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
 every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
@@ -70,9 +69,8 @@ def main():
     # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     training.prepare_layers(model, args)  # --activation-checkpointing, --compile
-    # rank = dp_rank * ep + ep_rank: each rank keeps E / ep experts of every layer, and each MoE
-    # layer dispatches its tokens over its EP group, mesh["ep"] (ep consecutive ranks);
-    # mesh["dp"]: the ranks that hold the same experts in the other groups.
+    # Each rank keeps E / ep experts of every layer, and each MoE layer dispatches its tokens over
+    # its EP group, mesh["ep"] (ep consecutive ranks); mesh["dp"] holds the same experts.
     expert_parallel.shard_experts(model, layout.mesh["ep"])
     # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
     # no casts (fp16 computes under autocast, as train_ddp.py does).
@@ -152,9 +150,9 @@ def main():
             model.set_requires_gradient_sync(i == settings.accumulation - 1)
             with training.autocast(device, settings.precision):
                 loss_sum, _ = model(x, y, attn_mask(x))
-            # The reduce-scatter averages gradients over the dp ranks, as DDP's all-reduce does:
-            # the factor dp undoes that division, leaving sum of all losses / all tokens.
-            loss = loss_sum * layout.dp / global_tokens
+            # The reduce-scatter averages gradients over all ranks (FSDP's), as DDP's all-reduce
+            # does: the factor world_size undoes that, leaving sum of all losses / all tokens.
+            loss = loss_sum * world_size / global_tokens
             scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.

@@ -118,7 +118,8 @@ def main():
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    loop = TrainingLoop(args, settings, state, device, start_step, layout, fsdp.describe(layout))
+    describe = fsdp.describe(layout)  # at start-up
+    loop = TrainingLoop(args, settings, state, device, start_step, layout, describe)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)
         # Normalise by the number of targets in the whole global batch, not per micro-batch: then
@@ -133,9 +134,9 @@ def main():
             model.set_requires_gradient_sync(i == settings.accumulation - 1)
             with training.autocast(device, settings.precision):
                 loss_sum, _ = model(x, y, attn_mask(x))
-            # The reduce-scatter averages gradients over the dp ranks, as DDP's all-reduce does:
-            # the factor dp undoes that division, leaving sum of all losses / all tokens.
-            loss = loss_sum * layout.dp / global_tokens
+            # The reduce-scatter averages gradients over all ranks (FSDP's), as DDP's all-reduce
+            # does: the factor world_size undoes that, leaving sum of all losses / all tokens.
+            loss = loss_sum * world_size / global_tokens
             scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.

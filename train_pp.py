@@ -49,7 +49,8 @@ def main():
     # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
     # accumulation steps are the m micro-batches the schedule streams through each pipeline.
     layout = pipeline.setup(parser, args, world_size, device)  # checked; the device mesh
-    # No fp16: its loss scaling would need every stage to agree to skip a step; use bf16.
+    # No fp16 (refused): every stage would have to agree to skip a step, which the grad scaler
+    # of each rank, seeing only its own stages' gradients, cannot; use bf16.
     settings = pipeline.run_settings(parser, args, layout, device)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
@@ -76,16 +77,15 @@ def main():
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
     # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
-    tp_mesh = layout.mesh["tp"]  # train_tp.py's plan; lm_head all-gathers the logits (sends)
+    tp_mesh = layout.mesh["tp"]  # Megatron's plan in every layer, then embedding, norms, lm_head
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, tensor_parallel.layer_plan(args.sequence_parallel))
-    tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel, False)
+    tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel, False)  # *
     training.prepare_layers(model, args, loss=False)  # (the last stage runs PipelineLoss)
-    # This rank's stages: its own layers, under the full model's names; the rest goes with model.
+    # (*: lm_head all-gathers the logits.) This rank's stages: its own layers, under the full
+    # model's names; the rest of the model goes with `model`.
+    stage_models = pipeline.build_stages(model, layout, settings.precision)
     pp_rank, pp_group = layout.mesh.get_local_rank("pp"), layout.mesh["pp"].get_group()
-    split = layout.tp if args.sequence_parallel else 1  # (a stage gets 1/tp of each sequence)
-    stages = (pp_rank, layout.pp, layout.stages_per_rank, settings.precision, split)
-    stage_models = pipeline.build_stages(model, *stages)
     # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
     # no casts (fp16 computes under autocast, as train_ddp.py does).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -108,8 +108,10 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
+    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
-    state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
+    state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
     start_step, data_position = checkpoints.resume(resume_path, state)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
@@ -177,12 +179,15 @@ def main():
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=pp_group)  # the last stage's (the others hold zeros)
         dist.all_reduce(step_loss, group=layout.dp_group)
+        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
             tensor_parallel.replicate_partial_grads(model.parameters())
         # Each rank holds its own stages' gradients: their squared norms add up over the pipeline.
         grad_norm = pipeline.clip_grad_norm_(model.parameters(), settings.max_grad_norm, pp_group)
-        if loop.step_ok(step, step_loss, grad_norm):
-            optimizer.step()
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if loop.step_ok(step, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).

@@ -141,8 +141,10 @@ def test_the_dispatch_over_2_ranks_equals_the_layer_on_the_whole_batch():
 EP2 = ("--ep", "2", "--micro-batch-size", "2")
 # 4 ranks as dp 2 x ep 2: the experts also FSDP-sharded over dp, with their own divide factor.
 EP2_DP2 = ("--ep", "2")
-LAYOUTS = [(2, EP2), (4, EP2_DP2)]
-LAYOUT_IDS = ["ep2-accum", "dp2-ep2"]
+# 4 ranks as 2 EP groups, the dense part under HSDP (2 replicas of 2): the 70b-style layout.
+EP2_HSDP = ("--ep", "2", "--replicate", "2")
+LAYOUTS = [(2, EP2), (4, EP2_DP2), (4, EP2_HSDP)]
+LAYOUT_IDS = ["ep2-accum", "dp2-ep2", "hsdp-ep2"]
 
 
 @pytest.mark.one_process

@@ -119,7 +119,7 @@ def test_stages_together_hold_exactly_the_full_model():
     full = model.state_dict()
     pieces = {}
     for pp_rank in range(2):  # interleaved: 4 stages, rank r holds stages r and r + 2
-        stages = pipeline.build_stages(model, pp_rank, 2, 2)
+        stages = pipeline.stages_of_rank(model, pp_rank, 2, 2)
         local = pipeline.RankModel(stages).state_dict()
         assert pieces.keys().isdisjoint(local.keys()), "a parameter on two ranks"
         pieces.update(local)
@@ -131,7 +131,7 @@ def test_stages_together_hold_exactly_the_full_model():
     with torch.no_grad():  # the four stages in order compute the whole model's logits
         h = x
         for s in range(4):
-            h = pipeline.build_stages(model, s % 2, 2, 2)[s // 2](h)
+            h = pipeline.stages_of_rank(model, s % 2, 2, 2)[s // 2](h)
         torch.testing.assert_close(h, model(x), rtol=0, atol=0)
 
 

@@ -243,7 +243,17 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
-def build_stages(
+def build_stages(model: LlamaForPretraining, layout: Layout, precision: str) -> list[StageModel]:
+    """This rank's stage modules (its place in the mesh's "pp" dimension), in stage order: the
+    model's own submodules (on the meta device in train_pp.py, which then gives the stages storage
+    and values), under its names; the rest of the model goes with it. ValueError if the layers do
+    not go round."""
+    pp_rank = layout.mesh.get_local_rank("pp") if layout.mesh is not None else 0
+    split = layout.tp if layout.sequence_parallel else 1  # (a stage gets 1/tp of each sequence)
+    return stages_of_rank(model, pp_rank, layout.pp, layout.stages_per_rank, precision, split)
+
+
+def stages_of_rank(
     model: LlamaForPretraining,
     pp_rank: int,
     pp_size: int,
@@ -251,9 +261,7 @@ def build_stages(
     precision: str = "fp32",
     sequence_split: int = 1,
 ) -> list[StageModel]:
-    """This rank's stage modules, in stage order: the model's own submodules (on the meta device
-    in train_pp.py, which then gives the stages storage and values), under its names; the rest
-    of the model goes with it. ValueError if the layers do not go round."""
+    """build_stages for pipeline rank `pp_rank` of `pp_size`, `stages_per_rank` stages each."""
     num_stages = pp_size * stages_per_rank
     layer_ranges = split_layers(model.config.num_hidden_layers, num_stages)
     if model.config.tie_word_embeddings and num_stages > 1:

@@ -1,0 +1,43 @@
+"""Run under torchrun with 2 CPU ranks: does torch's grad scaler make every rank skip a step whose
+inf is in one rank's shard of a gradient alone? Prints "rank R: skipped S" per rank.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/scaler_agrees.py fsdp|tp
+
+fsdp: a gradient sharded over both ranks, as train_fsdp.py shards it; tp: split by columns, then
+rows, over a tp mesh of 2, under FSDP over a mesh of one (train_tp.py's 2-D DTensors on 2 ranks).
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+if sys.argv[1] == "tp":
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+else:
+    fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+before = [p.full_tensor().clone() for p in model.parameters()]
+out = model(torch.randn(4, 8))
+loss = (out.full_tensor() if hasattr(out, "full_tensor") else out).float().sum()
+scaler.scale(loss).backward()
+if rank == 1:  # an inf in this rank's piece of one gradient, and nowhere else
+    next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+scaler.unscale_(optimizer)
+scaler.step(optimizer)
+scaler.update()
+unchanged = all(
+    torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters(), strict=True)
+)
+print(f"rank {rank}: skipped {unchanged}", flush=True)
+dist.destroy_process_group()
