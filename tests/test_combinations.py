@@ -68,8 +68,11 @@ def test_a_combination_on_4_ranks_trains_like_one_process(
 # it reduces its inf/NaN check over their mesh, so every rank agrees to skip a step); against
 # train_dp.py in fp16, with fp16's bounds: activations are rounded to 11 bits (unit roundoff
 # 4.9e-4), so the ranks' partial sums round apart, and AdamW turns such a difference in a near-zero
-# gradient into a step of --lr (1e-3). Measured (FSDP on 2 ranks against train_dp.py, 8 steps):
-# weights within 1.04e-3, logged losses 2e-5 relative, as train_ddp.py's fp16 run (1.04e-3, 2e-5).
+# gradient into a step of --lr (1e-3). Measured (FSDP, TP and CP on 2 ranks against train_dp.py, 8
+# steps): weights within 1.04e-3, logged losses within 1.1e-4 relative and gradient norms 1.4e-3,
+# as train_ddp.py's fp16 run; the bounds below are about twice the unit roundoff for the losses,
+# ten times for the norms (a sum over every gradient). A scaler that left the gradients scaled
+# would be off by 2^16, one whose ranks disagreed by whole steps.
 FP16 = {
     "fsdp": ("train_fsdp.py", []),
     "tp": ("train_tp.py", ["--tp", "2"]),
@@ -88,8 +91,8 @@ def test_fp16_trains_like_one_process_in_fp16(name, trained, corpus, cache_dir, 
     (train, evals), (want, want_evals) = read_metrics(out), read_metrics(reference)
     # The grad scaler unscaled the gradients before they were measured (a norm 2^16 times too
     # large would show here, not in the clipped, AdamW-normalised weights).
-    checks = [("loss", train, want, 1e-4), ("grad_norm", train, want, 1e-3)]
-    for key, got, expected, rtol in [*checks, ("val_loss", evals, want_evals, 1e-4)]:
+    checks = [("loss", train, want, 1e-3), ("grad_norm", train, want, 5e-3)]
+    for key, got, expected, rtol in [*checks, ("val_loss", evals, want_evals, 1e-3)]:
         assert [r[key] for r in got] == pytest.approx([r[key] for r in expected], rel=rtol), key
 
 
