@@ -402,13 +402,6 @@ def test_plan_flag_prints_the_memory_plan(corpus, cache_dir, tmp_path):
     assert "zero3" in proc.stdout and "memory per GPU" in proc.stdout
 
 
-def test_fsdp_refuses_fp16_in_one_line(corpus, cache_dir, tmp_path):
-    out = tmp_path / "out"
-    argv = cmd(corpus, cache_dir, out, precision="fp16")
-    assert_refused(FSDP, argv, "supports --precision bf16 or fp32", out, cache_dir)
-    assert not out.exists(), "nothing is written before the flags are checked"
-
-
 @pytest.mark.parametrize(
     "flags, expect",
     [

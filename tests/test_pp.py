@@ -214,7 +214,9 @@ def pipeline_args(corpus, cache_dir, *extra):
 def test_bad_pipeline_flags_are_refused(corpus, cache_dir, world, flags, message):
     parser, args = pipeline_args(corpus, cache_dir, *flags)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        pipeline.check_flags(parser, args, world, torch.device("cpu"))
+        args.check = True  # the flags alone: no process group, no mesh
+        layout = pipeline.setup(parser, args, world, torch.device("cpu"))
+        pipeline.run_settings(parser, args, layout, torch.device("cpu"))
 
 
 def test_refusal_is_one_message_before_anything_is_written(corpus, cache_dir, tmp_path):
