@@ -25,9 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 # A shape small enough to work out by hand: s*b*h = 128 * 2 * 64 = 16384 activations per layer
 # of hidden states.
 SHAPE = LlamaConfig(
-    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-)  # fmt: skip
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+)
 B, S = 2, 128
 
 
@@ -102,11 +107,9 @@ def test_totals_and_fits_add_model_states_and_activations():
 
 
 def test_cli_json_output_has_the_documented_fields():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "8",
-         "--json"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    )  # fmt: skip
+    argv = ["--model", "7b", "--world-size", "8", "--json"]
+    command = [sys.executable, "-m", "tools.memory_plan", *argv]
+    proc = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO)
     strategies = json.loads(proc.stdout)["strategies"]
     assert set(strategies) == {"ddp", "zero1", "zero2", "zero3"}
     for row in strategies.values():
@@ -132,8 +135,8 @@ def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
 
 
 def test_cli_table_says_what_fits(monkeypatch, capsys):
-    code, out, _ = run_main(monkeypatch, capsys, "--model", "7b", "--world-size", "8",
-                            "--gpu-memory", "40")  # fmt: skip
+    argv = ["--model", "7b", "--world-size", "8", "--gpu-memory", "40"]
+    code, out, _ = run_main(monkeypatch, capsys, *argv)
     assert code == 0 and "fits in 40 GB: zero3" in out, out
 
 
@@ -367,8 +370,8 @@ def test_cli_refuses_non_finite_and_out_of_range_numbers(
 
 
 def test_figures_too_large_for_a_float_are_refused_in_one_line(monkeypatch, capsys):
-    code, out, err = run_main(monkeypatch, capsys, "--hidden-size", "1" + "0" * 400,
-                              "--num-heads", "1", "--num-kv-heads", "1")  # fmt: skip
+    argv = ["--hidden-size", "1" + "0" * 400, "--num-heads", "1", "--num-kv-heads", "1"]
+    code, out, err = run_main(monkeypatch, capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("error: these sizes give figures too large to compute"), err
 
