@@ -14,6 +14,7 @@ import pytest
 
 from lib import exits
 from lib.extras import memory
+from lib.extras import memory_formulas as formulas
 from lib.extras.memory import Workload
 from lib.parallel import pipeline
 from lib.parallel.layout import Layout
@@ -87,7 +88,7 @@ def test_activations_match_korthikanti_by_hand():
     # Per layer, 16-bit: s*b*h*34 = 16384 * 34 = 557,056 bytes with fused attention; math
     # attention adds s*b*h * 5*a*s/h = 16384 * 40 = 655,360 bytes of (s, s) scores. Cross-entropy
     # keeps 4*s*b*V = 1,024,000 bytes.
-    f = memory.activation_bytes
+    f = formulas.activation_bytes
     assert f(SHAPE, Layout(), work("bf16")) == 3 * 557_056 + 1_024_000
     assert f(SHAPE, Layout(), work("bf16", attention="math")) == 3 * (557_056 + 655_360) + 1_024_000
     assert f(SHAPE, Layout(), work("fp32")) == 3 * 2 * 557_056 + 1_024_000
@@ -147,17 +148,17 @@ def test_cli_table_says_what_fits(monkeypatch, capsys):
 def test_stage_parameters_split_matrices_by_tp_and_layers_by_pp():
     # SHAPE by hand: per layer 40,960 matrix weights + 128 norm gains; embedding and lm_head
     # 64,000 each; final norm 64. count_parameters = 3 * 41,088 + 128,064 = 251,328.
-    assert memory.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
+    assert formulas.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
     # tp 2: matrices and tables halve, the norm gains stay whole.
-    assert memory.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
+    assert formulas.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
     # pp 3: one layer per stage; the embedding on the first, final norm + lm_head on the last.
-    assert memory.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
+    assert formulas.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
 
 
 def test_tensor_parallel_splits_matmul_activations_but_not_norms():
     # Korthikanti: s*b*h * (10 + 24/t): 16384 * 22 bytes per layer at t = 2 (bf16), and the
     # vocabulary-parallel loss keeps half of the 1,024,000 bytes of log-probabilities.
-    got = memory.activation_bytes(SHAPE, Layout(tp=2), work())
+    got = formulas.activation_bytes(SHAPE, Layout(tp=2), work())
     assert got == 3 * 16384 * 22 + 512_000
 
 
@@ -170,7 +171,7 @@ def test_pipeline_first_stage_holds_the_micro_batches_in_flight(
 ):
     # pp 3, one layer per stage. 1F1B: min(m, p) micro-batches in flight on the first stage,
     # i.e. all L layers' worth when m >= p; GPipe: all m before the first backward.
-    got = memory.pipeline_in_flight(schedule, 3, micro_batches, 2)
+    got = formulas.pipeline_in_flight(schedule, 3, micro_batches, 2)
     assert got == (first_layers / 3, last_micro_batches)
 
 
@@ -184,13 +185,13 @@ def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
 def test_communication_per_step_follows_the_ring_formulas():
     # 1e6 parameters on 4 data-parallel ranks in bf16, 2 micro-batches: DDP all-reduces 4-byte
     # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
-    sent = memory.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2)
+    sent = formulas.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2)
     assert sent["ddp"] == 2 * 0.75 * 4e6
     # ZeRO-1 (ZeroRedundancyOptimizer): DDP's all-reduce, then the fp32 weights broadcast.
     assert sent["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
     assert sent["zero3"] == 0.75 * (2 * 2 * 2e6 + 4e6)
     # tp 2: 4 all-reduces of s*b*h bf16 activations (32,768 bytes) per layer and micro-batch.
-    c = memory.model_parallel_bytes(SHAPE, grid(8, tp=2), work(micro_batches=2))
+    c = formulas.model_parallel_bytes(SHAPE, grid(8, tp=2), work(micro_batches=2))
     assert c["tensor_parallel"] == 4 * 2 * 0.5 * 32_768 * 3 * 2
     assert c["pipeline"] == 0
 
@@ -222,7 +223,7 @@ def test_sequence_parallel_splits_the_norms_and_residuals_too():
     # 4 of the all-gathered matmul inputs, which ColwiseParallel stores whole, do not:
     # s*b*h * (4 + 6/2 + 24/2) = 16384 * 19 bytes per layer at t = 2 (TP alone: 22). With
     # checkpointing, each kept layer input (s*b*h*2 bytes) is split t ways too.
-    f = memory.activation_bytes
+    f = formulas.activation_bytes
     layout = Layout(tp=2, sequence_parallel=True)
     assert f(SHAPE, layout, work()) == 3 * 16384 * 19 + 512_000
     assert f(SHAPE, layout, work(), checkpointing=True) == 3 * 32_768 / 2 + 16384 * 19 + 512_000
@@ -232,10 +233,10 @@ def test_context_parallel_splits_every_activation_and_keeps_the_gathered_keys_an
     # cp 2: 34/2 s*b*h bytes per layer, plus the other rank's half of K and V (two bf16 tensors
     # of s*b*kv_dim values, kv_dim = h here: 4 s*b*h bytes, half of them gathered); the
     # log-probabilities of half the tokens.
-    got = memory.activation_bytes(SHAPE, Layout(cp=2), work())
+    got = formulas.activation_bytes(SHAPE, Layout(cp=2), work())
     assert got == 3 * 16384 * (17 + 2) + 512_000
     # The (s, s) scores: each rank's queries (s/2) against all s keys, half of the 5as/h term.
-    math_attention = memory.activation_bytes(SHAPE, Layout(cp=2), work(attention="math"))
+    math_attention = formulas.activation_bytes(SHAPE, Layout(cp=2), work(attention="math"))
     assert math_attention - got == 3 * 655_360 / 2
 
 
@@ -243,7 +244,7 @@ def test_context_parallel_traffic_is_the_keys_and_values_gathered_and_reduced():
     # cp 2 on 4 ranks (dp 2): K and V of the whole sequence (s*b*kv_dim = 16384 bf16 values each)
     # all-gathered forward and reduce-scattered backward, half of them sent, per layer and
     # micro-batch (2). The ZeRO strategies shard over all 4 ranks that hold the same weights.
-    c = memory.model_parallel_bytes(SHAPE, grid(4, cp=2), work(micro_batches=2))
+    c = formulas.model_parallel_bytes(SHAPE, grid(4, cp=2), work(micro_batches=2))
     assert c["context_parallel"] == 4 * 0.5 * 16384 * 2 * 3 * 2
     p = memory.plan(SHAPE, grid(4, cp=2), work("fp32"), num_params=1_000_000)
     assert p["dp"] == 2 and p["strategies"]["zero3"]["params_gb"] == 4e6 / 4 / 1e9
@@ -257,8 +258,8 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
     # 1/2 gradient shard across the 2 groups: the only bytes between groups.
     across = 2 * 0.5 * 4e6 / 2
-    assert memory.hsdp_across_groups_bytes(1e6, 4, replicate=2) == across
-    sent = memory.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2, replicate=2)
+    assert formulas.hsdp_across_groups_bytes(1e6, 4, replicate=2) == across
+    sent = formulas.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2, replicate=2)
     assert sent["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
     assert "hsdp" not in memory.plan(1_000_000, grid(8), Workload(precision="fp32"))["strategies"]
 
@@ -410,13 +411,13 @@ EXPERTS, REST = 294_912, 178_368
 
 
 def test_a_mixture_of_experts_counts_its_experts_router_and_active_parameters():
-    assert memory.expert_parameters(MOE_SHAPE) == EXPERTS
+    assert formulas.expert_parameters(MOE_SHAPE) == EXPERTS
     assert count_parameters(MOE_SHAPE) == EXPERTS + REST == 473_280
-    assert memory.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
+    assert formulas.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
     p = memory.plan(MOE_SHAPE, grid(8, ep=4), work("fp32"))
     assert (p["num_params"], p["active_params"]) == (473_280, 325_824)
     assert p["expert_params_per_gpu"] == EXPERTS / 4
-    assert memory.expert_parameters(SHAPE) == 0
+    assert formulas.expert_parameters(SHAPE) == 0
 
 
 def test_expert_parallelism_splits_the_experts_then_the_zero_stage_shards_them():
@@ -440,9 +441,9 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
     # for the second expert of each token, and 2k = 4 for each copy of the pairs: sorted and
     # outputs (ep 1), and received too (ep > 1).
     sbh = S * B * 64
-    dense = memory.layer_activation_bytes(SHAPE, Layout(), work())
-    moe = memory.layer_activation_bytes(MOE_SHAPE, Layout(), work())
-    ep = memory.layer_activation_bytes(MOE_SHAPE, grid(2, ep=2), work())
+    dense = formulas.layer_activation_bytes(SHAPE, Layout(), work())
+    moe = formulas.layer_activation_bytes(MOE_SHAPE, Layout(), work())
+    ep = formulas.layer_activation_bytes(MOE_SHAPE, grid(2, ep=2), work())
     assert moe - dense == sbh * (19 + 2 * 4)
     assert ep - moe == sbh * 4
 
@@ -450,9 +451,9 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
 def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_rank():
     # 2 x 128 tokens, 2 experts each: 512 pairs of 64 values; 3 of 4 leave the rank at ep 4;
     # dispatch and combine, forward and backward, in bf16 (2 bytes), 3 layers, 2 micro-batches.
-    got = memory.all_to_all_bytes(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
+    got = formulas.all_to_all_bytes(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
     assert got == 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
-    assert memory.all_to_all_bytes(MOE_SHAPE, grid(8), work(micro_batches=2)) == 0
+    assert formulas.all_to_all_bytes(MOE_SHAPE, grid(8), work(micro_batches=2)) == 0
     p = memory.plan(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
     assert p["ep_comm_gb"] == got / 1e9 and p["micro_batches"] == 2
 
