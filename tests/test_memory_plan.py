@@ -14,7 +14,10 @@ import pytest
 
 from lib import exits
 from lib.extras import memory
+from lib.extras import memory_formulas as formulas
+from lib.extras.memory import Workload
 from lib.parallel import pipeline
+from lib.parallel.layout import Layout
 from model import LlamaConfig, count_parameters
 from tools import memory_plan
 
@@ -23,10 +26,26 @@ REPO = Path(__file__).resolve().parents[1]
 # A shape small enough to work out by hand: s*b*h = 128 * 2 * 64 = 16384 activations per layer
 # of hidden states.
 SHAPE = LlamaConfig(
-    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-)  # fmt: skip
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+)
 B, S = 2, 128
+
+
+def grid(world_size: int, **sizes) -> Layout:
+    """A Layout of world_size GPUs: tp x pp x cp model-parallel ranks, the rest data parallel."""
+    model_parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    return Layout(world_size=world_size, dp=world_size // model_parallel, **sizes)
+
+
+def work(precision: str = "bf16", **settings) -> Workload:
+    """A workload of micro-batches of B sequences of S tokens in `precision`."""
+    return Workload(micro_batch_size=B, seq_length=S, precision=precision, **settings)
 
 
 @pytest.mark.parametrize(
@@ -35,14 +54,14 @@ B, S = 2, 128
 )
 def test_paper_precision_reproduces_the_zero_papers_figure_1(strategy, published_gb):
     # Rajbhandari et al. 2019, Figure 1: Psi = 7.5B parameters, N_d = 64 GPUs, K = 12.
-    p = memory.plan(int(7.5e9), 64, "paper")
+    p = memory.plan(int(7.5e9), grid(64), Workload(precision="paper"))
     assert round(p["strategies"][strategy]["model_states_gb"], 1) == published_gb
 
 
 def test_model_states_follow_the_zero_stages_in_fp32():
     # fp32: 4 bytes of weights, 4 of gradients, 8 of AdamW moments per parameter; 4 ranks.
     n, world = 1_000_000, 4
-    s = memory.plan(n, world, "fp32")["strategies"]
+    s = memory.plan(n, grid(world), Workload(precision="fp32"))["strategies"]
     gb = 1e9
     assert s["ddp"]["model_states_gb"] == pytest.approx(16 * n / gb)
     assert s["zero1"]["optimizer_gb"] == pytest.approx(8 * n / world / gb)
@@ -55,8 +74,8 @@ def test_model_states_follow_the_zero_stages_in_fp32():
 
 
 def test_bf16_autocast_keeps_fp32_model_states_and_halves_activations():
-    fp32 = memory.plan(10**6, 2, "fp32", SHAPE, B, S)["strategies"]["zero2"]
-    bf16 = memory.plan(10**6, 2, "bf16", SHAPE, B, S)["strategies"]["zero2"]
+    fp32 = memory.plan(SHAPE, grid(2), work("fp32"), num_params=10**6)["strategies"]["zero2"]
+    bf16 = memory.plan(SHAPE, grid(2), work("bf16"), num_params=10**6)["strategies"]["zero2"]
     assert bf16["model_states_gb"] == fp32["model_states_gb"]
     # The layers halve; cross-entropy's fp32 log-probabilities (4 * s * b * V) do not.
     logprobs = 4 * S * B * 1000 / 1e9
@@ -69,16 +88,17 @@ def test_activations_match_korthikanti_by_hand():
     # Per layer, 16-bit: s*b*h*34 = 16384 * 34 = 557,056 bytes with fused attention; math
     # attention adds s*b*h * 5*a*s/h = 16384 * 40 = 655,360 bytes of (s, s) scores. Cross-entropy
     # keeps 4*s*b*V = 1,024,000 bytes.
-    f = memory.activation_bytes
-    assert f(SHAPE, B, S, "bf16", "flash") == 3 * 557_056 + 1_024_000
-    assert f(SHAPE, B, S, "bf16", "math") == 3 * (557_056 + 655_360) + 1_024_000
-    assert f(SHAPE, B, S, "fp32", "flash") == 3 * 2 * 557_056 + 1_024_000
+    f = formulas.activation_bytes
+    assert f(SHAPE, Layout(), work("bf16")) == 3 * 557_056 + 1_024_000
+    assert f(SHAPE, Layout(), work("bf16", attention="math")) == 3 * (557_056 + 655_360) + 1_024_000
+    assert f(SHAPE, Layout(), work("fp32")) == 3 * 2 * 557_056 + 1_024_000
     # Checkpointing: 3 layer inputs of s*b*h*2 bytes, one layer recomputed, the log-probs.
-    assert f(SHAPE, B, S, "bf16", "flash", checkpointing=True) == 3 * 32_768 + 557_056 + 1_024_000
+    checkpointed = f(SHAPE, Layout(), work("bf16"), checkpointing=True)
+    assert checkpointed == 3 * 32_768 + 557_056 + 1_024_000
 
 
 def test_totals_and_fits_add_model_states_and_activations():
-    p = memory.plan(count_parameters(SHAPE), 2, "bf16", SHAPE, B, S, gpu_memory_gb=0.005)
+    p = memory.plan(SHAPE, grid(2), work(gpu_memory_gb=0.005))
     for row in p["strategies"].values():
         assert row["total_gb"] == pytest.approx(row["model_states_gb"] + row["activations_gb"])
         assert row["total_checkpointed_gb"] < row["total_gb"]
@@ -88,11 +108,9 @@ def test_totals_and_fits_add_model_states_and_activations():
 
 
 def test_cli_json_output_has_the_documented_fields():
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.memory_plan", "--model", "7b", "--world-size", "8",
-         "--json"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    )  # fmt: skip
+    argv = ["--model", "7b", "--world-size", "8", "--json"]
+    command = [sys.executable, "-m", "tools.memory_plan", *argv]
+    proc = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO)
     strategies = json.loads(proc.stdout)["strategies"]
     assert set(strategies) == {"ddp", "zero1", "zero2", "zero3"}
     for row in strategies.values():
@@ -118,8 +136,8 @@ def test_cli_plans_the_shape_the_training_flags_give(monkeypatch, capsys):
 
 
 def test_cli_table_says_what_fits(monkeypatch, capsys):
-    code, out, _ = run_main(monkeypatch, capsys, "--model", "7b", "--world-size", "8",
-                            "--gpu-memory", "40")  # fmt: skip
+    argv = ["--model", "7b", "--world-size", "8", "--gpu-memory", "40"]
+    code, out, _ = run_main(monkeypatch, capsys, *argv)
     assert code == 0 and "fits in 40 GB: zero3" in out, out
 
 
@@ -130,17 +148,17 @@ def test_cli_table_says_what_fits(monkeypatch, capsys):
 def test_stage_parameters_split_matrices_by_tp_and_layers_by_pp():
     # SHAPE by hand: per layer 40,960 matrix weights + 128 norm gains; embedding and lm_head
     # 64,000 each; final norm 64. count_parameters = 3 * 41,088 + 128,064 = 251,328.
-    assert memory.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
+    assert formulas.stage_parameters(SHAPE, tp=1, pp=1) == (251_328, 251_328)
     # tp 2: matrices and tables halve, the norm gains stay whole.
-    assert memory.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
+    assert formulas.stage_parameters(SHAPE, tp=2, pp=1) == (125_888, 125_888)
     # pp 3: one layer per stage; the embedding on the first, final norm + lm_head on the last.
-    assert memory.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
+    assert formulas.stage_parameters(SHAPE, tp=1, pp=3) == (105_088, 105_152)
 
 
 def test_tensor_parallel_splits_matmul_activations_but_not_norms():
     # Korthikanti: s*b*h * (10 + 24/t): 16384 * 22 bytes per layer at t = 2 (bf16), and the
     # vocabulary-parallel loss keeps half of the 1,024,000 bytes of log-probabilities.
-    got = memory.activation_bytes(SHAPE, B, S, "bf16", "flash", tp=2)
+    got = formulas.activation_bytes(SHAPE, Layout(tp=2), work())
     assert got == 3 * 16384 * 22 + 512_000
 
 
@@ -153,7 +171,7 @@ def test_pipeline_first_stage_holds_the_micro_batches_in_flight(
 ):
     # pp 3, one layer per stage. 1F1B: min(m, p) micro-batches in flight on the first stage,
     # i.e. all L layers' worth when m >= p; GPipe: all m before the first backward.
-    got = memory.pipeline_in_flight(schedule, 3, micro_batches, 2)
+    got = formulas.pipeline_in_flight(schedule, 3, micro_batches, 2)
     assert got == (first_layers / 3, last_micro_batches)
 
 
@@ -167,12 +185,13 @@ def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
 def test_communication_per_step_follows_the_ring_formulas():
     # 1e6 parameters on 4 data-parallel ranks in bf16, 2 micro-batches: DDP all-reduces 4-byte
     # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
-    c = memory.communication_bytes(SHAPE, 1e6, 4, 2, 1, "bf16", B, S, 2, 2, "1f1b")
-    assert c["data_parallel"]["ddp"] == 2 * 0.75 * 4e6
+    sent = formulas.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2)
+    assert sent["ddp"] == 2 * 0.75 * 4e6
     # ZeRO-1 (ZeroRedundancyOptimizer): DDP's all-reduce, then the fp32 weights broadcast.
-    assert c["data_parallel"]["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
-    assert c["data_parallel"]["zero3"] == 0.75 * (2 * 2 * 2e6 + 4e6)
+    assert sent["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
+    assert sent["zero3"] == 0.75 * (2 * 2 * 2e6 + 4e6)
     # tp 2: 4 all-reduces of s*b*h bf16 activations (32,768 bytes) per layer and micro-batch.
+    c = formulas.model_parallel_bytes(SHAPE, grid(8, tp=2), work(micro_batches=2))
     assert c["tensor_parallel"] == 4 * 2 * 0.5 * 32_768 * 3 * 2
     assert c["pipeline"] == 0
 
@@ -186,11 +205,9 @@ def test_3d_layout_fits_70b_where_data_parallelism_alone_cannot():
     # Llama 2 70B on 64 80-GB GPUs at 4096 tokens: ZeRO-3 alone shards the states but every GPU
     # still holds all 80 layers' activations (~90 GB); tp 8 x pp 4 (dp 2) divides those too.
     config = LlamaConfig.from_preset("70b")
-    n = count_parameters(config)
-    flat = memory.plan(n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80)
-    three_d = memory.plan(
-        n, 64, "bf16", config, 1, 4096, gpu_memory_gb=80, tp=8, pp=4, micro_batches=16
-    )
+    flat = memory.plan(config, grid(64), Workload(seq_length=4096, gpu_memory_gb=80))
+    workload = Workload(seq_length=4096, micro_batches=16, gpu_memory_gb=80)
+    three_d = memory.plan(config, grid(64, tp=8, pp=4), workload)
     assert three_d["dp"] == 2 and three_d["bubble_fraction"] == pytest.approx(3 / 19)
     assert not flat["strategies"]["zero3"]["fits"]
     assert three_d["strategies"]["zero3"]["fits"]
@@ -206,23 +223,20 @@ def test_sequence_parallel_splits_the_norms_and_residuals_too():
     # 4 of the all-gathered matmul inputs, which ColwiseParallel stores whole, do not:
     # s*b*h * (4 + 6/2 + 24/2) = 16384 * 19 bytes per layer at t = 2 (TP alone: 22). With
     # checkpointing, each kept layer input (s*b*h*2 bytes) is split t ways too.
-    f = memory.activation_bytes
-    assert f(SHAPE, B, S, "bf16", "flash", tp=2, sequence_parallel=True) == (
-        3 * 16384 * 19 + 512_000
-    )
-    assert f(SHAPE, B, S, "bf16", "flash", True, tp=2, sequence_parallel=True) == (
-        3 * 32_768 / 2 + 16384 * 19 + 512_000
-    )
+    f = formulas.activation_bytes
+    layout = Layout(tp=2, sequence_parallel=True)
+    assert f(SHAPE, layout, work()) == 3 * 16384 * 19 + 512_000
+    assert f(SHAPE, layout, work(), checkpointing=True) == 3 * 32_768 / 2 + 16384 * 19 + 512_000
 
 
 def test_context_parallel_splits_every_activation_and_keeps_the_gathered_keys_and_values():
     # cp 2: 34/2 s*b*h bytes per layer, plus the other rank's half of K and V (two bf16 tensors
     # of s*b*kv_dim values, kv_dim = h here: 4 s*b*h bytes, half of them gathered); the
     # log-probabilities of half the tokens.
-    got = memory.activation_bytes(SHAPE, B, S, "bf16", "flash", cp=2)
+    got = formulas.activation_bytes(SHAPE, Layout(cp=2), work())
     assert got == 3 * 16384 * (17 + 2) + 512_000
     # The (s, s) scores: each rank's queries (s/2) against all s keys, half of the 5as/h term.
-    math_attention = memory.activation_bytes(SHAPE, B, S, "bf16", "math", cp=2)
+    math_attention = formulas.activation_bytes(SHAPE, Layout(cp=2), work(attention="math"))
     assert math_attention - got == 3 * 655_360 / 2
 
 
@@ -230,24 +244,24 @@ def test_context_parallel_traffic_is_the_keys_and_values_gathered_and_reduced():
     # cp 2 on 4 ranks (dp 2): K and V of the whole sequence (s*b*kv_dim = 16384 bf16 values each)
     # all-gathered forward and reduce-scattered backward, half of them sent, per layer and
     # micro-batch (2). The ZeRO strategies shard over all 4 ranks that hold the same weights.
-    c = memory.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", cp=2)
+    c = formulas.model_parallel_bytes(SHAPE, grid(4, cp=2), work(micro_batches=2))
     assert c["context_parallel"] == 4 * 0.5 * 16384 * 2 * 3 * 2
-    p = memory.plan(1_000_000, 4, "fp32", SHAPE, B, S, cp=2)
+    p = memory.plan(SHAPE, grid(4, cp=2), work("fp32"), num_params=1_000_000)
     assert p["dp"] == 2 and p["strategies"]["zero3"]["params_gb"] == 4e6 / 4 / 1e9
 
 
 def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     # 8 ranks as 2 replicas of 4: ZeRO-3's states over 4, not 8.
-    p = memory.plan(1_000_000, 8, "fp32", replicate=2)
+    p = memory.plan(1_000_000, grid(8, replicate=2), Workload(precision="fp32"))
     assert p["strategies"]["hsdp"]["params_gb"] == 4e6 / 4 / 1e9
     assert p["strategies"]["zero3"]["params_gb"] == 4e6 / 8 / 1e9
     # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
     # 1/2 gradient shard across the 2 groups: the only bytes between groups.
-    c = memory.communication_bytes(SHAPE, 1e6, 4, 1, 1, "bf16", B, S, 2, 2, "1f1b", replicate=2)
     across = 2 * 0.5 * 4e6 / 2
-    assert c["hsdp_across_groups"] == across
-    assert c["data_parallel"]["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
-    assert "hsdp" not in memory.plan(1_000_000, 8, "fp32")["strategies"]
+    assert formulas.hsdp_across_groups_bytes(1e6, 4, replicate=2) == across
+    sent = formulas.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2, replicate=2)
+    assert sent["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
+    assert "hsdp" not in memory.plan(1_000_000, grid(8), Workload(precision="fp32"))["strategies"]
 
 
 @pytest.mark.parametrize(
@@ -264,30 +278,38 @@ def test_layouts_that_do_not_divide_are_refused(monkeypatch, capsys, flags, mess
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
+INTERLEAVED = dict(schedule="interleaved", stages_per_rank=1000)
+
+
 @pytest.mark.parametrize(
-    "world, layout, message",
-    [(64, dict(tp=64), "--tp 64 does not divide the model's num_attention_heads (32)"),
-     (64, dict(pp=64, micro_batches=64), "the model has 32 layers, fewer than the 64 pipeline"),
-     (2, dict(pp=2, schedule="interleaved", stages_per_rank=1000, micro_batches=4),
-      "fewer than the 2000 pipeline stages"),
-     (8, dict(pp=4), "1f1b needs at least as many micro-batches as stages: --micro-batches 1 < "
-                     "--pp 4")],
-)  # fmt: skip
-def test_a_layout_train_tp_or_train_pp_refuses_is_refused(world, layout, message):
+    "layout, micro_batches, message",
+    [
+        (grid(64, tp=64), 1, "--tp 64 does not divide the model's num_attention_heads (32)"),
+        (grid(64, pp=64), 64, "the model has 32 layers, fewer than the 64 pipeline"),
+        (grid(2, pp=2, **INTERLEAVED), 4, "fewer than the 2000 pipeline stages"),
+        (grid(8, pp=4), 1, "1f1b needs at least as many micro-batches as stages: --micro-batches"),
+    ],
+)
+def test_a_layout_train_tp_or_train_pp_refuses_is_refused(layout, micro_batches, message):
     # Before: "fits in 80 GB" for --tp 64, a 98% bubble for --pp 64, 0% for 1000 stages a rank.
     config = LlamaConfig.from_preset("7b")
     with pytest.raises(ValueError, match=re.escape(message)):
-        memory.plan(count_parameters(config), world, "bf16", config, **layout)
+        memory.plan(config, layout, Workload(micro_batches=micro_batches))
+
+
+def test_a_layout_whose_grid_does_not_multiply_to_its_world_size_is_refused():
+    # 8 GPUs of tp 2 are 4 data-parallel ranks, not the dp 1 that Layout's default says.
+    with pytest.raises(ValueError, match="the layout's dp 1 x tp x pp x cp is not 8 GPUs"):
+        memory.plan(SHAPE, Layout(world_size=8, tp=2), work())
 
 
 def test_context_parallel_fits_a_long_context_that_one_gpu_cannot_hold():
     # Llama 2 7B at 131,072 tokens (one sequence) on 8 GPUs with ZeRO-3 and checkpointing: the
     # log-probabilities alone (4 * s * V = 17 GB) and the layer inputs do not fit at cp 1.
     config = LlamaConfig.from_preset("7b")
-    n = count_parameters(config)
-    kw = dict(gpu_memory_gb=80, seq_length=131_072, micro_batch_size=1)
-    alone = memory.plan(n, 8, "bf16", config, **kw)
-    split = memory.plan(n, 8, "bf16", config, cp=8, **kw)
+    workload = Workload(seq_length=131_072, gpu_memory_gb=80)
+    alone = memory.plan(config, grid(8), workload)
+    split = memory.plan(config, grid(8, cp=8), workload)
     assert not alone["strategies"]["zero3"]["fits_checkpointed"]
     assert split["strategies"]["zero3"]["fits_checkpointed"]
 
@@ -349,8 +371,8 @@ def test_cli_refuses_non_finite_and_out_of_range_numbers(
 
 
 def test_figures_too_large_for_a_float_are_refused_in_one_line(monkeypatch, capsys):
-    code, out, err = run_main(monkeypatch, capsys, "--hidden-size", "1" + "0" * 400,
-                              "--num-heads", "1", "--num-kv-heads", "1")  # fmt: skip
+    argv = ["--hidden-size", "1" + "0" * 400, "--num-heads", "1", "--num-kv-heads", "1"]
+    code, out, err = run_main(monkeypatch, capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("error: these sizes give figures too large to compute"), err
 
@@ -389,27 +411,26 @@ EXPERTS, REST = 294_912, 178_368
 
 
 def test_a_mixture_of_experts_counts_its_experts_router_and_active_parameters():
-    assert memory.expert_parameters(MOE_SHAPE) == EXPERTS
+    assert formulas.expert_parameters(MOE_SHAPE) == EXPERTS
     assert count_parameters(MOE_SHAPE) == EXPERTS + REST == 473_280
-    assert memory.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
-    p = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
+    assert formulas.stage_parameters(MOE_SHAPE, tp=1, pp=1) == (473_280, 473_280)
+    p = memory.plan(MOE_SHAPE, grid(8, ep=4), work("fp32"))
     assert (p["num_params"], p["active_params"]) == (473_280, 325_824)
     assert p["expert_params_per_gpu"] == EXPERTS / 4
-    assert memory.expert_parameters(SHAPE) == 0
+    assert formulas.expert_parameters(SHAPE) == 0
 
 
 def test_expert_parallelism_splits_the_experts_then_the_zero_stage_shards_them():
     # 8 GPUs, ep 4: each holds 1/4 of the experts, and the 2 GPUs holding the same quarter
     # shard it as the stage says; the rest shards over all 8. fp32: 4 bytes per weight.
-    s = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S, ep=4)
-    s = s["strategies"]
+    s = memory.plan(MOE_SHAPE, grid(8, ep=4), work("fp32"))["strategies"]
     assert s["ddp"]["params_gb"] == pytest.approx(4 * (REST + EXPERTS / 4) / 1e9)
     assert s["zero3"]["params_gb"] == pytest.approx(4 * (REST / 8 + EXPERTS / 4 / 2) / 1e9)
     assert s["zero1"]["optimizer_gb"] == pytest.approx(8 * (REST / 8 + EXPERTS / 4 / 2) / 1e9)
     # ep 1: every GPU holds every expert, and the stage shards them over all 8, as a dense
     # model of the same size.
-    one = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32", MOE_SHAPE, B, S)
-    dense = memory.plan(count_parameters(MOE_SHAPE), 8, "fp32")
+    one = memory.plan(MOE_SHAPE, grid(8), work("fp32"))
+    dense = memory.plan(count_parameters(MOE_SHAPE), grid(8), work("fp32"))
     for name in ("ddp", "zero3"):
         got, want = one["strategies"][name], dense["strategies"][name]
         assert got["model_states_gb"] == pytest.approx(want["model_states_gb"])
@@ -420,9 +441,9 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
     # for the second expert of each token, and 2k = 4 for each copy of the pairs: sorted and
     # outputs (ep 1), and received too (ep > 1).
     sbh = S * B * 64
-    dense = memory.layer_activation_bytes(SHAPE, B, S, "bf16", "flash")
-    moe = memory.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash")
-    ep = memory.layer_activation_bytes(MOE_SHAPE, B, S, "bf16", "flash", ep=2)
+    dense = formulas.layer_activation_bytes(SHAPE, Layout(), work())
+    moe = formulas.layer_activation_bytes(MOE_SHAPE, Layout(), work())
+    ep = formulas.layer_activation_bytes(MOE_SHAPE, grid(2, ep=2), work())
     assert moe - dense == sbh * (19 + 2 * 4)
     assert ep - moe == sbh * 4
 
@@ -430,10 +451,10 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
 def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_rank():
     # 2 x 128 tokens, 2 experts each: 512 pairs of 64 values; 3 of 4 leave the rank at ep 4;
     # dispatch and combine, forward and backward, in bf16 (2 bytes), 3 layers, 2 micro-batches.
-    got = memory.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=4)
+    got = formulas.all_to_all_bytes(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
     assert got == 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
-    assert memory.all_to_all_bytes(MOE_SHAPE, B, S, 2, "bf16", ep=1) == 0
-    p = memory.plan(count_parameters(MOE_SHAPE), 8, "bf16", MOE_SHAPE, B, S, micro_batches=2, ep=4)
+    assert formulas.all_to_all_bytes(MOE_SHAPE, grid(8), work(micro_batches=2)) == 0
+    p = memory.plan(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
     assert p["ep_comm_gb"] == got / 1e9 and p["micro_batches"] == 2
 
 

@@ -46,6 +46,7 @@ from lib import metrics, model_config, training
 from lib.checkpoints import finished_run, resuming
 from lib.extras import memory
 from lib.extras.moe import router_stats
+from lib.parallel.layout import Layout
 from model import (
     LlamaConfig,
     LlamaForPretraining,
@@ -300,9 +301,9 @@ def test_the_memory_plan_counts_the_experts_rather_than_plan_them_as_a_dense_mod
     # tools/memory_plan.py plans a mixture of experts (tests/test_memory_plan.py), and so does the
     # lessons' --plan: train_ep.py's layout, each GPU of an ep group with its share of the experts.
     config = LlamaConfig.from_preset("tiny", num_local_experts=E)
-    p = memory.plan(count_parameters(config), 8, "bf16", config)
+    p = memory.plan(config, Layout(world_size=8, dp=8), memory.Workload())
     assert p["active_params"] == count_active_parameters(config) < p["num_params"]
     args, run = build_args(corpus, cache_dir, num_experts=E, plan=True)  # not refused
-    estimate = memory.estimate_for_run(args, run, config, 2, ep=2)
+    estimate = memory.estimate_for_run(args, run, config, Layout(world_size=2, dp=2, ep=2))
     assert "1 EP group x ep 2: each GPU holds 1/2 of the experts" in estimate
     assert "mixture of experts:" in estimate and "all-to-alls send" in estimate

@@ -12,25 +12,51 @@ HSDP, and tensor (+ sequence), pipeline, context and expert parallelism?
     python -m tools.memory_plan --model 7b --json                            # machine-readable
     torchrun ... train_fsdp.py --plan ...                        # the plan of the run itself
 
-The command line over lib/extras/memory.py, which holds the formulas, puts them together for one layout
-(plan) and prints its table (format_plan); docs/memory.md says where each formula comes from.
+The command line over lib/extras/memory.py, which holds the formulas, puts them together for the
+Layout and Workload the flags give (plan) and prints its table (format_plan); docs/memory.md says
+where each formula comes from.
 """
 
 import json
 import math
 
 from lib import exits, flags, model_config
-from lib.extras.memory import (
-    BYTES_PER_PARAM,
-    format_plan,
-    plan,
-)
-from model import PRESETS, count_parameters
+from lib.extras.memory import BYTES_PER_PARAM, Workload, format_plan, plan
+from lib.parallel.layout import Layout
+from model import PRESETS
 
 MAX_PARAMS = 1e15  # --params: a quadrillion, 500 times the largest models trained today
 
 
 def main() -> None:
+    p = build_parser()
+    args = p.parse_args()  # every number finite and in range: see the types in build_parser
+
+    config = None
+    shaped = any(getattr(args, name) is not None for name in model_config.MODEL_FLAGS)
+    if args.model or shaped or args.params is None:
+        try:
+            config = model_config.preset_config(args, args.model or "7b")  # and --vocab-size
+        except ValueError as e:
+            p.error(str(e))
+    num_params = int(args.params) if args.params is not None else None  # --params: that count
+    model = config if config is not None else num_params  # a shape to plan, or a bare count
+    try:
+        result = plan(model, layout_of(args), workload_of(args), num_params)
+        figures = [v for row in result["strategies"].values() for v in row.values()]
+        if not all(math.isfinite(v) for v in figures if isinstance(v, float)):
+            raise OverflowError
+        text = json.dumps(result, indent=2) if args.json else format_plan(result)
+    except ValueError as e:
+        p.error(str(e))
+    except OverflowError:  # a figure beyond a float's 1e308: a shape flag of hundreds of digits
+        p.error("these sizes give figures too large to compute: give realistic sizes")
+    print(text)
+
+
+def build_parser() -> flags.ArgumentParser:
+    """The flags: the model (a preset, its shape flags, or a bare count), the layout and the
+    workload."""
     p = flags.ArgumentParser(
         description="Per-GPU memory of DDP, ZeRO-1/2/3 and HSDP (parameters, gradients, "
         "optimizer states, activations), with tensor (+ sequence), pipeline and context "
@@ -125,45 +151,36 @@ def main() -> None:
         help="GB per GPU, to say what fits",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
-    args = p.parse_args()  # every number finite and in range: see the types above
+    return p
 
-    config = None
-    shaped = any(getattr(args, name) is not None for name in model_config.MODEL_FLAGS)
-    if args.model or shaped or args.params is None:
-        try:
-            config = model_config.preset_config(args, args.model or "7b")  # and --vocab-size
-        except ValueError as e:
-            p.error(str(e))
-    num_params = int(args.params) if args.params is not None else count_parameters(config)
-    try:
-        result = plan(
-            num_params,
-            args.world_size,
-            args.precision,
-            config,
-            args.micro_batch_size,
-            args.seq_length,
-            args.attention,
-            args.gpu_memory,
-            args.tp,
-            args.pp,
-            args.micro_batches,
-            args.schedule,
-            args.stages_per_rank,
-            args.sequence_parallel,
-            args.cp,
-            args.replicate,
-            args.ep,
-        )
-        figures = [v for row in result["strategies"].values() for v in row.values()]
-        if not all(math.isfinite(v) for v in figures if isinstance(v, float)):
-            raise OverflowError
-        text = json.dumps(result, indent=2) if args.json else format_plan(result)
-    except ValueError as e:
-        p.error(str(e))
-    except OverflowError:  # a figure beyond a float's 1e308: a shape flag of hundreds of digits
-        p.error("these sizes give figures too large to compute: give realistic sizes")
-    print(text)
+
+def layout_of(args) -> Layout:
+    """The layout the flags give: dp x cp x tp x pp = --world-size GPUs (plan() refuses a world
+    size that tp x pp x cp does not divide)."""
+    return Layout(
+        world_size=args.world_size,
+        dp=args.world_size // (args.tp * args.pp * args.cp),
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        ep=args.ep,
+        replicate=args.replicate,
+        sequence_parallel=args.sequence_parallel,
+        schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank,
+    )
+
+
+def workload_of(args) -> Workload:
+    """What one optimizer step asks of every GPU, as the flags give it."""
+    return Workload(
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        micro_batches=args.micro_batches,
+        precision=args.precision,
+        attention=args.attention,
+        gpu_memory_gb=args.gpu_memory,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""The formulas of the memory planner (lib/extras/memory.py): the bytes one GPU holds in model
+states and activations, and sends per step, under DDP, each ZeRO stage, HSDP, and tensor
+(+ sequence), pipeline, context and expert parallelism, for a model's config, a Layout and a
+Workload. docs/memory.md, "The formulas", gives where each comes from and what it leaves out.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lib.parallel.layout import Layout
+from model import LlamaConfig, LlamaForPretraining
+
+# Bytes per parameter of (weights, gradients, optimizer state) for each --precision.
+BYTES_PER_PARAM = {
+    "fp32": (4, 4, 8),
+    "bf16": (4, 4, 8),
+    "fp16": (4, 4, 8),
+    "paper": (2, 2, 12),
+}
+# Bytes per stored activation element.
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "paper": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step asks of every GPU: `micro_batches` forwards (gradient
+    accumulation; the pipeline's m) of `micro_batch_size` sequences of `seq_length` tokens, in a
+    --precision of BYTES_PER_PARAM. attention "flash" is a fused kernel that stores no (s, s)
+    scores, "math" one that does. gpu_memory_gb: the memory of one GPU, to say what fits (None:
+    the plan does not say)."""
+
+    micro_batch_size: int = 1
+    seq_length: int = 2048
+    micro_batches: int = 1
+    precision: str = "bf16"
+    attention: str = "flash"
+    gpu_memory_gb: float | None = None
+
+
+def model_states_bytes(
+    num_params: int, world_size: int, precision: str, replicate: int = 1
+) -> dict[str, dict]:
+    """{strategy: {"params", "grads", "optimizer"}}: bytes per GPU, as in docs/memory.md's table;
+    with replicate R > 1, an "hsdp" row too: ZeRO-3 within groups of world_size / R ranks."""
+    w, g, o = (num_params * b for b in BYTES_PER_PARAM[precision])
+    n = world_size
+    states = {
+        "ddp": {"params": w, "grads": g, "optimizer": o},
+        "zero1": {"params": w, "grads": g, "optimizer": o / n},
+        "zero2": {"params": w, "grads": g / n, "optimizer": o / n},
+        "zero3": {"params": w / n, "grads": g / n, "optimizer": o / n},
+    }
+    if replicate > 1:
+        shard = n // replicate
+        states["hsdp"] = {"params": w / shard, "grads": g / shard, "optimizer": o / shard}
+    return states
+
+
+def layer_activation_bytes(config: LlamaConfig, layout: Layout, workload: Workload) -> float:
+    """One decoder layer's stored activations on one GPU (Korthikanti et al. 2022; docs/memory.md,
+    section 5): 34 s*b*h at tp 1, of which 24 s*b*h (and the scores) are split by tp, and 6 of
+    the other 10 under sequence parallelism. Context parallelism splits every token's share cp
+    ways and adds the keys and values gathered from the other cp ranks. A mixture of experts
+    runs the MLP's 19 s*b*h k times and keeps copies of the dispatched tokens (ep > 1: one more
+    for the pairs received)."""
+    s, b = workload.seq_length, workload.micro_batch_size
+    h, a = config.hidden_size, config.num_attention_heads
+    tp, cp = layout.tp, layout.cp
+    # Sequence parallel: the norms' and residuals' 6 s*b*h split; the 4 of the all-gathered
+    # inputs of wq/wk/wv and w1/w3 do not (ColwiseParallel stores them whole; see docs/memory.md).
+    norms = 6 / tp + 4 if layout.sequence_parallel else 10
+    scores = 5 * a * s / (h * tp) if workload.attention == "math" else 0
+    per_token = (norms + 24 / tp + scores) / cp
+    if config.num_local_experts:  # k experts per token, and the copies the dispatch keeps
+        k = config.num_experts_per_tok
+        per_token += 19 * (k - 1) / tp + 2 * k * (3 if layout.ep > 1 else 2)
+    # The other ranks' keys and values, kept for backward (this rank's own are in the 24): two
+    # tensors of s*b*kv_dim values, 2 bytes each in Korthikanti's units of 16-bit bytes.
+    kv_dim = config.num_key_value_heads * config.head_dim / tp
+    gathered_kv = 2 * 2 * kv_dim / h * (cp - 1) / cp
+    return s * b * h * (per_token + gathered_kv) * ACTIVATION_BYTES[workload.precision] / 2
+
+
+def activation_bytes(
+    config: LlamaConfig,
+    layout: Layout,
+    workload: Workload,
+    checkpointing: bool = False,
+    layers: float | None = None,
+    logprob_copies: int = 1,
+) -> float:
+    """Activations held at once on one GPU, with or without activation checkpointing.
+
+    `layers`: how many layers' activations of one micro-batch are held at once (default: all
+    of them, one micro-batch: no pipeline); `logprob_copies`: how many micro-batches'
+    log-probabilities this GPU holds (0 on a pipeline stage without the loss).
+    """
+    s, b, h = workload.seq_length, workload.micro_batch_size, config.hidden_size
+    tp, cp = layout.tp, layout.cp
+    layers = config.num_hidden_layers if layers is None else layers
+    layer = layer_activation_bytes(config, layout, workload)
+    # fp32, kept by cross-entropy for backward; split over the vocabulary under tensor parallel,
+    # over the sequence under context parallel.
+    logprobs = logprob_copies * 4 * s * b * config.vocab_size / (tp * cp)
+    if not checkpointing:
+        return layers * layer + logprobs
+    # What each checkpoint keeps: the layer's input, whole on every tp rank unless sequence
+    # parallelism splits the residual stream too.
+    split = cp * (tp if layout.sequence_parallel else 1)
+    inputs = layers * s * b * h * ACTIVATION_BYTES[workload.precision] / split
+    return inputs + layer + logprobs  # + one layer recomputed at a time in backward
+
+
+def stage_parameters(config: LlamaConfig, tp: int, pp: int) -> tuple[float, float]:
+    """Parameters on one GPU of the first and of the last pipeline stage (equal when pp is 1).
+
+    Tensor parallelism splits every matrix tp ways, the norms' gains stay whole; the stages get
+    ceil(L / pp) layers (the most any stage has), the first the embedding, the last the final
+    norm and lm_head.
+    """
+    d, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
+    experts = config.num_local_experts  # 0: the dense MLP; else that many, and their router
+    mlp = 3 * d * config.intermediate_size * max(experts, 1) + d * experts
+    matrices = 2 * d * d + 2 * d * kv_dim + mlp
+    layer = matrices / tp + 2 * d
+    table = config.vocab_size * d / tp
+    lm_head = 0 if config.tie_word_embeddings else table
+    if pp == 1:
+        whole = config.num_hidden_layers * layer + table + lm_head + d
+        return whole, whole
+    layers = math.ceil(config.num_hidden_layers / pp) * layer
+    # Tied embeddings on two stages would be one tensor in two places: each stage holds a copy.
+    return layers + table, layers + d + (lm_head or table)
+
+
+def pipeline_in_flight(schedule: str, pp: int, micro_batches: int, stages_per_rank: int):
+    """(layers' worth of one micro-batch's activations the first stage holds at its peak, as a
+    fraction of all L layers; micro-batches the last stage holds, with their log-probabilities)."""
+    m, v = micro_batches, stages_per_rank
+    if pp == 1:
+        return 1.0, 1
+    if schedule == "gpipe":
+        return m / pp, m
+    if schedule == "1f1b":
+        return min(m, pp) / pp, 1
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)  # interleaved 1F1B
+    return chunks / (pp * v), 1
+
+
+def data_parallel_bytes(
+    local_params: float, ranks: int, precision: str, micro_batches: int, replicate: int = 1
+) -> dict[str, float]:
+    """{strategy: bytes one GPU sends per optimizer step} to the `ranks` GPUs that hold the same
+    `local_params` parameters (data x context parallel ranks): the ZeRO strategies shard across
+    all of them, HSDP (replicate R > 1, an "hsdp" entry) within groups of ranks / R."""
+    ring = (ranks - 1) / ranks  # an all-gather's or reduce-scatter's share; all-reduce: twice
+    weights = local_params * (2 if precision in ("bf16", "fp16", "paper") else 4)
+    grads = local_params * 4  # gradients are reduced in fp32
+    m = micro_batches
+    sent = {
+        "ddp": 2 * ring * grads,
+        "zero1": 2 * ring * grads + ring * local_params * 4,  # + the fp32 weights broadcast
+        "zero2": ring * (m * weights + grads),
+        "zero3": ring * (2 * m * weights + grads),
+    }
+    if replicate > 1:  # ZeRO-3 within a group of `shard`, then one all-reduce of a gradient shard
+        shard = ranks // replicate
+        across = hsdp_across_groups_bytes(local_params, ranks, replicate)
+        sent["hsdp"] = (shard - 1) / shard * (2 * m * weights + grads) + across
+    return sent
+
+
+def hsdp_across_groups_bytes(local_params: float, ranks: int, replicate: int) -> float:
+    """What HSDP sends between its `replicate` groups (nodes) of ranks / replicate GPUs per step:
+    one all-reduce of each GPU's fp32 gradient shard; the rest of its traffic stays in a group."""
+    shard = ranks // replicate
+    grads = local_params * 4  # reduced in fp32
+    return 2 * (replicate - 1) / replicate * grads / shard
+
+
+def model_parallel_bytes(config: LlamaConfig, layout: Layout, workload: Workload) -> dict:
+    """Bytes one GPU sends per optimizer step in tensor, pipeline and context parallelism:
+    {"tensor_parallel", "pipeline", "context_parallel"}."""
+    tp, pp, cp, m = layout.tp, layout.pp, layout.cp, workload.micro_batches
+    e = ACTIVATION_BYTES[workload.precision]
+    tokens = workload.seq_length * workload.micro_batch_size  # of one micro-batch
+    activation = tokens / cp * config.hidden_size * e  # one s*b*h tensor of this rank's tokens
+    layers = math.ceil(config.num_hidden_layers / pp)
+    # Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather: the
+    # same bytes.
+    tensor_parallel = 4 * 2 * (tp - 1) / tp * activation * layers * m
+    chunks = layout.stages_per_rank if layout.schedule == "interleaved" else 1
+    pipeline = 2 * activation * m * chunks if pp > 1 else 0.0
+    # Context parallel: all-gather the keys and values of every layer (forward), and
+    # reduce-scatter their gradients (backward); the whole sequence's K and V, tp-split.
+    kv = tokens * config.num_key_value_heads * config.head_dim / tp
+    context_parallel = 2 * 2 * (cp - 1) / cp * kv * e * layers * m
+    return {
+        "tensor_parallel": tensor_parallel,
+        "pipeline": pipeline,
+        "context_parallel": context_parallel,
+    }
+
+
+def expert_parameters(config: LlamaConfig) -> int:
+    """The parameters of all the experts of every MoE layer (0 for a dense model): what expert
+    parallelism splits; the rest of the model (router included) is replicated or FSDP-sharded
+    as a dense model's are."""
+    if not config.num_local_experts:
+        return 0
+    per_expert = 3 * config.hidden_size * config.intermediate_size  # w1, w2, w3 of one expert
+    return config.num_hidden_layers * config.num_local_experts * per_expert
+
+
+def all_to_all_bytes(config: LlamaConfig, layout: Layout, workload: Workload) -> float:
+    """Bytes one GPU sends per optimizer step in expert parallelism's all-to-alls (docs/memory.md):
+    4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and backward) of
+    the micro-batch's k*s*b*h values, the share (ep-1)/ep of them to other ranks."""
+    ep = layout.ep
+    if not config.num_local_experts or ep == 1:
+        return 0.0
+    pairs = workload.micro_batch_size * workload.seq_length * config.num_experts_per_tok
+    values = pairs * config.hidden_size * (ep - 1) / ep  # of the (token, expert) pairs sent
+    layers = config.num_hidden_layers
+    return 4 * values * ACTIVATION_BYTES[workload.precision] * layers * workload.micro_batches
+
+
+def largest_parameter(config: LlamaConfig) -> int:
+    """The element count of the model's largest parameter: one layer of it built on the meta
+    device (no memory; every layer is alike, and a plan may ask for 10^30 of them)."""
+    with torch.device("meta"):
+        one_layer = LlamaForPretraining(dataclasses.replace(config, num_hidden_layers=1))
+        return max(p.numel() for p in one_layer.parameters())
