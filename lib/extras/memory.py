@@ -326,12 +326,10 @@ def workload_fields(config: LlamaConfig | None, workload: Workload) -> dict:
     }
 
 
-def estimate_for_run(args, settings, config: LlamaConfig, layout: Layout, **old_call) -> str:
+def estimate_for_run(args, settings, config: LlamaConfig, layout: Layout) -> str:
     """The plan of a training run, as the lessons print it with --plan: `layout` is what the
     lesson's strategy module set up, `settings` the run's flags.RunSettings (micro-batch,
     accumulation, precision, attention kernel)."""
-    if not isinstance(layout, Layout):  # TEMPORARY, until lib/loop.py passes the Layout
-        layout = layout_of_old_call(layout, **old_call)
     # SDPA with a dense mask falls back to kernels that store the (s, s) scores; FlexAttention
     # (--attention flex) is a fused kernel like flash attention.
     flex = settings.attention == "flex"
@@ -344,13 +342,6 @@ def estimate_for_run(args, settings, config: LlamaConfig, layout: Layout, **old_
         attention=attention,
     )
     return format_plan(plan(config, layout, workload))
-
-
-def layout_of_old_call(world_size: int, **sizes) -> Layout:
-    """TEMPORARY: the Layout of lib/loop.py's older call, estimate_for_run(args, settings, config,
-    world_size, tp=, pp=, cp=, ep=, replicate=, ...); to go once the loop passes the Layout."""
-    model_parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
-    return Layout(world_size=world_size, dp=world_size // model_parallel, **sizes)
 
 
 # -------------------------------------------------------------------------------------------------
