@@ -274,8 +274,9 @@ def corpus_digest(tokenizer) -> str | None:
 
 
 def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> DocumentTokenizer:
-    """A tokenizer.json made elsewhere (--tokenizer, an out-dir's), with the special tokens
-    `specials` names (--bot-token, ...) or lib/extras/hf_tokenizer.py finds; ValueError if unusable."""
+    """A tokenizer.json made elsewhere (--tokenizer, or the one in an out-dir), with the special
+    tokens that `specials` names (--bot-token, ...) or that lib/extras/hf_tokenizer.py finds;
+    ValueError if it is unusable."""
     from lib.extras import hf_tokenizer  # only for a tokenizer.json the run did not train
 
     return DocumentTokenizer(*hf_tokenizer.read_tokenizer(path, specials, HF_NAMES))

@@ -46,8 +46,9 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, with --config FILE's values (lib/extras/config_file.py) as this parse's defaults
-        (the parser unchanged): the command line wins over the file, the file over the defaults."""
+        """As argparse parses, but with the values of --config FILE (lib/extras/config_file.py) as
+        the defaults of this parse (the parser itself unchanged): the command line wins over the
+        file, and the file over the defaults."""
         argv = sys.argv[1:] if args is None else list(args)
         if namespace is None and any(a.split("=")[0] == "--config" for a in argv):
             from lib.extras import config_file  # only for --config

@@ -20,8 +20,9 @@ SHAPE_FLAGS = {
     "num_kv_heads": ("num_key_value_heads", "key/value heads (fewer: grouped-query attention)"),
     "ffn_size": ("intermediate_size", "width of the SwiGLU MLP"),
 }
-# The mixture-of-experts flags (lib/extras/moe.py, check_expert_flags): each replaces one LlamaConfig field
-# too, with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
+# The mixture-of-experts flags (checked by check_expert_flags in lib/extras/moe.py): each replaces
+# one LlamaConfig field too, with its own range (flag: field, what it is, the kind and lower bound
+# for number_arg, metavar).
 EXPERT_FLAGS = {
     "num_experts": ("num_local_experts", "experts per MoE layer (0: the dense SwiGLU MLP)",
                     int, 0, "N"),
@@ -152,5 +153,6 @@ def vocab_size(args) -> int:
 
 
 def special_tokens(args) -> dict[str, str | None]:
-    """The special tokens the flags name (None: found in the tokenizer: lib/extras/hf_tokenizer.py)."""
+    """The special tokens that the flags name (None: lib/extras/hf_tokenizer.py finds it in the
+    tokenizer)."""
     return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}

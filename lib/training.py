@@ -1,8 +1,9 @@
 """The parts of a training run that no parallel strategy changes: the datasets and each step's
 batches, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and the
 end of a run. Each train_*.py keeps its own visible loop and calls these, so neighbouring lessons
-differ by the concept each adds. Optional features' modules are imported where used:
-lib/extras/streaming.py, masks.py (--document-mask), lib/checkpoints/finished_run.py (--init-from)."""
+differ by the concept each adds. The modules of optional features are imported where they are
+used: lib/extras/streaming.py, masks.py (--document-mask), lib/checkpoints/finished_run.py
+(--init-from)."""
 
 import atexit
 import contextlib
@@ -85,7 +86,8 @@ def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) 
 
 
 def is_stream(dataset) -> bool:
-    """Whether `dataset` is a streaming.Stream (--streaming): only if lib/extras/streaming.py is loaded."""
+    """Whether `dataset` is a streaming.Stream (--streaming); lib/extras/streaming.py is never
+    imported to find out."""
     streaming = sys.modules.get("lib.extras.streaming")
     return streaming is not None and isinstance(dataset, streaming.Stream)
 

@@ -11,8 +11,9 @@ uses), as every training document is, and decoding stops at the end-of-document 
 which the model learnt to put at the end of a document. On a GPU the weights are loaded in bf16
 (half the memory) where the GPU supports it; on CPU they stay fp32.
 
-The training scripts' end-of-run sample calls lib/extras/sampling.py's generate_text, as this script does,
-so what they print is exactly what this script prints for the same prompt and seed.
+The sample at the end of a training run calls generate_text (lib/extras/sampling.py), as this
+script does, so what the run prints is exactly what this script prints for the same prompt and
+seed.
 """
 
 import argparse

@@ -13,9 +13,9 @@ It prints
   2. milliseconds per step of our step and of `reference_step`: the same Llama (the same
      weights, optimizer and loss), written lean, with torch.nn.functional ops only (one matmul
      for q, k and v, one for the gate and up projections, no modules, no wrapper; with
-     --num-experts, lib/extras/moe.py's routing and load-balancing loss, written so too). The two are
-     timed in alternating rounds (the median is printed), so that a busy machine slows both
-     alike; their ratio is what the suite's readable model and loop cost;
+     --num-experts, the routing and load-balancing loss of lib/extras/moe.py, written so too).
+     The two are timed in alternating rounds (the median is printed), so that a busy machine
+     slows both alike; their ratio is what the suite's readable model and loop cost;
   3. with --compile: how long compiling took (the first step, less a compiled one), and the
      eager step's time next to the compiled one's.
 
@@ -141,8 +141,8 @@ def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig):
     return h + F.linear(F.silu(gate) * up, layer["w2"]), None
 
 
-# Not compiled, as lib/extras/moe.py's forward is not (--compile compiles the rest of the layer): the
-# split sizes are read on the host.
+# Not compiled, as the forward of lib/extras/moe.py is not (--compile compiles the rest of the
+# layer): the split sizes are read on the host.
 @torch.compiler.disable
 def reference_moe(x: torch.Tensor, layer: dict, config: LlamaConfig):
     """Mixtral's dropless mixture of experts on x (B, T, d), as lib/extras/moe.py computes it: the

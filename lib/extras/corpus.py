@@ -59,7 +59,8 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
         ds = load_hub(source.path, source.config, spec, **kwargs)
         return select_text_column(ds, text_column, spec)
     # A user's file that is not UTF-8 (a binary file, another encoding) is refused below, naming
-    # it, not trained on as garbage. (A stream's errors come as it is read: lib/extras/streaming.py.)
+    # it, not trained on as garbage. (A stream meets its errors as it is read: see
+    # lib/extras/streaming.py.)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
     try:
