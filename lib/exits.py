@@ -6,7 +6,6 @@ traceback, and a stop on a signal (`Stopped`, lib/loop.py's StopRequest) says so
 import atexit
 import ctypes
 import datetime
-import multiprocessing
 import os
 import signal
 import sys
@@ -143,16 +142,6 @@ def end_process(code: int) -> None:
 # limit), SIGHUP (the terminal or SSH closed), SIGQUIT (Ctrl-\\); torchrun passes each on.
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker ignores STOP_SIGNALS, which Ctrl-C and Slurm send to all of a job's
-    processes (killed, it would fail the step in flight; training._start_loader ends it). Deaf to
-    SIGTERM, it must not outlive its parent: the kernel kills it when the parent exits."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    parent = multiprocessing.parent_process()  # the training process (with any start method)
-    end_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
 
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

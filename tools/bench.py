@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lib import distributed, exits, flags, metrics, model_config, training
 from lib.checkpoints import files
+from lib.extras import speed
 from lib.parallel.replica import Replica
 from model import IGNORE_INDEX, count_parameters
 from tools import bench_loader
@@ -166,7 +167,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as torchrun_rank's
-    if args.compile and (missing := flags.compiler_missing(device)):
+    if args.compile and (missing := speed.compiler_missing(device)):
         parser.error(missing)
     try:
         if args.json:  # found now, not after the timing

@@ -326,6 +326,7 @@ def compare_steps(
     import torch
 
     from lib import training
+    from lib.extras import speed
     from model import LlamaForPretraining
 
     args = ap.Namespace(lr=1e-3, weight_decay=0.1)
@@ -334,7 +335,7 @@ def compare_steps(
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours = LlamaForPretraining(llama_config(vocab_size))
     if compile_ours:
-        training.compile_layers(ours)
+        speed.compile_layers(ours)
 
     def stepper(model, loss_of, optimizer):
         def step():

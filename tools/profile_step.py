@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from lib import exits, flags, loop, model_config, training
+from lib.extras import speed
 from lib.parallel.replica import Replica
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
 
@@ -55,7 +56,7 @@ def our_step(args, config: LlamaConfig, device, precision: str, compile: bool):
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     guard = loop.NonFiniteGuard(device, skip=False)
     if compile:
-        training.compile_layers(model)
+        speed.compile_layers(model)
     # One GPU, like the reference (train_dp.py itself takes every visible GPU).
     dp_model = nn.DataParallel(Replica(model, device, precision), device_ids=gpu_ids(device))
 
@@ -347,7 +348,7 @@ def main() -> None:
     if args.seq_length > config.max_position_embeddings:
         p.error(f"--seq-length exceeds the model's {config.max_position_embeddings} positions")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if args.compile and (missing := flags.compiler_missing(device)):
+    if args.compile and (missing := speed.compiler_missing(device)):
         p.error(missing)
     precision = training.resolve_precision(args.precision, device)
 

@@ -70,6 +70,17 @@ def optimizer_state_to_come(optimizer) -> int:
     return total
 
 
+def check_device(parser) -> None:
+    """parser.error on a machine without a CUDA GPU: there is nothing to measure. torch counts
+    peak memory on GPUs only, and a CPU that runs out of memory swaps or has the process killed
+    instead of raising an error one could catch."""
+    if not torch.cuda.is_available():
+        parser.error(
+            "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
+            "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
+        )
+
+
 def auto_micro_batch_size(
     args, plan, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
 ):
