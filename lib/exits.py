@@ -45,8 +45,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
             stopped = e.step, e.signum  # not e: its traceback would keep main's frames alive
         if stopped is not None:
             if is_main:
-                print(f"stopped at step {stopped[0]}, checkpoint saved; run the same command to "
-                      f"resume", flush=True)  # fmt: skip
+                resume = "run the same command to resume"
+                print(f"stopped at step {stopped[0]}, checkpoint saved; {resume}", flush=True)
             if dist.is_initialized():
                 # Here, main's frames (DDP's reducer, loader workers) are gone; the barrier keeps
                 # all ranks until rank 0 has said so: torchrun stops all once one exits in error.
@@ -58,8 +58,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         code = 2 if isinstance(e, ValueError) else 1
     except KeyboardInterrupt:  # a Ctrl-C before training, or a second one: stopped at once
         if is_main:
-            print("interrupted: stopped at once, without saving; what was written is intact (a "
-                  "training run: the same command resumes it)", file=sys.stderr)  # fmt: skip
+            intact = "what was written is intact (a training run: the same command resumes it)"
+            print(f"interrupted: stopped at once, without saving; {intact}", file=sys.stderr)
         code = 128 + signal.SIGINT
     except SystemExit:
         raise  # argparse's usage errors (exit code 2), ...
@@ -70,12 +70,12 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         # Caught rather than left to the interpreter, so that under torchrun this process too
         # ends with end_process. Out of memory is no bug: one line, with what to change.
         if (memory := out_of_memory(e)) is not None:
-            say_once(f"error: out of memory: {memory} (a smaller --micro-batch-size or model "
-                     f"needs less)", is_main)  # fmt: skip
+            smaller = "a smaller --micro-batch-size or model needs less"
+            say_once(f"error: out of memory: {memory} ({smaller})", is_main)
         elif peer_ended(e):
-            say_once("error: another process of this run ended (killed, or failed: see its own "
-                     "output), so this one cannot go on; the checkpoints are intact: run the same "
-                     "command to resume", is_main)  # fmt: skip
+            ended = "another process of this run ended (killed, or failed: see its own output)"
+            resume = "the checkpoints are intact: run the same command to resume"
+            say_once(f"error: {ended}, so this one cannot go on; {resume}", is_main)
         else:
             traceback.print_exc()
         code = 1
@@ -93,17 +93,22 @@ def out_of_memory(e: BaseException) -> str | None:
     return details.split(". Error code")[0] if found and isinstance(e, RuntimeError) else None
 
 
+# The errors of gloo and NCCL for a connection that the other side closed.
+PEER_ENDED = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+
+
 def peer_ended(e: BaseException) -> bool:
-    """Whether a collective failed because another process of the run is gone (gloo's and
-    NCCL's errors for a connection the other side closed)."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                            "Broken pipe", "NCCL communicator was aborted", "remote process exited")
-    )  # fmt: skip
+    """Whether a collective failed because another process of the run is gone."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_ENDED)
 
 
-failure_store: list[dist.Store] = []  # distributed.rendezvous_store's, under torchrun
+failure_store: list[dist.Store] = []  # the store of distributed.rendezvous_store (torchrun)
 FAILURE_WAIT = 30  # seconds: rank 0 meets a failure every rank meets within moments of them
 
 
