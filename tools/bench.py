@@ -61,8 +61,13 @@ from tools.plot_metrics import check_output_file, output_failed
 STRATEGIES = ("single", "dp", "ddp", "zero1", "fsdp")
 # What each measured strategy reports (per device; see the module docstring).
 RESULT_FIELDS = (
-    "devices_per_process", "tokens_per_sec", "step_ms", "mfu", "peak_memory_gb", "vs_single"
-)  # fmt: skip
+    "devices_per_process",
+    "tokens_per_sec",
+    "step_ms",
+    "mfu",
+    "peak_memory_gb",
+    "vs_single",
+)
 AHEAD = 10  # the data loader should deliver at least this many times what the step consumes
 
 
@@ -416,9 +421,12 @@ def main():
     # The lessons' process-group setup: a group of one without torchrun.
     rank, _, world_size, device = distributed.torchrun_rank()
     dist.init_process_group(
-        distributed.backend_for(None, device), store=distributed.rendezvous_store(), rank=rank,
-        world_size=world_size, device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
+        distributed.backend_for(None, device),
+        store=distributed.rendezvous_store(),
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )
     is_main = rank == 0
     precision = check_precision(args.precision, device)
 

@@ -110,8 +110,10 @@ def main() -> None:
     model, tokenizer = load_model(args.out_dir, device)
     if not all(bool(torch.isfinite(w).all()) for w in model.parameters()):  # a diverged run's
         # (sampling would fail in torch.multinomial, and greedy decoding print nothing)
-        raise ValueError(f"{args.out_dir}/model.pt holds NaN or infinite weights: nothing to "
-                         f"generate from (an earlier checkpoint may hold finite ones)")  # fmt: skip
+        raise ValueError(
+            f"{args.out_dir}/model.pt holds NaN or infinite weights: nothing to "
+            f"generate from (an earlier checkpoint may hold finite ones)"
+        )
     ids, cut = generate_ids(
         model,
         tokenizer,

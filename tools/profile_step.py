@@ -95,24 +95,34 @@ def reference_params(model: LlamaForPretraining) -> dict:
         if (
             model.config.num_local_experts
         ):  # lib/extras/moe.py's: w1, w3 (E, ffn, d), w2 (E, d, ffn)
-            return {"gate": leaf(ffn.gate.weight), "w13": leaf(ffn.w1, ffn.w3, dim=1),
-                    "w2": leaf(ffn.w2)}  # fmt: skip
+            return {
+                "gate": leaf(ffn.gate.weight),
+                "w13": leaf(ffn.w1, ffn.w3, dim=1),
+                "w2": leaf(ffn.w2),
+            }
         return {"w13": leaf(ffn.w1.weight, ffn.w3.weight), "w2": leaf(ffn.w2.weight)}
 
     layers = [
-        {"attention_norm": leaf(layer.attention_norm.weight),
-         "wqkv": leaf(layer.attention.wq.weight, layer.attention.wk.weight,
-                      layer.attention.wv.weight),
-         "wo": leaf(layer.attention.wo.weight),
-         "ffn_norm": leaf(layer.ffn_norm.weight),
-         **mlp(layer.feed_forward)}
+        {
+            "attention_norm": leaf(layer.attention_norm.weight),
+            "wqkv": leaf(
+                layer.attention.wq.weight, layer.attention.wk.weight, layer.attention.wv.weight
+            ),
+            "wo": leaf(layer.attention.wo.weight),
+            "ffn_norm": leaf(layer.ffn_norm.weight),
+            **mlp(layer.feed_forward),
+        }
         for layer in model.layers
-    ]  # fmt: skip
+    ]
     embedding = leaf(model.tok_embeddings.weight)
     tied = model.config.tie_word_embeddings
     lm_head = embedding if tied else leaf(model.lm_head.weight)
-    return {"embedding": embedding, "layers": layers, "norm": leaf(model.norm.weight),
-            "lm_head": lm_head}  # fmt: skip
+    return {
+        "embedding": embedding,
+        "layers": layers,
+        "norm": leaf(model.norm.weight),
+        "lm_head": lm_head,
+    }
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,8 +169,9 @@ def reference_moe(x: torch.Tensor, layer: dict, config: LlamaConfig):
     order = experts.flatten().argsort(stable=True)  # (N * k,) the (token, slot) pairs by expert
     counts = torch.bincount(experts.flatten(), minlength=E).tolist()
     outputs = []
-    for chunk, w13, w2 in zip(tokens[order // k].split(counts), layer["w13"], layer["w2"],
-                              strict=True):  # fmt: skip
+    for chunk, w13, w2 in zip(
+        tokens[order // k].split(counts), layer["w13"], layer["w2"], strict=True
+    ):
         gate, up = F.linear(chunk, w13).chunk(2, -1)
         outputs.append(F.linear(F.silu(gate) * up, w2))
     y = torch.cat(outputs)  # (N * k, d), by expert
@@ -201,9 +212,12 @@ def reference_step(args, config: LlamaConfig, device, precision: str, compile: b
     flat += [] if config.tie_word_embeddings else [params["lm_head"]]  # tied: the embedding
     flat += [p for layer in params["layers"] for p in layer.values()]
     optimizer = torch.optim.AdamW(
-        flat, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+        flat,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=args.weight_decay,
         fused=device.type == "cuda",
-    )  # fmt: skip
+    )
     layer_fn = torch.compile(reference_layer) if compile else reference_layer
     cos, sin = reference_rope_tables(config, args.seq_length, device)
 
@@ -245,8 +259,9 @@ def time_steps(step, micro_batches, device, steps: int, clock=time.perf_counter)
     return (clock() - start) / steps
 
 
-def compare(steps: dict, micro_batches, device, rounds: int, steps_per_round: int,
-            clock=time.perf_counter) -> dict:  # fmt: skip
+def compare(
+    steps: dict, micro_batches, device, rounds: int, steps_per_round: int, clock=time.perf_counter
+) -> dict:
     """{name: median ms per step}, the contenders timed in alternating rounds."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
@@ -353,9 +368,10 @@ def main() -> None:
     precision = training.resolve_precision(args.precision, device)
 
     tokens = torch.randint(
-        config.vocab_size, (args.batch_size, args.seq_length + 1),
+        config.vocab_size,
+        (args.batch_size, args.seq_length + 1),
         generator=torch.Generator().manual_seed(0),
-    ).to(device)  # fmt: skip
+    ).to(device)
     # (micro, T) each, contiguous as the DataLoader's are
     micro_batches = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in tokens.split(micro)]
     print(
@@ -380,14 +396,18 @@ def main() -> None:
     print(profile_table(steps["ours"], micro_batches, device, args.profile_steps, args.rows))
 
     ms = compare(steps, micro_batches, device, args.rounds, args.steps, CLOCKS[args.clock])
-    print(f"{args.clock} ms per step (median of {args.rounds} alternating rounds of {args.steps} "
-          f"steps):")  # fmt: skip
+    print(
+        f"{args.clock} ms per step (median of {args.rounds} alternating rounds of {args.steps} "
+        f"steps):"
+    )
     for name, value in ms.items():
         print(f"  {name:<12} {value:9.1f} ms   {value / ms['reference']:5.2f} x reference")
     if args.compile:
         for name in ("ours", "reference"):
-            print(f"compiling {name}: {first[name] - ms[name] / 1000:.1f} s (its first step, less "
-                  f"a compiled step)")  # fmt: skip
+            print(
+                f"compiling {name}: {first[name] - ms[name] / 1000:.1f} s (its first step, less "
+                f"a compiled step)"
+            )
         print(f"our step compiled: {ms['ours, eager'] / ms['ours']:.2f} x faster than eager")
 
 

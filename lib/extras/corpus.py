@@ -64,8 +64,9 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
     try:
-        ds = datasets.load_dataset(source.path, data_files=source.data_files, **source.options,
-                                   **kwargs)  # fmt: skip
+        ds = datasets.load_dataset(
+            source.path, data_files=source.data_files, **source.options, **kwargs
+        )
     except Exception as e:  # datasets wraps a bad file in many exception types
         raise load_error(e, cache_dir, source.data_files, source.path, spec) from e
     finally:

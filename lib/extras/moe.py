@@ -259,8 +259,11 @@ NO_EXPERTS = {
 
 def cannot_train(script: str, args, experts: int) -> str:
     """Why `script`, one of NO_EXPERTS, refuses this run's mixture of `experts` experts."""
-    given = (f"--num-experts {experts}" if args.init_from is None
-             else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
+    given = (
+        f"--num-experts {experts}"
+        if args.init_from is None
+        else f"--init-from {args.init_from}, with {experts} experts"
+    )
     return (
         f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
         f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py, or with "
