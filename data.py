@@ -40,7 +40,8 @@ TOKENIZER_MAX_CHARS = 50_000_000
 PACK_BATCH_DOCS = 1000  # packing cuts windows within each map() batch of this many documents
 TOKENIZE_BATCH_DOCS = 64  # documents per tokenize() batch; the tokens do not depend on it
 
-# A few stdlib files are not UTF-8 (encoding tests): bad bytes become U+FFFD (a user's: refused).
+# A few stdlib files are not UTF-8 (encoding tests): bad bytes become U+FFFD (a user's file with
+# bad bytes is refused instead).
 STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 
@@ -54,7 +55,7 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
     import datasets
 
     cache = writable_cache_dir(cache_dir, "datasets")
-    source = None  # the stdlib's, or lib/extras/corpus.py's for another --data
+    source = None  # for another --data: where lib/extras/corpus.py finds it
     if spec == "stdlib" and txt_split == "auto":
         files = stdlib_files()
         try:

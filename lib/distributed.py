@@ -1,5 +1,5 @@
-"""What the lessons' processes share: torchrun's ranks, the process group's store, the rules every
-rank keeps in it; and at the end, the one place for the torch APIs newer than 2.11 that it uses.
+"""What the processes of a lesson share: their ranks (from torchrun), the store where they meet, the
+rules every rank keeps; and at the end, the one place for the torch APIs newer than 2.11 in use.
 
     rank, local_rank, world_size, device = distributed.torchrun_rank()
     options = distributed.group_options(args, device)  # backend, store, device
@@ -84,8 +84,8 @@ def rendezvous_store() -> dist.Store:
 
 
 def world_size_from_env() -> int:
-    """The number of processes of the run: WORLD_SIZE (torchrun's; run_ddp.sh's for --check),
-    else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
+    """The number of processes of the run: WORLD_SIZE (set by torchrun, or by run_ddp.sh for
+    --check), else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
     value = os.environ.get("WORLD_SIZE", "1")
     size = int(value) if value.strip().isdecimal() else 0
     if size < 1:
@@ -98,7 +98,7 @@ def world_size_from_env() -> int:
 
 
 def rank_from_env(name: str, world_size: int) -> int:
-    """RANK or LOCAL_RANK (torchrun's), 0 where unset; ValueError unless from 0 to world_size-1."""
+    """RANK or LOCAL_RANK (set by torchrun), 0 where unset; ValueError unless 0 to world_size-1."""
     value = os.environ.get(name, "0")
     if value.strip().isdecimal() and int(value) < world_size:
         return int(value)
@@ -150,7 +150,7 @@ def main_process_first() -> Iterator[None]:
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
-    # LOCAL_RANK (torchrun's), not the global rank: each node's local-disk cache needs a first.
+    # LOCAL_RANK, not the global rank: the cache on the local disk of each node needs a first.
     is_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     if not is_first:
         dist.barrier()  # wait until the first processes are done

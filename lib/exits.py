@@ -86,7 +86,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
 
 
 def out_of_memory(e: BaseException) -> str | None:
-    """torch's out-of-memory error in one line (a GPU's, or the CPU allocator's RuntimeError)."""
+    """An out-of-memory error in one line: a GPU's (torch.OutOfMemoryError), or the RuntimeError
+    of the CPU allocator."""
     if isinstance(e, torch.OutOfMemoryError):
         return (str(e) or "no details").splitlines()[0]
     _, found, details = str(e).partition("DefaultCPUAllocator: can't allocate memory: ")
@@ -170,4 +171,4 @@ def end_with_parent(signum: int, parent: int | None = None) -> None:
         except ProcessLookupError:
             os.kill(os.getpid(), signum)
         except PermissionError:
-            pass  # there is, someone else's
+            pass  # there is one, of another user

@@ -193,7 +193,7 @@ def add_memory_flags(g) -> None:
 
 
 def add_special_token_flags(group) -> None:
-    """--bot-token, --eot-token, --pad-token: the train scripts' and export_hf.py --from-hf's."""
+    """--bot-token, --eot-token, --pad-token: flags of the train scripts and of export_hf.py."""
     for role, what, examples in (
         ("bot", "begins each document", "<|begin_of_text|>, <s>, <|endoftext|>"),
         ("eot", "ends each document", "<|end_of_text|>, </s>, <|endoftext|>"),
@@ -259,7 +259,9 @@ class RunSettings:
     changed: a checkpoint records it)."""
 
     model: str | None  # the preset to build; None with --init-from (its config.json)
-    tokenizer: str | None  # the tokenizer.json to use (--tokenizer, --init-from's); None: train
+    tokenizer: (
+        str | None
+    )  # the tokenizer.json to use (--tokenizer, or from --init-from); None: train
     devices: int  # how many devices share one global batch (GPUs, or data-parallel ranks)
     micro_batch_size: int | None  # sequences per device per forward; None: auto, not measured
     accumulation: int  # micro-batches per device per optimizer step

@@ -29,7 +29,7 @@ class Metrics:
         if enabled and os.path.exists(self.path):
             # A run killed after its last checkpoint logged steps that this run logs again, and
             # maybe half a line: keep the whole lines up to the step this run starts from.
-            from lib.checkpoints.resuming import read_metrics  # (a file there: an earlier run's)
+            from lib.checkpoints.resuming import read_metrics  # (an earlier run wrote it)
 
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -70,7 +70,8 @@ class Throughput:
         self.steps += 1
 
     def figures(self) -> dict:
-        """Figures since the last call or restart(), in host time: the loss's .item() synced."""
+        """Figures since the last call or restart(), in host time (each step is synchronised by
+        the .item() of its loss)."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
         rate = self.steps * self.tokens_per_step / seconds
         figures = {

@@ -1,5 +1,5 @@
 """The model a run trains, as the flags say it: the --model preset with the shape flags over it,
-or --init-from's config.json and tokenizer; and the special tokens the flags name. The one place
+or the config.json and tokenizer of --init-from; and the special tokens the flags name. The one place
 flags become a shape (the train scripts, tools/bench.py, memory_plan.py, profile_step.py).
 
     model_config.add_shape_flags(group, flags.number_arg)     # --num-layers, --hidden-size, ...

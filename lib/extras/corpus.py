@@ -26,7 +26,7 @@ BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parq
 SAMPLE_BY = {"paragraph": "paragraph", "line": "line", "file": "document"}
 
 
-TXT_SPLITS = ("auto", "paragraph", "line", "file")  # --txt-split's choices
+TXT_SPLITS = ("auto", "paragraph", "line", "file")  # the choices of --txt-split
 
 
 @dataclass(frozen=True)
