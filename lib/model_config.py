@@ -1,6 +1,6 @@
 """The model a run trains, as the flags say it: the --model preset with the shape flags over it,
-or the config.json and tokenizer of --init-from; and the special tokens the flags name. The one place
-flags become a shape (the train scripts, tools/bench.py, memory_plan.py, profile_step.py).
+or the config.json and tokenizer of --init-from; and the special tokens the flags name. The one
+place flags become a shape (the train scripts, tools/bench.py, memory_plan.py, profile_step.py).
 
     model_config.add_shape_flags(group, flags.number_arg)     # --num-layers, --hidden-size, ...
     preset, tokenizer, config = model_config.model_source(args)  # checked: errors name the flags

@@ -349,7 +349,7 @@ def compare_steps(
     else:
         theirs, optimizer = nanogpt_model(nanogpt, vocab_size)
 
-    def their_loss(model):  # transformers': the same 64 targets, the loss computed as ours is
+    def their_loss(model):  # for transformers: the same 64 targets, the loss computed as ours
         if other == "transformers":
             return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
         return model(x, y)[1]

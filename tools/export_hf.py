@@ -214,7 +214,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         raise ValueError(f"this {kind}'s {', '.join(bad)} differ from what model.py implements")
     if model_type == "llama":
         config = {
-            "num_key_value_heads": hf.get("num_attention_heads", 32),  # HF's: no grouping
+            "num_key_value_heads": hf.get("num_attention_heads", 32),  # HF's default: no grouping
             "rope_theta": 10000.0,
             "rms_norm_eps": 1e-6,
             "max_position_embeddings": 2048,
@@ -463,7 +463,7 @@ def hf_reader(config: LlamaConfig, hf_dir: str):
                 for hf_name in f.keys():
                     if hf_name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's
                         continue
-                    shape = f.get_slice(hf_name).get_shape()  # the header's: no data read
+                    shape = f.get_slice(hf_name).get_shape()  # from the header: no data read
                     meta = torch.empty(shape, device="meta")
                     for name, expert, values in from_hf_tensors(hf_name, meta):
                         where = (hf_dir, file, hf_name, shape, name, expert)

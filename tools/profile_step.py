@@ -92,9 +92,8 @@ def reference_params(model: LlamaForPretraining) -> dict:
         return nn.Parameter(torch.cat([t.detach() for t in tensors], dim))
 
     def mlp(ffn: nn.Module) -> dict:
-        if (
-            model.config.num_local_experts
-        ):  # lib/extras/moe.py's: w1, w3 (E, ffn, d), w2 (E, d, ffn)
+        # As lib/extras/moe.py holds them: w1, w3 (E, ffn, d), w2 (E, d, ffn).
+        if model.config.num_local_experts:
             return {
                 "gate": leaf(ffn.gate.weight),
                 "w13": leaf(ffn.w1, ffn.w3, dim=1),

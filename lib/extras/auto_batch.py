@@ -106,7 +106,7 @@ def auto_micro_batch_size(
     # the micro-steps of an accumulation (set_requires_gradient_sync(False)); a probe does not.
     params = [p for group in optimizer.param_groups for p in group["params"]]
     unsharded_grads = sum(4 * p.numel() for p in params if isinstance(p, DTensor))
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP's; the others have none
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # only DDP has one
     tokens = torch.Generator().manual_seed(0)  # its own generator: training's RNG is untouched
 
     def forward_backward(n: int) -> None:

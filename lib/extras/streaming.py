@@ -107,7 +107,7 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
         if not val_texts:
             raise ValueError(f"corpus {args.data!r} has no non-empty documents")
         held_out = frozenset(map(_digest, val_texts))
-        train_texts, size = [], 0  # the tokenizer's: the documents after, up to its budget
+        train_texts, size = [], 0  # to train the tokenizer: the documents after, up to its budget
         for text in texts:
             if _digest(text) in held_out:
                 continue
