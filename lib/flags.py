@@ -259,9 +259,7 @@ class RunSettings:
     changed: a checkpoint records it)."""
 
     model: str | None  # the preset to build; None with --init-from (its config.json)
-    tokenizer: (
-        str | None
-    )  # the tokenizer.json to use (--tokenizer, or from --init-from); None: train
+    tokenizer: str | None  # the tokenizer.json (--tokenizer, or from --init-from); None: train
     devices: int  # how many devices share one global batch (GPUs, or data-parallel ranks)
     micro_batch_size: int | None  # sequences per device per forward; None: auto, not measured
     accumulation: int  # micro-batches per device per optimizer step

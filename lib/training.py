@@ -338,26 +338,24 @@ class ValidationShard:
 
 @torch.no_grad()
 def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
-    """batch_totals over `loader`, summed, on `device` (one all_reduce adds the ranks' shares,
-    divided once: one process's loss), in the run's precision. attn_mask(x): the model's third
-    argument (attention_masks; train_cp.py's document ids)."""
+    """batch_totals over `loader`, summed on `device` in the precision of the run: one all_reduce
+    then adds the shares of the ranks, divided once, for the loss of one process. attn_mask(x) is
+    the third argument of the model (attention_masks, or the document ids of train_cp.py)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)
     for x, y in loader:  # (on the device)
         with autocast(device, settings.precision):
             loss_sum, targets = model(x, y, attn_mask(x))  # (under CP, this rank's slice)
-        totals += batch_totals(
-            loss_sum.sum(), targets.sum(), loader
-        )  # (.sum(): one per GPU under DP)
+        # .sum(): under DataParallel, the model returns one sum per GPU.
+        totals += batch_totals(loss_sum.sum(), targets.sum(), loader)
     model.train(was_training)
     return totals
 
 
 def batch_totals(loss_sum: torch.Tensor, targets: torch.Tensor, loader) -> torch.Tensor:
-    """(summed loss, targets, bytes of text they stand for) of a validation batch in float64;
-    the bytes are what these targets stand for at the average of the whole set, so one
-    evaluation sums to the text of the set."""
+    """(summed loss, targets, bytes of text they stand for) of a validation batch in float64; the
+    bytes at the average of the whole set, so that one evaluation sums to the text of the set."""
     targets = targets.double()
     return torch.stack([loss_sum.double(), targets, targets * loader.bytes_per_target])
 
