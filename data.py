@@ -50,36 +50,29 @@ STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 
 def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split="auto"):
-    """Documents in one "text" column, in a deterministic order, empty ones dropped: the stdlib's
-    .py files, or what lib/extras/corpus.py reads for another --data. ValueError if unusable."""
-    import datasets
-
+    """Documents in one "text" column, in a deterministic order, empty ones dropped: the .py files
+    of the stdlib, or what lib/extras/corpus.py reads for another --data (imported only then; it
+    also refuses --txt-split for the stdlib). ValueError if unusable."""
     cache = writable_cache_dir(cache_dir, "datasets")
-    source = None  # for another --data: where lib/extras/corpus.py finds it
-    if spec == "stdlib" and txt_split == "auto":
-        files = stdlib_files()
-        try:
-            ds = datasets.load_dataset(
-                "text", data_files=files, split="train", cache_dir=cache, **STDLIB_OPTIONS
-            )
-        except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
-            from lib.extras import corpus
-
-            # No file scan ([]): the bad bytes of the stdlib are never the cause.
-            raise corpus.load_error(e, cache_dir, [], "text", spec) from e
-    else:  # another --data (or --txt-split, which the stdlib refuses)
+    if spec != "stdlib" or txt_split != "auto":
         from lib.extras import corpus
 
-        source = corpus.resolve_source(spec, txt_split)
-        ds = corpus.open_source(source, spec, text_column, cache_dir)
+        return corpus.load_corpus(spec, text_column, cache_dir, txt_split, is_nonempty)
+    import datasets
+
+    files = stdlib_files()
     try:
-        ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
-    except UnicodeDecodeError as e:  # a json file's non-UTF-8 text (the stdlib's is replaced)
-        raise corpus.read_error(source.data_files, source.path, spec, e) from e
+        ds = datasets.load_dataset(
+            "text", data_files=files, split="train", cache_dir=cache, **STDLIB_OPTIONS
+        )
+    except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
+        from lib.extras import corpus
+
+        # No file scan ([]): the bad bytes of the stdlib are never the cause.
+        raise corpus.load_error(e, cache_dir, [], "text", spec) from e
+    ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
     if len(ds) == 0:
         raise ValueError(f"corpus {spec!r} has no non-empty documents")
-    if source is not None and source.txt_mode is not None and len(ds) == 1:
-        raise corpus.one_document_error(source.txt_mode, spec, txt_split)  # split_corpus needs 2
     return ds
 
 

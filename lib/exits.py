@@ -148,27 +148,17 @@ def end_process(code: int) -> None:
 # limit), SIGHUP (the terminal or SSH closed), SIGQUIT (Ctrl-\\); torchrun passes each on.
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
-
-
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def end_with_parent(signum: int, parent: int | None = None) -> None:
+def end_with_parent(signum: int) -> bool:
     """Linux: have the kernel send `signum` to this process when its parent exits, however it ends
     (prctl's PR_SET_PDEATHSIG): a SIGKILL passes nothing on, and children would run on as orphans.
-    Elsewhere, or if prctl fails, nothing. `parent`: its pid if known; already gone: signum now."""
+    Elsewhere, or if prctl fails, nothing. Whether it was set."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
-            return
+        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
     except (OSError, AttributeError):  # no C library to call, or no prctl in it
-        return
-    if parent is not None and os.getppid() != parent:
-        try:
-            os.kill(parent, 0)  # no signal: only whether there is such a process
-        except ProcessLookupError:
-            os.kill(os.getpid(), signum)
-        except PermissionError:
-            pass  # there is one, of another user
+        return False

@@ -41,6 +41,23 @@ class Source:
     txt_mode: str | None = None  # how .txt files became documents (see txt_split_mode)
 
 
+def load_corpus(spec: str, text_column: str, cache_dir: str, txt_split: str, is_nonempty):
+    """data.load_corpus for a --data other than the stdlib: its documents in one "text" column,
+    in a deterministic order, those that fail is_nonempty (passed in by data.py) left out;
+    ValueError if unusable."""
+    source = resolve_source(spec, txt_split)
+    ds = open_source(source, spec, text_column, cache_dir)
+    try:
+        ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+    except UnicodeDecodeError as e:  # a json file's non-UTF-8 text
+        raise read_error(source.data_files, source.path, spec, e) from e
+    if len(ds) == 0:
+        raise ValueError(f"corpus {spec!r} has no non-empty documents")
+    if source.txt_mode is not None and len(ds) == 1:
+        raise one_document_error(source.txt_mode, spec, txt_split)  # split_corpus needs 2
+    return ds
+
+
 def resolve_source(spec: str, txt_split: str = "auto") -> Source:
     """What `spec` (not the stdlib: data.py's own) names, checked without reading any document;
     ValueError saying why not."""

@@ -8,6 +8,7 @@ workers; with none, the batches are read in the training process itself.
 
 import atexit
 import multiprocessing
+import os
 import signal
 import weakref
 from collections.abc import Iterator
@@ -29,7 +30,14 @@ def ignore_stop_signals(worker_id: int) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     parent = multiprocessing.parent_process()  # the training process (with any start method)
-    end_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
+    if end_with_parent(signal.SIGKILL) and parent is not None and os.getppid() != parent.pid:
+        # Already reparented: if the parent exited before prctl took effect, no signal comes.
+        try:
+            os.kill(parent.pid, 0)  # no signal: only whether there is such a process
+        except ProcessLookupError:
+            os.kill(os.getpid(), signal.SIGKILL)
+        except PermissionError:
+            pass  # there is one, of another user
 
 
 def start(loader: DataLoader) -> Iterator:
