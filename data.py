@@ -40,7 +40,8 @@ TOKENIZER_MAX_CHARS = 50_000_000
 PACK_BATCH_DOCS = 1000  # packing cuts windows within each map() batch of this many documents
 TOKENIZE_BATCH_DOCS = 64  # documents per tokenize() batch; the tokens do not depend on it
 
-# A few stdlib files are not UTF-8 (encoding tests): bad bytes become U+FFFD (a user's: refused).
+# A few stdlib files are not UTF-8 (encoding tests): bad bytes become U+FFFD (a user's file with
+# bad bytes is refused instead).
 STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 
@@ -49,37 +50,29 @@ STDLIB_OPTIONS = {"sample_by": "document", "encoding_errors": "replace"}
 
 
 def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split="auto"):
-    """Documents in one "text" column, in a deterministic order, empty ones dropped: the stdlib's
-    .py files, or what lib/extras/corpus.py reads for another --data. ValueError if unusable."""
+    """Documents in one "text" column, in a deterministic order, empty ones dropped: the .py files
+    of the stdlib, or what lib/extras/corpus.py reads for another --data (imported only then; it
+    also refuses --txt-split for the stdlib). ValueError if unusable."""
+    cache = writable_cache_dir(cache_dir, "datasets")
+    if spec != "stdlib" or txt_split != "auto":
+        from lib.extras import corpus
+
+        return corpus.load_corpus(spec, text_column, cache_dir, txt_split, is_nonempty)
     import datasets
 
-    cache = writable_cache_dir(cache_dir, "datasets")
-    source = None  # the stdlib's, or lib/extras/corpus.py's for another --data
-    if spec == "stdlib" and txt_split == "auto":
-        try:
-            ds = datasets.load_dataset("text", data_files=stdlib_files(), split="train",
-                                       cache_dir=cache, **STDLIB_OPTIONS)  # fmt: skip
-        except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
-            from lib.extras import (
-                corpus,  # no file scan: the stdlib's bad bytes are never the cause
-            )
-
-            raise corpus.load_error(e, cache_dir, [], "text", spec) from e
-    else:
-        from lib.extras import (
-            corpus,  # only for another --data (or to refuse --txt-split for the stdlib)
-        )
-
-        source = corpus.resolve_source(spec, txt_split)
-        ds = corpus.open_source(source, spec, text_column, cache_dir)
+    files = stdlib_files()
     try:
-        ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
-    except UnicodeDecodeError as e:  # a json file's non-UTF-8 text (the stdlib's is replaced)
-        raise corpus.read_error(source.data_files, source.path, spec, e) from e
+        ds = datasets.load_dataset(
+            "text", data_files=files, split="train", cache_dir=cache, **STDLIB_OPTIONS
+        )
+    except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
+        from lib.extras import corpus
+
+        # No file scan ([]): the bad bytes of the stdlib are never the cause.
+        raise corpus.load_error(e, cache_dir, [], "text", spec) from e
+    ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
     if len(ds) == 0:
         raise ValueError(f"corpus {spec!r} has no non-empty documents")
-    if source is not None and source.txt_mode is not None and len(ds) == 1:
-        raise corpus.one_document_error(source.txt_mode, spec, txt_split)  # split_corpus needs 2
     return ds
 
 
@@ -119,9 +112,9 @@ def split_corpus(ds: datasets.Dataset, val_fraction: float = 0.01, seed: int = 0
     n = len(ds)
     n_val = max(1, round(val_fraction * n))
     if n - n_val < 1:
-        raise ValueError(f"cannot split {n} document(s) into train and validation with "
-                         f"val_fraction={val_fraction}: need at least 2 documents and 1 left for "
-                         f"training")  # fmt: skip
+        cannot = f"cannot split {n} document(s) into train and validation"
+        need = "need at least 2 documents and 1 left for training"
+        raise ValueError(f"{cannot} with val_fraction={val_fraction}: {need}")
     order = np.random.default_rng(seed).permutation(n)
     val_indices, train_indices = np.sort(order[:n_val]), np.sort(order[n_val:])
     return ds.select(train_indices), ds.select(val_indices)
@@ -166,8 +159,10 @@ def get_tokenizer(train_texts, vocab_size=4096, cache_dir=".cache", path=None, s
     if path is not None:
         return load_tokenizer(path, specials)
     if any((specials or {}).values()):
-        raise ValueError("--bot-token, --eot-token and --pad-token name tokens of a given "
-                         "--tokenizer; a trained one has its own: [BOT], [EOT], [PAD]")  # fmt: skip
+        raise ValueError(
+            "--bot-token, --eot-token and --pad-token name tokens of a given --tokenizer; a "
+            "trained one has its own: [BOT], [EOT], [PAD]"
+        )
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be at least 259 (256 bytes + 3 specials): {vocab_size}")
     texts = _tokenizer_training_texts(train_texts)
@@ -257,8 +252,8 @@ class DocumentTokenizer:
         sizes = torch.zeros(self.get_vocab_size(), dtype=torch.long)
         for piece, i in self.tokenizer.get_vocab(with_added_tokens=False).items():
             lone_byte = re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece)
-            sizes[i] = len(piece) if byte_level else 1 if lone_byte else len(
-                piece.replace("\u2581", " ").encode())  # fmt: skip
+            spelled = piece.replace("\u2581", " ")  # SentencePiece's "▁" is a space
+            sizes[i] = len(piece) if byte_level else 1 if lone_byte else len(spelled.encode())
         specials = [t["id"] for t in spec.get("added_tokens", []) if t.get("special")]
         sizes[[i for i in specials if i < len(sizes)]] = 0  # [BOT], [EOT], [PAD]: no text
         return sizes
@@ -274,8 +269,9 @@ def corpus_digest(tokenizer) -> str | None:
 
 
 def load_tokenizer(path: str, specials: dict[str, str | None] | None = None) -> DocumentTokenizer:
-    """A tokenizer.json made elsewhere (--tokenizer, an out-dir's), with the special tokens
-    `specials` names (--bot-token, ...) or lib/extras/hf_tokenizer.py finds; ValueError if unusable."""
+    """A tokenizer.json made elsewhere (--tokenizer, or the one in an out-dir), with the special
+    tokens that `specials` names (--bot-token, ...) or that lib/extras/hf_tokenizer.py finds;
+    ValueError if it is unusable."""
     from lib.extras import hf_tokenizer  # only for a tokenizer.json the run did not train
 
     return DocumentTokenizer(*hf_tokenizer.read_tokenizer(path, specials, HF_NAMES))
@@ -289,13 +285,18 @@ def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int |
     """Each document as BOT ids... EOT, one int32 "input_ids" column (cached by datasets)."""
     import datasets
 
+    ids = {"tokenizer": tokenizer.tokenizer, "bot_id": tokenizer.bot_id, "eot_id": tokenizer.eot_id}
     return ds.map(
-        _encode_batch, batched=True, input_columns="text", remove_columns=ds.column_names,
-        fn_kwargs={"tokenizer": tokenizer.tokenizer, "bot_id": tokenizer.bot_id,
-                   "eot_id": tokenizer.eot_id},
+        _encode_batch,
+        batched=True,
+        input_columns="text",
+        remove_columns=ds.column_names,
+        fn_kwargs=ids,
         features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-        batch_size=TOKENIZE_BATCH_DOCS, num_proc=num_proc, desc="tokenizing documents",
-    )  # fmt: skip
+        batch_size=TOKENIZE_BATCH_DOCS,
+        num_proc=num_proc,
+        desc="tokenizing documents",
+    )
 
 
 def _encode_batch(texts, tokenizer: Tokenizer, bot_id: int, eot_id: int) -> dict:
@@ -342,17 +343,24 @@ class PretrainingDataset(torch.utils.data.Dataset):
 
         window = seq_length + 1
         windows = dataset.with_format("numpy").map(
-            _cut_windows, batched=True, batch_size=PACK_BATCH_DOCS, input_columns="input_ids",
-            remove_columns=dataset.column_names, fn_kwargs={"seq_length": seq_length},
+            _cut_windows,
+            batched=True,
+            batch_size=PACK_BATCH_DOCS,
+            input_columns="input_ids",
+            remove_columns=dataset.column_names,
+            fn_kwargs={"seq_length": seq_length},
             features=datasets.Features({"window": datasets.List(datasets.Value("int32"), window)}),
-            num_proc=num_proc, desc=f"packing windows of {window} tokens",
-        )  # fmt: skip
+            num_proc=num_proc,
+            desc=f"packing windows of {window} tokens",
+        )
         if len(windows) == 0:
             n_tokens = sum(len(ids) for ids in dataset["input_ids"])
-            raise ValueError(f"the tokenized dataset has {n_tokens} tokens, too few for one "
-                             f"window: pack mode needs at least {window} (seq_length + 1) tokens "
-                             f"within one batch of {PACK_BATCH_DOCS} documents; use more data, a "
-                             f"smaller --seq-length or --data-mode pad")  # fmt: skip
+            raise ValueError(
+                f"the tokenized dataset has {n_tokens} tokens, too few for one window: pack mode "
+                f"needs at least {window} (seq_length + 1) tokens within one batch of "
+                f"{PACK_BATCH_DOCS} documents; use more data, a smaller --seq-length or "
+                "--data-mode pad"
+            )
         self.rows = windows.with_format("numpy")
 
     def __len__(self) -> int:

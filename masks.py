@@ -100,7 +100,8 @@ def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------
-# --document-mask in a run: which kernel, and the mask of each batch (lib/training.py's, for it)
+# --document-mask in a run: which kernel runs it (lib/flags.py asks), and the mask of each batch
+# (lib/training.py asks)
 
 
 def resolve_attention(args, device: torch.device, replicas: int = 1, context_parallel=False) -> str:

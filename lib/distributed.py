@@ -1,5 +1,5 @@
-"""What the lessons' processes share: torchrun's ranks, the process group's store, the rules every
-rank keeps in it; and at the end, the one place for the torch APIs newer than 2.11 that it uses.
+"""What the processes of a lesson share: their ranks (from torchrun), the store where they meet, the
+rules every rank keeps; and at the end, the one place for the torch APIs newer than 2.11 in use.
 
     rank, local_rank, world_size, device = distributed.torchrun_rank()
     options = distributed.group_options(args, device)  # backend, store, device
@@ -7,7 +7,6 @@ rank keeps in it; and at the end, the one place for the torch APIs newer than 2.
 """
 
 import contextlib
-import datetime
 import inspect
 import os
 import signal
@@ -34,17 +33,17 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise ValueError(f"local rank {local_rank} has no GPU: this node has "
-                         f"{torch.cuda.device_count()}; launch at most that many processes per "
-                         f"node (--nproc_per_node)")  # fmt: skip
+        has = f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}"
+        raise ValueError(f"{has}; launch at most that many processes per node (--nproc_per_node)")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return rank, local_rank, world_size, device
 
 
 def group_options(args, device: torch.device) -> dict:
-    """init_process_group's options but rank and world size: the backend, the store where the ranks
-    meet (rendezvous_store) and, on a GPU, the device (NCCL then binds the group to it at once)."""
+    """The options of init_process_group other than rank and world size: the backend, the store
+    where the ranks meet (rendezvous_store) and, on a GPU, the device (NCCL then binds the group
+    to it at once)."""
     return {
         "backend": backend_for(args.backend, device),
         "store": rendezvous_store(),
@@ -53,80 +52,73 @@ def group_options(args, device: torch.device) -> dict:
 
 
 def backend_for(flag: str | None, device: torch.device) -> str:
-    """--backend, or the device's: NCCL between GPUs, gloo for CPU tensors (nccl needs a GPU)."""
+    """--backend, or the backend of the device: NCCL between GPUs, gloo for CPU tensors."""
     backend = flag or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     return backend
 
 
-HAND_STARTED_WAIT = datetime.timedelta(minutes=5)  # ranks started by hand, with no torchrun
-
-
 def rendezvous_store() -> dist.Store:
-    """Where the ranks meet. Under torchrun: its env:// rendezvous, a key prefix per restart attempt
-    (--max-restarts): else a new worker may find the last attempt's address and connect to its dead
-    predecessor (torch 2.13, gloo). Plain `python train_ddp.py`: a group of one, in memory."""
+    """Where the ranks meet. Under torchrun: its env:// rendezvous, with a key prefix for each
+    restart attempt (--max-restarts), or else a new worker may find the address of the last
+    attempt and connect to its dead predecessor (torch 2.13, gloo). Plain `python train_ddp.py`:
+    a group of one, in memory. Ranks started by hand: lib/extras/hand_started.py."""
     if "RANK" not in os.environ:
         if world_size_from_env() > 1:  # (run_ddp.sh's --check stops before it joins a group)
-            raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} without torchrun: launch the "
-                             f"processes with torchrun (or run_ddp.sh), or leave WORLD_SIZE unset "
-                             f"for one process")  # fmt: skip
+            size = f"WORLD_SIZE={os.environ['WORLD_SIZE']}"
+            raise ValueError(
+                f"{size} without torchrun: launch the processes with torchrun (or run_ddp.sh), "
+                "or leave WORLD_SIZE unset for one process"
+            )
         return dist.HashStore()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         store, _, _ = next(dist.rendezvous("env://"))
-    else:  # ranks started by hand: say what it waits for, and for how long
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        print(
-            f"rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE')} (no torchrun): waiting "
-            f"up to {HAND_STARTED_WAIT.seconds} s for the others at {where}",
-            flush=True,
-        )
-        try:
-            store, _, _ = next(dist.rendezvous("env://", timeout=HAND_STARTED_WAIT))
-        except (dist.DistError, RuntimeError, ValueError) as e:  # the others never came
-            raise TrainingError(f"the {os.environ.get('WORLD_SIZE')} ranks never all met at "
-                                f"{where} ({str(e).strip().splitlines()[0][:120]}): start every "
-                                f"RANK from 0 with the same MASTER_ADDR, MASTER_PORT and "
-                                f"WORLD_SIZE, or launch with torchrun") from e  # fmt: skip
+    else:
+        from lib.extras import hand_started
+
+        store = hand_started.rendezvous()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     failure_store.append(dist.PrefixStore(f"attempt_{attempt}", store))  # (exits.say_once)
     return failure_store[-1]
 
 
 def world_size_from_env() -> int:
-    """The number of processes of the run: WORLD_SIZE (torchrun's; run_ddp.sh's for --check),
-    else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
+    """The number of processes of the run: WORLD_SIZE (set by torchrun, or by run_ddp.sh for
+    --check), else 1. ValueError unless a positive integer (0 would divide the batch by zero)."""
     value = os.environ.get("WORLD_SIZE", "1")
     size = int(value) if value.strip().isdecimal() else 0
     if size < 1:
-        raise ValueError(f"WORLD_SIZE={value!r} in the environment is not a positive integer: it "
-                         f"is the number of processes of the run (torchrun sets it; for --check, "
-                         f"set it to the number the run will have, or leave it unset for "
-                         f"one)")  # fmt: skip
+        raise ValueError(
+            f"WORLD_SIZE={value!r} in the environment is not a positive integer: it is the "
+            "number of processes of the run (torchrun sets it; for --check, set it to the number "
+            "the run will have, or leave it unset for one)"
+        )
     return size
 
 
 def rank_from_env(name: str, world_size: int) -> int:
-    """RANK or LOCAL_RANK (torchrun's), 0 where unset; ValueError unless from 0 to world_size-1."""
+    """RANK or LOCAL_RANK (set by torchrun), 0 where unset; ValueError unless 0 to world_size-1."""
     value = os.environ.get(name, "0")
     if value.strip().isdecimal() and int(value) < world_size:
         return int(value)
     bound = f"from 0 to WORLD_SIZE - 1 = {world_size - 1}"
-    raise ValueError(f"{name}={value!r} in the environment is not an integer {bound} (torchrun "
-                     f"sets it; leave it unset for one process)")  # fmt: skip
+    unset = "torchrun sets it; leave it unset for one process"
+    raise ValueError(f"{name}={value!r} in the environment is not an integer {bound} ({unset})")
 
 
 def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
-    """world_size / size: the other side of a grid of ranks one of whose sides is `flag`'s value
-    (e.g. "--tp", 2, "dp x tp"); ValueError unless size is at least 1 and divides world_size."""
+    """world_size / size: the other side of a grid of ranks, one of whose sides is the value of
+    `flag` (e.g. "--tp", 2, "dp x tp"); ValueError unless size is at least 1 and divides
+    world_size."""
     if size < 1:
         raise ValueError(f"{flag} {size} must be at least 1")
     if world_size % size:
-        raise ValueError(f"{flag} {size} must divide the number of ranks ({world_size}): the "
-                         f"ranks form a grid of {grid}; launch a multiple of {size} processes "
-                         f"(torchrun --nproc_per_node) or choose a {flag} that divides "
-                         f"{world_size}")  # fmt: skip
+        raise ValueError(
+            f"{flag} {size} must divide the number of ranks ({world_size}): the ranks form a grid "
+            f"of {grid}; launch a multiple of {size} processes (torchrun --nproc_per_node) or "
+            f"choose a {flag} that divides {world_size}"
+        )
     return world_size // size
 
 
@@ -158,7 +150,7 @@ def main_process_first() -> Iterator[None]:
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
-    # LOCAL_RANK (torchrun's), not the global rank: each node's local-disk cache needs a first.
+    # LOCAL_RANK, not the global rank: the cache on the local disk of each node needs a first.
     is_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     if not is_first:
         dist.barrier()  # wait until the first processes are done

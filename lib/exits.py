@@ -6,7 +6,6 @@ traceback, and a stop on a signal (`Stopped`, lib/loop.py's StopRequest) says so
 import atexit
 import ctypes
 import datetime
-import multiprocessing
 import os
 import signal
 import sys
@@ -46,8 +45,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
             stopped = e.step, e.signum  # not e: its traceback would keep main's frames alive
         if stopped is not None:
             if is_main:
-                print(f"stopped at step {stopped[0]}, checkpoint saved; run the same command to "
-                      f"resume", flush=True)  # fmt: skip
+                resume = "run the same command to resume"
+                print(f"stopped at step {stopped[0]}, checkpoint saved; {resume}", flush=True)
             if dist.is_initialized():
                 # Here, main's frames (DDP's reducer, loader workers) are gone; the barrier keeps
                 # all ranks until rank 0 has said so: torchrun stops all once one exits in error.
@@ -59,8 +58,8 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         code = 2 if isinstance(e, ValueError) else 1
     except KeyboardInterrupt:  # a Ctrl-C before training, or a second one: stopped at once
         if is_main:
-            print("interrupted: stopped at once, without saving; what was written is intact (a "
-                  "training run: the same command resumes it)", file=sys.stderr)  # fmt: skip
+            intact = "what was written is intact (a training run: the same command resumes it)"
+            print(f"interrupted: stopped at once, without saving; {intact}", file=sys.stderr)
         code = 128 + signal.SIGINT
     except SystemExit:
         raise  # argparse's usage errors (exit code 2), ...
@@ -71,12 +70,12 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         # Caught rather than left to the interpreter, so that under torchrun this process too
         # ends with end_process. Out of memory is no bug: one line, with what to change.
         if (memory := out_of_memory(e)) is not None:
-            say_once(f"error: out of memory: {memory} (a smaller --micro-batch-size or model "
-                     f"needs less)", is_main)  # fmt: skip
+            smaller = "a smaller --micro-batch-size or model needs less"
+            say_once(f"error: out of memory: {memory} ({smaller})", is_main)
         elif peer_ended(e):
-            say_once("error: another process of this run ended (killed, or failed: see its own "
-                     "output), so this one cannot go on; the checkpoints are intact: run the same "
-                     "command to resume", is_main)  # fmt: skip
+            ended = "another process of this run ended (killed, or failed: see its own output)"
+            resume = "the checkpoints are intact: run the same command to resume"
+            say_once(f"error: {ended}, so this one cannot go on; {resume}", is_main)
         else:
             traceback.print_exc()
         code = 1
@@ -87,24 +86,30 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
 
 
 def out_of_memory(e: BaseException) -> str | None:
-    """torch's out-of-memory error in one line (a GPU's, or the CPU allocator's RuntimeError)."""
+    """An out-of-memory error in one line: a GPU's (torch.OutOfMemoryError), or the RuntimeError
+    of the CPU allocator."""
     if isinstance(e, torch.OutOfMemoryError):
         return (str(e) or "no details").splitlines()[0]
     _, found, details = str(e).partition("DefaultCPUAllocator: can't allocate memory: ")
     return details.split(". Error code")[0] if found and isinstance(e, RuntimeError) else None
 
 
+# The errors of gloo and NCCL for a connection that the other side closed.
+PEER_ENDED = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+
+
 def peer_ended(e: BaseException) -> bool:
-    """Whether a collective failed because another process of the run is gone (gloo's and
-    NCCL's errors for a connection the other side closed)."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                            "Broken pipe", "NCCL communicator was aborted", "remote process exited")
-    )  # fmt: skip
+    """Whether a collective failed because another process of the run is gone."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_ENDED)
 
 
-failure_store: list[dist.Store] = []  # distributed.rendezvous_store's, under torchrun
+failure_store: list[dist.Store] = []  # the store of distributed.rendezvous_store (torchrun)
 FAILURE_WAIT = 30  # seconds: rank 0 meets a failure every rank meets within moments of them
 
 
@@ -143,37 +148,17 @@ def end_process(code: int) -> None:
 # limit), SIGHUP (the terminal or SSH closed), SIGQUIT (Ctrl-\\); torchrun passes each on.
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker ignores STOP_SIGNALS, which Ctrl-C and Slurm send to all of a job's
-    processes (killed, it would fail the step in flight; training._start_loader ends it). Deaf to
-    SIGTERM, it must not outlive its parent: the kernel kills it when the parent exits."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    parent = multiprocessing.parent_process()  # the training process (with any start method)
-    end_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
-
-
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def end_with_parent(signum: int, parent: int | None = None) -> None:
+def end_with_parent(signum: int) -> bool:
     """Linux: have the kernel send `signum` to this process when its parent exits, however it ends
     (prctl's PR_SET_PDEATHSIG): a SIGKILL passes nothing on, and children would run on as orphans.
-    Elsewhere, or if prctl fails, nothing. `parent`: its pid if known; already gone: signum now."""
+    Elsewhere, or if prctl fails, nothing. Whether it was set."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
-            return
+        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
     except (OSError, AttributeError):  # no C library to call, or no prctl in it
-        return
-    if parent is not None and os.getppid() != parent:
-        try:
-            os.kill(parent, 0)  # no signal: only whether there is such a process
-        except ProcessLookupError:
-            os.kill(os.getpid(), signum)
-        except PermissionError:
-            pass  # there is, someone else's
+        return False

@@ -8,10 +8,8 @@ Tools and tests drive the scripts by these flags' names: keep them stable. Every
 before any data is read. Any flag can also come from `--config FILE` (lib/extras/config_file.py)."""
 
 import argparse
-import importlib.util
 import math
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 
@@ -46,8 +44,9 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see --help)")
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's, with --config FILE's values (lib/extras/config_file.py) as this parse's defaults
-        (the parser unchanged): the command line wins over the file, the file over the defaults."""
+        """As argparse parses, but with the values of --config FILE (lib/extras/config_file.py) as
+        the defaults of this parse (the parser itself unchanged): the command line wins over the
+        file, and the file over the defaults."""
         argv = sys.argv[1:] if args is None else list(args)
         if namespace is None and any(a.split("=")[0] == "--config" for a in argv):
             from lib.extras import config_file  # only for --config
@@ -56,19 +55,33 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(argv, namespace)
 
 
-# fmt: off
-def build_parser(description: str, distributed: bool = False,
-                 sharded: bool = False) -> argparse.ArgumentParser:
-    """The flags every train script takes; distributed: also --backend (the torchrun scripts);
-    sharded: also --async-save (the torchrun scripts that save sharded checkpoints)."""
-    distributed = distributed or sharded
+def build_parser(
+    description: str, distributed: bool = False, sharded: bool = False
+) -> argparse.ArgumentParser:
+    """The flags every train script takes, in groups; distributed: also --backend (the torchrun
+    scripts); sharded: also --async-save (the torchrun scripts that save sharded checkpoints)."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
-    p.add_argument("--config", metavar="FILE", default=None, help="a TOML file of flag values "
-                   "(seq-length = 512); the command line wins over it")
-    if distributed:
-        p.add_argument("--backend", choices=["nccl", "gloo"], default=None,
-                       help="process group backend (default: nccl on GPU, gloo on CPU)")
-    g = p.add_argument_group("data")
+    config_help = "a TOML file of flag values (seq-length = 512); the command line wins over it"
+    p.add_argument("--config", metavar="FILE", default=None, help=config_help)
+    if distributed or sharded:
+        backend_help = "process group backend (default: nccl on GPU, gloo on CPU)"
+        p.add_argument("--backend", choices=["nccl", "gloo"], default=None, help=backend_help)
+    add_data_flags(p.add_argument_group("data"))
+    add_model_flags(p.add_argument_group("model and batch"))
+    add_optimization_flags(p.add_argument_group("optimization"))
+    add_output_flags(p.add_argument_group("logging and checkpoints"), sharded)
+    add_memory_flags(p.add_argument_group("memory"))
+    check_help = (
+        "check the flags (for WORLD_SIZE processes) and exit: run_ddp.sh does, before torchrun"
+    )
+    p.add_argument("--check", action="store_true", help=check_help)
+    return p
+
+
+# The flags of each group, one call each, laid out as a table (the formatter would give every
+# argument a line of its own).
+# fmt: off
+def add_data_flags(g) -> None:
     g.add_argument("--data", default="stdlib", help="corpus: 'stdlib' (this Python's standard "
                    "library), a file, glob or directory of .txt/.jsonl/.json/.parquet, or a hub "
                    "dataset")
@@ -100,7 +113,8 @@ def build_parser(description: str, distributed: bool = False,
     g.add_argument("--streaming", action="store_true", help="read the corpus as a stream, each "
                    "data-parallel rank its own shard (docs/data.md)")
 
-    g = p.add_argument_group("model and batch")
+
+def add_model_flags(g) -> None:
     g.add_argument("--model", default=None, help="preset: tiny, small, medium, 1b, 7b, 13b, 70b "
                    "(default: tiny; with --init-from, its architecture)")
     model_config.add_shape_flags(g, number_arg)
@@ -115,7 +129,8 @@ def build_parser(description: str, distributed: bool = False,
                    help="sequences per device per forward; accumulation makes up the rest "
                    "(default: none). auto (CUDA): the largest that fits, measured")
 
-    g = p.add_argument_group("optimization")
+
+def add_optimization_flags(g) -> None:
     g.add_argument("--max-steps", type=number_arg(int, 1), default=200,
                    help="optimizer steps to train for")
     g.add_argument("--lr", type=number_arg(float, 0, low_open=True), default=3e-3, help="peak "
@@ -142,7 +157,8 @@ def build_parser(description: str, distributed: bool = False,
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile each decoder layer")
 
-    g = p.add_argument_group("logging and checkpoints")
+
+def add_output_flags(g, sharded: bool) -> None:
     g.add_argument("--log-interval", type=number_arg(int, 1), default=10,
                    help="steps between logged losses")
     g.add_argument("--eval-interval", type=number_arg(int, 1), default=50,
@@ -166,37 +182,26 @@ def build_parser(description: str, distributed: bool = False,
     g.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard, in "
                    "OUT_DIR/tensorboard (pip install -r requirements-tensorboard.txt)")
 
-    g = p.add_argument_group("memory")
+
+def add_memory_flags(g) -> None:
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each "
                    "decoder layer in backward: less activation memory for ~1/3 more compute")
     g.add_argument("--plan", action="store_true",
                    help="print the per-GPU memory estimate of this run (python -m "
                    "tools.memory_plan's) at start-up")
-    p.add_argument("--check", action="store_true", help="check the flags (for WORLD_SIZE "
-                   "processes) and exit: run_ddp.sh does, before torchrun")
-    return p
 # fmt: on
 
 
 def add_special_token_flags(group) -> None:
-    """--bot-token, --eot-token, --pad-token: the train scripts' and export_hf.py --from-hf's."""
+    """--bot-token, --eot-token, --pad-token: flags of the train scripts and of export_hf.py."""
     for role, what, examples in (
         ("bot", "begins each document", "<|begin_of_text|>, <s>, <|endoftext|>"),
         ("eot", "ends each document", "<|end_of_text|>, </s>, <|endoftext|>"),
         ("pad", "pads rows in --data-mode pad", "<pad>; else the end token"),
     ):
-        group.add_argument(
-            f"--{role}-token", default=None, metavar="TOKEN",
-            help=f"a given tokenizer's token that {what} (default: its tokenizer_config.json's, "
-            f"else the usual: {examples})",
-        )  # fmt: skip
-
-
-def compiler_missing(device: torch.device) -> str | None:
-    """Why --compile cannot run on `device`, or None: Inductor builds C++ for a CPU with $CXX."""
-    if device.type == "cpu" and not shutil.which(cxx := os.environ.get("CXX", "g++")):
-        return f"--compile on a CPU needs a C++ compiler ({cxx}): install one, set CXX or drop it"
-    return None
+        usual = f"(default: its tokenizer_config.json's, else the usual: {examples})"
+        help = f"a given tokenizer's token that {what} {usual}"
+        group.add_argument(f"--{role}-token", default=None, metavar="TOKEN", help=help)
 
 
 def micro_batch_size_arg(value: str) -> int | str:
@@ -254,7 +259,7 @@ class RunSettings:
     changed: a checkpoint records it)."""
 
     model: str | None  # the preset to build; None with --init-from (its config.json)
-    tokenizer: str | None  # the tokenizer.json to use (--tokenizer, --init-from's); None: train
+    tokenizer: str | None  # the tokenizer.json (--tokenizer, or from --init-from); None: train
     devices: int  # how many devices share one global batch (GPUs, or data-parallel ranks)
     micro_batch_size: int | None  # sequences per device per forward; None: auto, not measured
     accumulation: int  # micro-batches per device per optimizer step
@@ -269,79 +274,103 @@ class RunSettings:
 
 
 def run_settings(
-    parser, args, devices: int, device: torch.device, replicas: int = 1,
-    default_micro_batch_size: int | None = None, context_parallel: bool = False, fp16: bool = True,
-) -> RunSettings:  # fmt: skip
+    parser,
+    args,
+    devices: int,
+    device: torch.device,
+    replicas: int = 1,
+    default_micro_batch_size: int | None = None,
+    context_parallel: bool = False,
+    fp16: bool = True,
+) -> RunSettings:
     """Check the flags against each other, the processes and the device (ValueError through
     parser.error); return the settings. devices: how many share one global batch (GPUs under
-    DataParallel, ranks under DDP, data-parallel groups under TP and PP); replicas,
-    context_parallel: masks.resolve_attention's; default_micro_batch_size: without
-    --micro-batch-size (None: --batch-size / devices); fp16=False: refuse --precision fp16 (no
-    loss scaling of sharded gradients). --micro-batch-size auto: micro_batch_size None until
-    auto_batch.auto_micro_batch_size has measured it on the GPU."""
+    DataParallel, ranks under DDP, data-parallel groups under TP and PP); replicas and
+    context_parallel: as masks.resolve_attention takes them; default_micro_batch_size: the
+    micro-batch without --micro-batch-size (None: --batch-size / devices); fp16=False: refuse
+    --precision fp16 (no loss scaling of sharded gradients). With --micro-batch-size auto, the
+    micro-batch is None until auto_batch.auto_micro_batch_size has measured it on the GPU."""
     # Each number's own range was checked as it was parsed (number_arg).
-    rank_from_env("RANK", world_size := world_size_from_env())  # ValueError unless valid
-    if world_size > 1 and not hasattr(args, "backend"):  # (--backend: the torchrun scripts')
-        parser.error(f"{parser.prog} is one process, not a torchrun worker (WORLD_SIZE="
-                     f"{world_size}): start it with python, or use train_ddp.py")  # fmt: skip
-    try:  # --backend: the torchrun scripts' flag
-        backend_for(getattr(args, "backend", None), device)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.streaming:
-        from lib.extras import streaming  # only for --streaming
-
-        streaming.check_flags(parser, args)
+    check_processes(parser, args, device)
+    check_optional_flags(parser, args, device)
     if args.warmup_steps > args.max_steps and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: `--max-steps 10` for a quick try should not need --warmup-steps as well.
-        print(f"warning: --warmup-steps {args.warmup_steps} is more than --max-steps "
-              f"{args.max_steps}: the learning rate rises for the whole run and never reaches "
-              f"--lr {args.lr}", file=sys.stderr)  # fmt: skip
-    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        parser.error("--tensorboard needs the tensorboard package: pip install -r "
-                     "requirements-tensorboard.txt (or drop --tensorboard: metrics.jsonl has every "
-                     "value)")  # fmt: skip
-    if args.compile and (missing := compiler_missing(device)):
-        parser.error(missing)
-    if getattr(args, "replicate", 1) > 1:  # HSDP (lib/parallel/fsdp.py's flags): a grid of ranks
-        try:
-            divide_ranks(world_size, "--replicate", args.replicate, "replicas x shard groups")
-        except ValueError as e:
-            parser.error(str(e))
+        longer = f"--warmup-steps {args.warmup_steps} is more than --max-steps {args.max_steps}"
+        never = f"the learning rate rises for the whole run and never reaches --lr {args.lr}"
+        print(f"warning: {longer}: {never}", file=sys.stderr)
     if not fp16 and args.precision == "fp16":
-        parser.error(f"{parser.prog} supports --precision bf16 or fp32: fp16 needs loss scaling "
-                     f"of sharded gradients, which this lesson does not implement")  # fmt: skip
+        refused = f"{parser.prog} supports --precision bf16 or fp32: fp16 needs loss scaling"
+        parser.error(f"{refused} of sharded gradients, which this lesson does not implement")
     auto = args.micro_batch_size == "auto"
-    if auto and not torch.cuda.is_available():
-        # Nothing to measure: torch counts peak memory on GPUs only, and a CPU that runs out of
-        # memory swaps or has the process killed instead of raising an error one could catch.
-        parser.error("--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU "
-                     "give a number, or leave the flag out (no accumulation: --batch-size / "
-                     "devices per forward)")  # fmt: skip
     micro = default_micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     if auto or micro is None:
         micro = args.batch_size // devices  # each device's share (auto: the largest candidate)
     per_step = micro * devices
     if micro == 0 or args.batch_size % per_step:
-        parser.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
-                     f"({micro}) x devices ({devices}) = {per_step}, so that every optimizer step "
-                     f"sees exactly the global batch")  # fmt: skip
+        product = f"--micro-batch-size ({micro}) x devices ({devices}) = {per_step}"
+        exactly = "so that every optimizer step sees exactly the global batch"
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of {product}, {exactly}")
     # Model, tokenizer and sequence length: checked now, not after minutes of data preparation.
     try:
         model, tokenizer, config = model_config.model_source(args)
     except ValueError as e:
         parser.error(str(e))
     if args.seq_length > config.max_position_embeddings:
-        parser.error(f"--seq-length {args.seq_length} exceeds the {model or args.init_from} "
-                     f"model's max_position_embeddings "
-                     f"({config.max_position_embeddings})")  # fmt: skip
+        longest = f"max_position_embeddings ({config.max_position_embeddings})"
+        name = model or args.init_from
+        parser.error(f"--seq-length {args.seq_length} exceeds the {name} model's {longest}")
+    attention = "sdpa"  # without --document-mask, plain causal attention: SDPA's flash kernel
+    if args.document_mask or args.attention != "auto":
+        import masks
+
+        attention = masks.resolve_attention(args, device, replicas, context_parallel)
     return RunSettings(
-        model=model, tokenizer=tokenizer, devices=devices,
-        micro_batch_size=None if auto else micro, accumulation=args.batch_size // per_step,
+        model=model,
+        tokenizer=tokenizer,
+        devices=devices,
+        micro_batch_size=None if auto else micro,
+        accumulation=args.batch_size // per_step,
         precision=training.resolve_precision(args.precision, device),
-        attention=training.resolve_attention(args, device, replicas, context_parallel),
+        attention=attention,
         grad_clip=args.grad_clip,
-    )  # fmt: skip
+    )
+
+
+def check_processes(parser, args, device: torch.device) -> None:
+    """parser.error unless the processes fit the script and the flags: RANK and WORLD_SIZE,
+    --backend for the device, and the grid of ranks of HSDP (--replicate, lib/parallel/fsdp.py)."""
+    rank_from_env("RANK", world_size := world_size_from_env())  # ValueError unless valid
+    if world_size > 1 and not hasattr(args, "backend"):  # (only the torchrun scripts have it)
+        one = f"{parser.prog} is one process, not a torchrun worker (WORLD_SIZE={world_size})"
+        parser.error(f"{one}: start it with python, or use train_ddp.py")
+    try:
+        backend_for(getattr(args, "backend", None), device)
+        if getattr(args, "replicate", 1) > 1:
+            divide_ranks(world_size, "--replicate", args.replicate, "replicas x shard groups")
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def check_optional_flags(parser, args, device: torch.device) -> None:
+    """parser.error for an optional feature that cannot run here, checked by the module of that
+    feature, which is imported only when its flag is given."""
+    if args.streaming:
+        from lib.extras import streaming
+
+        streaming.check_flags(parser, args)
+    if args.tensorboard:
+        from lib.extras import tensorboard
+
+        tensorboard.check_installed(parser)
+    if args.compile:
+        from lib.extras import speed
+
+        if missing := speed.compiler_missing(device):
+            parser.error(missing)
+    if args.micro_batch_size == "auto":
+        from lib.extras import auto_batch
+
+        auto_batch.check_device(parser)
 
 
 def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.device) -> str:
@@ -354,18 +383,16 @@ def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.devi
     model += f", vocab {config.vocab_size}"
     if config.num_local_experts:
         model += f", experts {config.num_local_experts}, {config.num_experts_per_tok} per token"
-    kernel = f", document mask by {run.attention}" if args.document_mask else ""
-    return "\n".join([
-        model,
-        f"device: {device} x {run.devices}, precision {run.precision}, compile {args.compile}"
-        + kernel,
-        f"batch: {args.batch_size} sequences x {args.seq_length} tokens = {tokens_per_step:,} "
-        f"tokens per step = micro-batch {run.micro_batch_size} x {run.devices} devices x "
-        f"{run.accumulation} accumulation steps",
-        f"schedule: {args.max_steps} steps = {args.max_steps * tokens_per_step / 1e6:.1f}M "
-        f"tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine to "
-        f"{args.lr * args.min_lr_ratio:g})",
-    ])  # fmt: skip
+    hardware = f"device: {device} x {run.devices}, precision {run.precision}"
+    hardware += f", compile {args.compile}"
+    if args.document_mask:
+        hardware += f", document mask by {run.attention}"
+    batch = f"batch: {args.batch_size} sequences x {args.seq_length} tokens"
+    split = f"micro-batch {run.micro_batch_size} x {run.devices} devices x {run.accumulation}"
+    batch += f" = {tokens_per_step:,} tokens per step = {split} accumulation steps"
+    tokens = f"{args.max_steps * tokens_per_step / 1e6:.1f}M tokens"
+    lr = f"lr {args.lr} (warmup {args.warmup_steps}, cosine to {args.lr * args.min_lr_ratio:g})"
+    return "\n".join([model, hardware, batch, f"schedule: {args.max_steps} steps = {tokens}, {lr}"])
 
 
 def check_only(parser, args) -> bool:
@@ -385,5 +412,7 @@ def measured(settings, args, model, attn_mask, optimizer, config, device):
 
     # A forward of one process takes micro-batch x replicas rows: DataParallel's GPUs, or 1.
     replicas = 1 if torch.distributed.is_initialized() else settings.devices
-    return auto_micro_batch_size(args, settings, model, attn_mask, optimizer, config.vocab_size,
-                                 device, replicas)  # fmt: skip
+    vocab_size = config.vocab_size
+    return auto_micro_batch_size(
+        args, settings, model, attn_mask, optimizer, vocab_size, device, replicas
+    )

@@ -16,39 +16,32 @@ from model import LlamaConfig, count_active_parameters
 
 class Metrics:
     """Appends one JSON object per line to metrics.jsonl (where `enabled`: global rank 0); with
-    --tensorboard, each number also to out_dir/tensorboard as train/<name> or val/<name>."""
+    --tensorboard, each number also to TensorBoard (lib/extras/tensorboard.py)."""
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int, tensorboard: bool = False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled = enabled
         self.writer = None
         if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from lib.extras.tensorboard import TensorBoard
 
-            # purge_step: TensorBoard hides old steps after this start, as metrics.jsonl is cut
-            directory = os.path.join(out_dir, "tensorboard")
-            self.writer = SummaryWriter(directory, purge_step=resume_step + 1)
+            self.writer = TensorBoard(out_dir, resume_step)
         if enabled and os.path.exists(self.path):
             # A run killed after its last checkpoint logged steps that this run logs again, and
             # maybe half a line: keep the whole lines up to the step this run starts from.
-            from lib.checkpoints.resuming import read_metrics  # (a file there: an earlier run's)
+            from lib.checkpoints.resuming import read_metrics  # (an earlier run wrote it)
 
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, **record) -> None:
-        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                  for k, v in record.items()}  # fmt: skip
+        finite = lambda v: not isinstance(v, float) or math.isfinite(v)
+        record = {k: v if finite(v) else None for k, v in record.items()}  # JSON has no NaN
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            group = "val" if "val_loss" in record else "train"
-            for name, value in record.items():
-                if name != "step" and isinstance(value, (int, float)):
-                    tag = f"{group}/{name.removeprefix('val_')}"
-                    self.writer.add_scalar(tag, value, record["step"])
-            self.writer.flush()  # on disk now: a killed run loses nothing it logged
+            self.writer.log(record)
 
     def log_validation(self, step: int, val_loss: float, val_bpb: float) -> None:
         """An evaluation's record, also printed above the progress bar (where enabled): the
@@ -56,8 +49,8 @@ class Metrics:
         ppl = math.exp(min(val_loss, 50.0))  # capped: exp of an early, huge loss is just noise
         self.log(step=step, val_loss=val_loss, val_bpb=val_bpb, val_ppl=ppl)
         if self.enabled:
-            tqdm.write(f"step {step}: val loss {val_loss:.4f}, {val_bpb:.4f} bits per byte, "
-                       f"perplexity {ppl:.1f}")  # fmt: skip
+            bits = f"{val_bpb:.4f} bits per byte"
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}, {bits}, perplexity {ppl:.1f}")
 
 
 class Throughput:
@@ -77,21 +70,24 @@ class Throughput:
         self.steps += 1
 
     def figures(self) -> dict:
-        """Figures since the last call or restart(), in host time: the loss's .item() synced."""
+        """Figures since the last call or restart(), in host time (each step is synchronised by
+        the .item() of its loss)."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
         rate = self.steps * self.tokens_per_step / seconds
         figures = {
-            "tokens_per_sec": rate, "step_ms": 1000 * seconds / max(self.steps, 1),
+            "tokens_per_sec": rate,
+            "step_ms": 1000 * seconds / max(self.steps, 1),
             "mfu": mfu(rate, self.flops_per_token, self.peak_flops, self.devices),
             "peak_memory_gb": peak_memory_gb(self.device),
-        }  # fmt: skip
+        }
         self.restart()
         return figures
 
 
 def router_figures(model: torch.nn.Module, group=None) -> dict:
-    """A mixture of experts' routing since the last call, over the global batch (moe.router_figures,
-    a collective over `group`, default all ranks); {} for a dense model (it never loads moe.py)."""
+    """The routing of a mixture of experts since the last call, over the global batch (a
+    collective over `group`, default all ranks: moe.router_figures); {} for a dense model,
+    which never imports lib/extras/moe.py."""
     moe = sys.modules.get("lib.extras.moe")
     return {} if moe is None else moe.router_figures(model, group)
 
@@ -99,8 +95,8 @@ def router_figures(model: torch.nn.Module, group=None) -> dict:
 def bar_postfix(loss: float, lr: float, figures: dict) -> dict:
     """The progress bar's figures at a log step (MFU where the GPU's peak is known)."""
     rate, step_ms = figures["tokens_per_sec"], figures["step_ms"]
-    postfix = {"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}",
-               "step_ms": f"{step_ms:,.1f}"}  # fmt: skip
+    postfix = {"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}"}
+    postfix["step_ms"] = f"{step_ms:,.1f}"
     if figures["mfu"] is not None:
         postfix["mfu"] = f"{100 * figures['mfu']:.1f}%"
     return postfix

@@ -1,6 +1,6 @@
 """The model a run trains, as the flags say it: the --model preset with the shape flags over it,
-or --init-from's config.json and tokenizer; and the special tokens the flags name. The one place
-flags become a shape (the train scripts, tools/bench.py, memory_plan.py, profile_step.py).
+or the config.json and tokenizer of --init-from; and the special tokens the flags name. The one
+place flags become a shape (the train scripts, tools/bench.py, memory_plan.py, profile_step.py).
 
     model_config.add_shape_flags(group, flags.number_arg)     # --num-layers, --hidden-size, ...
     preset, tokenizer, config = model_config.model_source(args)  # checked: errors name the flags
@@ -20,8 +20,9 @@ SHAPE_FLAGS = {
     "num_kv_heads": ("num_key_value_heads", "key/value heads (fewer: grouped-query attention)"),
     "ffn_size": ("intermediate_size", "width of the SwiGLU MLP"),
 }
-# The mixture-of-experts flags (lib/extras/moe.py, check_expert_flags): each replaces one LlamaConfig field
-# too, with its own range (flag: field, what, number_arg's kind and lower bound, metavar).
+# The mixture-of-experts flags (checked by check_expert_flags in lib/extras/moe.py): each replaces
+# one LlamaConfig field too, with its own range (flag: field, what it is, the kind and lower bound
+# for number_arg, metavar).
 EXPERT_FLAGS = {
     "num_experts": ("num_local_experts", "experts per MoE layer (0: the dense SwiGLU MLP)",
                     int, 0, "N"),
@@ -39,13 +40,14 @@ TRAINING_ONLY = ("router_aux_loss_coef",)
 def add_shape_flags(group, number_arg) -> None:
     """--num-layers ... --ffn-size, --num-experts ...: each refused outside its range."""
     for name, (field, what) in SHAPE_FLAGS.items():
-        group.add_argument(f"--{name.replace('_', '-')}", type=number_arg(int, 1), default=None,
-                           metavar="N", help=f"{what}: LlamaConfig.{field} (default: the "
-                           f"preset's)")  # fmt: skip
+        help = f"{what}: LlamaConfig.{field} (default: the preset's)"
+        flag = f"--{name.replace('_', '-')}"
+        group.add_argument(flag, type=number_arg(int, 1), default=None, metavar="N", help=help)
     for name, (field, what, kind, low, metavar) in EXPERT_FLAGS.items():  # presets: dense
-        group.add_argument(f"--{name.replace('_', '-')}", type=number_arg(kind, low),
-                           default=None, metavar=metavar, help=f"{what}: LlamaConfig.{field} "
-                           f"(default: {getattr(LlamaConfig, field)})")  # fmt: skip
+        help = f"{what}: LlamaConfig.{field} (default: {getattr(LlamaConfig, field)})"
+        parse = number_arg(kind, low)
+        flag = f"--{name.replace('_', '-')}"
+        group.add_argument(flag, type=parse, default=None, metavar=metavar, help=help)
 
 
 def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConfig:
@@ -80,13 +82,13 @@ def preset_config(args, preset: str, vocab_size: int | None = None) -> LlamaConf
         a, b = ("hidden_size", "num_heads") if d % h else ("num_heads", "num_kv_heads")
         raise ValueError(f"{said(a)} is not divisible by {said(b)}")
     if d // h % 2:
-        raise ValueError(f"{said('hidden_size')} / {said('num_heads')} = head_dim {d // h}: "
-                         f"rotary embeddings need an even head_dim")  # fmt: skip
+        ratio = f"{said('hidden_size')} / {said('num_heads')} = head_dim {d // h}"
+        raise ValueError(f"{ratio}: rotary embeddings need an even head_dim")
     return LlamaConfig(**config)
 
 
 def model_name(args, preset: str | None) -> str:
-    """The model's name at start-up: tiny, tiny with --num-layers 8, or from DIR (--init-from)."""
+    """The name of the model at start-up: tiny, tiny with --num-layers 8, or from DIR."""
     if preset is None:
         return f"from {args.init_from}"
     given = [n for n in MODEL_FLAGS if getattr(args, n, None) is not None]
@@ -96,7 +98,8 @@ def model_name(args, preset: str | None) -> str:
 
 def model_shape(args) -> LlamaConfig:
     """The architecture this run trains, known before any data is read: the --model preset
-    shaped by the flags (vocab_size: a trained tokenizer's), or --init-from's config.json."""
+    shaped by the flags (vocab_size: that of a trained tokenizer), or the config.json of
+    --init-from."""
     if args.init_from is None:
         return preset_config(args, args.model or "tiny")
     from lib.checkpoints.finished_run import init_from_config  # only for --init-from
@@ -105,8 +108,8 @@ def model_shape(args) -> LlamaConfig:
     if getattr(args, "router_aux_loss_coef", None) is None:
         return config
     if not config.num_local_experts:
-        raise ValueError(f"--router-aux-loss-coef weighs a mixture of experts' load-balancing "
-                         f"loss, and --init-from {args.init_from} is a dense model")  # fmt: skip
+        weighs = "--router-aux-loss-coef weighs the load-balancing loss of a mixture of experts"
+        raise ValueError(f"{weighs}, and --init-from {args.init_from} is a dense model")
     return dataclasses.replace(config, router_aux_loss_coef=args.router_aux_loss_coef)
 
 
@@ -117,8 +120,8 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
     if args.init_from is not None:
         from lib.checkpoints.finished_run import check_init_from  # only for --init-from
 
-        shaping = ["model", "tokenizer", "vocab_size",
-                   *(n for n in MODEL_FLAGS if n not in TRAINING_ONLY)]  # fmt: skip
+        shaping = ["model", "tokenizer", "vocab_size"]
+        shaping += [n for n in MODEL_FLAGS if n not in TRAINING_ONLY]
         given = [f"--{n.replace('_', '-')}" for n in shaping if getattr(args, n) is not None]
         check_init_from(args, given)
         # The weights only mean something with the tokenizer they were trained with.
@@ -131,9 +134,10 @@ def model_source(args) -> tuple[str | None, str | None, LlamaConfig]:
 
             check_tokenizer(config, loaded, args.init_from)
     elif any(special_tokens(args).values()):
-        raise ValueError("--bot-token, --eot-token and --pad-token name tokens of --tokenizer's "
-                         "(or --init-from's) tokenizer; the one a run trains has its own: [BOT], "
-                         "[EOT], [PAD]")  # fmt: skip
+        raise ValueError(
+            "--bot-token, --eot-token and --pad-token name tokens of --tokenizer's (or "
+            "--init-from's) tokenizer; the one a run trains has its own: [BOT], [EOT], [PAD]"
+        )
     return model, tokenizer, config
 
 
@@ -152,5 +156,6 @@ def vocab_size(args) -> int:
 
 
 def special_tokens(args) -> dict[str, str | None]:
-    """The special tokens the flags name (None: found in the tokenizer: lib/extras/hf_tokenizer.py)."""
+    """The special tokens that the flags name (None: lib/extras/hf_tokenizer.py finds it in the
+    tokenizer)."""
     return {"bot": args.bot_token, "eot": args.eot_token, "pad": args.pad_token}

@@ -1,21 +1,19 @@
-"""The parts of a training run that no parallel strategy changes: the datasets and each step's
-batches, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and the
-end of a run. Each train_*.py keeps its own visible loop and calls these, so neighbouring lessons
-differ by the concept each adds. Optional features' modules are imported where used:
-lib/extras/streaming.py, masks.py (--document-mask), lib/checkpoints/finished_run.py (--init-from)."""
+"""The parts of a training run that no parallel strategy changes: the datasets and the batches of
+each step, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and
+the end of a run. Each train_*.py keeps its own visible loop and calls these, so neighbouring
+lessons differ by the concept each adds. A module that only a flag needs is imported where that
+flag is handled: lib/extras/streaming.py (--streaming), lib/extras/loader_workers.py
+(--num-workers), lib/extras/speed.py (--compile, --activation-checkpointing), masks.py
+(--document-mask), lib/checkpoints/finished_run.py (--init-from)."""
 
-import atexit
 import contextlib
-import functools
 import math
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Subset
 
 import data
@@ -23,7 +21,6 @@ from lib import model_config
 from lib.checkpoints import save_failed, save_final
 from lib.checkpoints.files import TEMP_RE
 from lib.distributed import main_process_first
-from lib.exits import ignore_stop_signals
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, initial_weight, reset_buffers
 
 # -------------------------------------------------------------------------------------------------
@@ -31,8 +28,8 @@ from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, initial_weight
 
 
 def build_datasets(args, tokenizer_path: str | None):
-    """Corpus -> tokenizer (tokenizer_path's, or trained) -> tokenized datasets: (train, val,
-    tokenizer), made by one process per node; val: the first --eval-batches x --batch-size
+    """Corpus -> tokenizer (the one at tokenizer_path, or trained) -> tokenized datasets: (train,
+    val, tokenizer), made by one process per node; val: the first --eval-batches x --batch-size
     sequences of the validation split. With --streaming, train is a streaming.Stream."""
     if args.streaming:
         from lib.extras import streaming  # only for --streaming
@@ -68,24 +65,28 @@ def _cached_datasets(args, tokenizer_path: str | None):
 
 def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) -> str:
     """The start-up summary of the data: train and val as (documents, tokens, sequences), and
-    the share of an epoch (the split's whole batches) that --max-steps covers."""
+    the share of an epoch (the whole batches of the split) that --max-steps covers."""
 
     def size(n: int) -> str:
         return f"{n:,}" if n < 1e6 else f"{n / 1e6:,.1f}M" if n < 1e9 else f"{n / 1e9:,.2f}B"
 
     docs, tokens, sequences = train
     epoch_steps = sequences // args.batch_size
-    epochs = (f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps" if epoch_steps
-              else "more than the split has (fewer sequences than one batch)")  # fmt: skip
-    return (f"data: {docs:,} train documents = {size(tokens)} tokens -> {sequences:,} sequences "
-            f"of {args.seq_length} ({args.data_mode}); {val[0]:,} validation documents = "
-            f"{size(val[1])} tokens -> {val[2]:,} sequences\n"
-            f"this run: {args.max_steps:,} steps x {args.batch_size} sequences = "
-            f"{args.max_steps * args.batch_size:,} sequences = {epochs}")  # fmt: skip
+    epochs = "more than the split has (fewer sequences than one batch)"
+    if epoch_steps:
+        epochs = f"{args.max_steps / epoch_steps:,.2f} epochs of {epoch_steps:,} steps"
+    split = f"{sequences:,} sequences of {args.seq_length} ({args.data_mode})"
+    held_out = f"{val[0]:,} validation documents = {size(val[1])} tokens -> {val[2]:,} sequences"
+    run = f"{args.max_steps:,} steps x {args.batch_size} sequences"
+    return (
+        f"data: {docs:,} train documents = {size(tokens)} tokens -> {split}; {held_out}\n"
+        f"this run: {run} = {args.max_steps * args.batch_size:,} sequences = {epochs}"
+    )
 
 
 def is_stream(dataset) -> bool:
-    """Whether `dataset` is a streaming.Stream (--streaming): only if lib/extras/streaming.py is loaded."""
+    """Whether `dataset` is a streaming.Stream (--streaming); lib/extras/streaming.py is never
+    imported to find out."""
     streaming = sys.modules.get("lib.extras.streaming")
     return streaming is not None and isinstance(dataset, streaming.Stream)
 
@@ -96,33 +97,32 @@ def steps_per_epoch(train_ds, args) -> int | None:
         return None
     steps = len(train_ds) // args.batch_size
     if steps == 0:
-        raise ValueError(f"--batch-size {args.batch_size} is more than the training split's "
-                         f"{len(train_ds)} sequences: add data or lower --batch-size")  # fmt: skip
+        message = f"--batch-size {args.batch_size} is more than the {len(train_ds)} sequences"
+        raise ValueError(f"{message} of the training split: add data or lower --batch-size")
     return steps
 
 
-def step_batches(
-    args, settings, dataset, epoch_order: Callable[[int], list[int]], rows: int,
-    device: torch.device, start: tuple[int, list[dict] | None], shard: tuple[int, int] = (0, 1),
-) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
-    """The steps from start = (step, data position) on, each step's accumulation micro-batches of
-    `rows` sequences in the order epoch_order(epoch) gives (a resume reads what a run never stopped
-    would), or streaming.StreamingBatches with `shard` (dp rank, dp size) for --streaming."""
+def step_batches(args, settings, dataset, epoch_order, rows, device, start, shard=(0, 1)):
+    """The batches of each step from start = (step, data position) on: `settings.accumulation`
+    micro-batches of `rows` sequences, in the order epoch_order(epoch) gives (a resumed run reads
+    what a run never stopped would). With --streaming: the streaming.StreamingBatches of `shard`
+    = (dp rank, dp size). `device` decides whether the batches are pinned for the GPU."""
     start_step, data_position = start
-    pin_memory = device.type == "cuda"  # copies to the GPU from pinned memory run asynchronously
-    num_workers = args.num_workers
-    if num_workers is None:  # --num-workers' default (lib/flags.py): none on a CPU, one on a GPU
-        num_workers = 1 if pin_memory else 0
+    pin = device.type == "cuda"  # copies to the GPU from pinned memory run asynchronously
+    workers = args.num_workers
+    if workers is None:  # the default of --num-workers: none on a CPU, one on a GPU
+        workers = 1 if pin else 0
     if is_stream(dataset):
         from lib.extras import streaming
 
         state = streaming.own_position(data_position, *shard) if start_step > 0 else None
-        return streaming.StreamingBatches(dataset, rows, settings.accumulation, *shard,
-                                          state=state, read_ahead=num_workers)  # fmt: skip
+        return streaming.StreamingBatches(
+            dataset, rows, settings.accumulation, *shard, state=state, read_ahead=workers
+        )
+    steps = steps_per_epoch(dataset, args)
     return batches_from(
-        dataset, epoch_order, rows, settings.accumulation, steps_per_epoch(dataset, args),
-        start_step, num_workers, pin_memory,
-    )  # fmt: skip
+        dataset, epoch_order, rows, settings.accumulation, steps, start_step, workers, pin
+    )
 
 
 def to_device(micro_batches: list, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -130,58 +130,39 @@ def to_device(micro_batches: list, device: torch.device) -> list[tuple[torch.Ten
     return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in micro_batches]
 
 
-def batches_from(dataset, epoch_order, micro_batch_size: int, accumulation: int,
-                 steps_per_epoch: int, start_step: int, num_workers: int = 0,
-                 pin_memory: bool = False) -> Iterator[list]:  # fmt: skip
-    """step_batches over a cached dataset: each step's `accumulation` micro-batches, in order."""
+def batches_from(
+    dataset, epoch_order, rows, accumulation, steps_per_epoch, start_step, workers=0, pin=False
+) -> Iterator[list]:
+    """step_batches over a cached dataset: each step's `accumulation` micro-batches of `rows`
+    sequences, in order, read by `workers` processes (0: by this one), pinned if `pin`."""
+    worker_init, start = None, iter
+    if workers > 0:  # processes that read ahead: lib/extras/loader_workers.py starts and ends them
+        from lib.extras import loader_workers
+
+        worker_init, start = loader_workers.ignore_stop_signals, loader_workers.start
     epoch, step_in_epoch = divmod(start_step, steps_per_epoch)
-    per_step = micro_batch_size * accumulation
+    per_step = rows * accumulation
     while True:
         order = epoch_order(epoch)[step_in_epoch * per_step : steps_per_epoch * per_step]
         loader = DataLoader(
-            dataset, batch_size=micro_batch_size, sampler=order, num_workers=num_workers,
-            pin_memory=pin_memory, drop_last=True, worker_init_fn=ignore_stop_signals,
-        )  # fmt: skip
-        batches = _start_loader(loader)
+            dataset,
+            batch_size=rows,
+            sampler=order,
+            num_workers=workers,
+            pin_memory=pin,
+            drop_last=True,
+            worker_init_fn=worker_init,
+        )
+        batches = start(loader)
         for _ in range(step_in_epoch, steps_per_epoch):
             yield [next(batches) for _ in range(accumulation)]
         epoch, step_in_epoch = epoch + 1, 0
 
 
-# The loader iterators of _start_loader whose workers may still run (a finished one drops out).
-_open_loaders: weakref.WeakSet = weakref.WeakSet()
-_exit_hook_registered = False
-
-
-def _start_loader(loader: DataLoader) -> Iterator:
-    """iter(loader), whose workers end with this process however it ends: they ignore the stop
-    signals, and at exit after an error (the DataLoader's shutdown off) multiprocessing would
-    wait for them forever, so atexit runs _end_open_loaders first."""
-    global _exit_hook_registered
-    batches = iter(loader)
-    if loader.num_workers > 0:
-        if not _exit_hook_registered:
-            atexit.register(_end_open_loaders)
-            _exit_hook_registered = True
-        _open_loaders.add(batches)
-    return batches
-
-
-def _end_open_loaders() -> None:
-    for batches in list(_open_loaders):
-        # The DataLoader's own shutdown (as when its iterator is dropped): a few milliseconds.
-        batches._shutdown_workers()
-        for worker in batches._workers:
-            if worker.is_alive():  # deaf even to that (stuck in a batch): no reason to wait
-                worker.kill()
-
-
 def data_positions(batches) -> list[dict] | None:
     """What a checkpoint saves of the position in the data: None for a cached dataset (the step
-    is its position); for a stream, streaming.data_positions: a collective under torchrun."""
-    streaming = sys.modules.get(
-        "lib.extras.streaming"
-    )  # imported for --streaming alone (is_stream)
+    is its position); for a stream, streaming.data_positions, a collective under torchrun."""
+    streaming = sys.modules.get("lib.extras.streaming")  # loaded for --streaming alone
     if streaming is None or not isinstance(batches, streaming.StreamingBatches):
         return None
     return streaming.data_positions(batches)
@@ -192,8 +173,9 @@ def data_positions(batches) -> list[dict] | None:
 
 
 def build_model(args, preset: str | None, vocab_size: int):
-    """(model, config) to train, the preset shaped by the flags or --init-from's, on the meta
-    device: a lesson then gives it storage (to_empty; its part only) and values (init_weights)."""
+    """(model, config) to train, on the meta device: the preset shaped by the flags, or the model
+    of --init-from. A lesson then gives it storage (to_empty; its part only) and values
+    (init_weights)."""
     if getattr(args, "init_from", None) is not None:  # (the tools have no --init-from)
         config = model_config.model_shape(args)  # its config.json (checked with the flags)
     else:
@@ -213,7 +195,8 @@ def is_dtensor(t) -> bool:
 def init_weights(model: torch.nn.Module, config, args, device) -> None:
     """The initial values (and buffers) of a model built on the meta device and given storage
     (whole, sharded or a stage): each parameter drawn whole (--seed and its name) or read from
-    --init-from's mapped model.pt, this rank's slice kept: one process's weights, any split."""
+    the model.pt of --init-from (memory-mapped). This rank keeps its slice: the weights are
+    those of one process, however the model is split."""
     reset_buffers(model, config)
     source = None
     if getattr(args, "init_from", None) is not None:
@@ -236,33 +219,21 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
 
 def prepare_layers(model: LlamaForPretraining, args, loss: bool = True) -> None:
     """--activation-checkpointing and --compile, applied to each decoder layer in place (the
-    parameter names unchanged); loss: compile model.loss too (compile_layers)."""
-    if args.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if args.compile:
-        compile_layers(model, loss)
+    parameter names unchanged) by lib/extras/speed.py, which only these flags import; with loss,
+    --compile compiles model.loss too."""
+    if args.activation_checkpointing or args.compile:
+        from lib.extras import speed
+
+        if args.activation_checkpointing:
+            speed.apply_activation_checkpointing(model)
+        if args.compile:
+            speed.compile_layers(model, loss)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a model, or of a pipeline stage (an nn.ModuleDict of them)."""
-    layers = model.layers
-    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
-
-
-def compile_layers(model: LlamaForPretraining, loss: bool = True) -> None:
-    """Compile each decoder layer in place (one graph, reused; names unchanged) and, with loss,
-    model.loss: the logits' upcast and log-softmax fused (not for TP's vocabulary shards or PP)."""
-    for layer in decoder_layers(model):
-        layer.compile()
-    if loss:
-        model.loss = torch.compile(model.loss)
-
-
-def apply_activation_checkpointing(model: LlamaForPretraining) -> None:
-    """Recompute each decoder layer's activations in backward instead of storing them (non-reentrant
-    torch.utils.checkpoint: fine with DDP, FSDP, compile); names, hence checkpoints, unchanged."""
-    for layer in decoder_layers(model):
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    """The decoder layers of a model (an nn.ModuleList), or of a pipeline stage (an nn.ModuleDict
+    keyed by the layer's index in the whole model): children() reads both in order."""
+    return list(model.layers.children())
 
 
 def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
@@ -274,11 +245,12 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
 
         optimizer, hidden = muon.MuonWithAdamW, [p for n, p in named if muon.is_hidden_matrix(n, p)]
     rest = [p for _, p in named if not any(p is h for h in hidden)]
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    if hidden:  # Muon's group: its own lr, and the decay of the matrices
-        groups.append({"params": hidden, "muon": True, "lr": args.muon_lr,
-                       "weight_decay": args.weight_decay})  # fmt: skip
+    matrices = [p for p in rest if p.dim() >= 2]  # decayed
+    vectors = [p for p in rest if p.dim() < 2]  # the norm gains: never decayed
+    decay = args.weight_decay
+    groups = [{"params": matrices, "weight_decay": decay}, {"params": vectors, "weight_decay": 0.0}]
+    if hidden:  # the group of Muon: its own lr, and the decay of the matrices
+        groups.append({"params": hidden, "muon": True, "lr": args.muon_lr, "weight_decay": decay})
     # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
     # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
     fused = device_type in ("cuda", "cpu")
@@ -287,8 +259,8 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
 
 def build_scheduler(optimizer, args) -> LRScheduler:
     """Linear warmup to --lr, then cosine decay to lr * --min-lr-ratio at --max-steps."""
-    cosine = CosineAnnealingLR(optimizer, T_max=max(1, args.max_steps - args.warmup_steps),
-                               eta_min=args.lr * args.min_lr_ratio)  # fmt: skip
+    decay_steps = max(1, args.max_steps - args.warmup_steps)
+    cosine = CosineAnnealingLR(optimizer, T_max=decay_steps, eta_min=args.lr * args.min_lr_ratio)
     if args.warmup_steps == 0:
         return cosine
     warmup = LinearLR(optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps)
@@ -302,16 +274,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def resolve_attention(args, device, replicas: int = 1, context_parallel: bool = False) -> str:
-    """The kernel that runs --document-mask, "flex" or "sdpa" (masks.resolve_attention, which
-    refuses flex where it cannot run); "sdpa" when neither it nor --attention is given."""
-    if not args.document_mask and args.attention == "auto":
-        return "sdpa"
-    import masks  # only for --document-mask or --attention
-
-    return masks.resolve_attention(args, device, replicas, context_parallel)
-
-
 def autocast(device: torch.device, precision: str):
     """Mixed precision for the forward pass: matmuls in bf16/fp16, weights stay fp32."""
     if precision == "fp32":
@@ -322,11 +284,12 @@ def autocast(device: torch.device, precision: str):
 
 def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], object]:
     """mask(x) for a batch of tokens x (B, T): None (plain causal attention, the fast path)
-    unless --document-mask asks for masks.document_masks'. Pad mode needs no padding mask:
-    padding is on the right, so under causal attention no real token sees it."""
+    unless --document-mask asks for the document mask of masks.py, imported only then. Pad mode
+    needs no padding mask: padding is on the right, so under causal attention no real token
+    sees it."""
     if not args.document_mask:
         return lambda x: None
-    import masks  # only for --document-mask
+    import masks
 
     return masks.document_masks(tokenizer.bot_id, settings.attention)
 
@@ -336,8 +299,8 @@ def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], objec
 
 
 class ValidationSet(Subset):
-    """The validation sequences, and the bytes of text each token id stands for (data.py's
-    token_bytes): what bits per byte divides by."""
+    """The validation sequences, and the bytes of text each token id stands for
+    (DocumentTokenizer.token_bytes in data.py): what bits per byte divides by."""
 
     def __init__(self, dataset, indices, token_bytes: torch.Tensor):
         super().__init__(dataset, indices)
@@ -375,23 +338,24 @@ class ValidationShard:
 
 @torch.no_grad()
 def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
-    """batch_totals over `loader`, summed, on `device` (one all_reduce adds the ranks' shares,
-    divided once: one process's loss), in the run's precision. attn_mask(x): the model's third
-    argument (attention_masks; train_cp.py's document ids)."""
+    """batch_totals over `loader`, summed on `device` in the precision of the run: one all_reduce
+    then adds the shares of the ranks, divided once, for the loss of one process. attn_mask(x) is
+    the third argument of the model (attention_masks, or the document ids of train_cp.py)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)
     for x, y in loader:  # (on the device)
         with autocast(device, settings.precision):
-            loss_sum, targets = model(x, y, attn_mask(x))  # (CP's: its slice of the sequences)
-        totals += batch_totals(loss_sum.sum(), targets.sum(), loader)  # (.sum(): DataParallel's)
+            loss_sum, targets = model(x, y, attn_mask(x))  # (under CP, this rank's slice)
+        # .sum(): under DataParallel, the model returns one sum per GPU.
+        totals += batch_totals(loss_sum.sum(), targets.sum(), loader)
     model.train(was_training)
     return totals
 
 
 def batch_totals(loss_sum: torch.Tensor, targets: torch.Tensor, loader) -> torch.Tensor:
-    """(summed loss, targets, bytes of text they stand for) of a validation batch in float64;
-    the bytes are the targets' share of the set's, so one evaluation sums to the set's text."""
+    """(summed loss, targets, bytes of text they stand for) of a validation batch in float64; the
+    bytes at the average of the whole set, so that one evaluation sums to the text of the set."""
     targets = targets.double()
     return torch.stack([loss_sum.double(), targets, targets * loader.bytes_per_target])
 

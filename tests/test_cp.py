@@ -36,7 +36,8 @@ from test_fsdp import (
     copy_sharded_checkpoint,
 )
 
-from lib import flags, training
+import masks
+from lib import flags
 from lib.parallel.context_parallel import (
     attend_to_sequence,
     chunk_masks,
@@ -249,7 +250,7 @@ def test_flex_attention_is_refused_and_auto_chooses_sdpa_under_context_paralleli
         cmd(corpus, cache_dir, "unused") + ["--document-mask", "--attention", "flex"]
     )
     with pytest.raises(ValueError, match="not supported under context parallelism"):
-        training.resolve_attention(flex, torch.device("cuda"), context_parallel=True)
+        masks.resolve_attention(flex, torch.device("cuda"), context_parallel=True)
     auto = parser.parse_args(cmd(corpus, cache_dir, "unused") + ["--document-mask"])
-    assert training.resolve_attention(auto, torch.device("cuda")) == "flex"  # precondition
-    assert training.resolve_attention(auto, torch.device("cuda"), context_parallel=True) == "sdpa"
+    assert masks.resolve_attention(auto, torch.device("cuda")) == "flex"  # precondition
+    assert masks.resolve_attention(auto, torch.device("cuda"), context_parallel=True) == "sdpa"

@@ -377,7 +377,7 @@ FSDP = "train_fsdp.py"
 PROMPT = 30
 
 
-# DataLoader workers ignore SIGTERM (exits.ignore_stop_signals), which is all that Python's
+# DataLoader workers ignore SIGTERM (loader_workers.ignore_stop_signals), which is all that Python's
 # exit sends the workers of a loader still open; a run that ends in an error must end them.
 @pytest.mark.parametrize("script, world, workers", [(DP, 1, 1), (FSDP, 2, 2)])
 def test_a_failed_save_with_dataloader_workers_ends_the_run_and_its_workers_at_once(
@@ -437,7 +437,7 @@ def test_a_dataloader_worker_dies_with_its_training_process_even_one_killed_at_o
     program = (
         "import os, sys, time, torch\n"
         "from torch.utils.data import DataLoader\n"
-        "from lib.exits import ignore_stop_signals\n"
+        "from lib.extras.loader_workers import ignore_stop_signals\n"
         "class Slow(torch.utils.data.Dataset):\n"
         "    def __len__(self): return 10\n"
         "    def __getitem__(self, i): time.sleep(60); return i\n"  # busy in a batch

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import data
-from lib import checkpoints, exits, training
+from lib import checkpoints, exits
 from lib.checkpoints.finished_run import load_model
-from lib.extras import sampling
+from lib.extras import sampling, speed
 from lib.extras.moe import MoEFeedForward, router_stats, sequence_balance_loss
 from lib.extras.sampling import generate_text
 from model import (
@@ -463,7 +463,7 @@ def test_activation_checkpointing_gives_the_same_loss_gradients_and_counts():
     for checkpointing in (False, True):
         model = moe_model(router_aux_loss_coef=0.5).train()
         if checkpointing:
-            training.apply_activation_checkpointing(model)  # backward runs each layer again
+            speed.apply_activation_checkpointing(model)  # backward runs each layer again
         loss_sum, _ = model(x, y)
         loss_sum.backward()
         grads = {name: p.grad for name, p in model.named_parameters()}

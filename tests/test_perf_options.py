@@ -17,6 +17,7 @@ import pytest
 import torch
 from harness import DDP, DP, cmd, run_script
 
+import masks
 from lib import exits, flags, training
 from lib.extras import auto_batch
 from model import LlamaConfig, LlamaForPretraining
@@ -45,12 +46,12 @@ def test_auto_attention_is_flex_only_for_a_document_mask_on_one_cuda_device(
     document_mask, device, replicas, expected
 ):
     args = attention_args("auto", document_mask)
-    assert training.resolve_attention(args, device, replicas) == expected
+    assert masks.resolve_attention(args, device, replicas) == expected
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_an_explicit_attention_choice_is_kept(attention):
-    assert training.resolve_attention(attention_args(attention), CUDA) == attention
+    assert masks.resolve_attention(attention_args(attention), CUDA) == attention
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_flex_attention_where_it_cannot_run_is_refused_with_the_reason(
     args, device, replicas, reason
 ):
     with pytest.raises(ValueError, match=reason):
-        training.resolve_attention(args, device, replicas)
+        masks.resolve_attention(args, device, replicas)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ def test_profile_step_refuses_more_threads_than_cores(monkeypatch, capsys):
 
 
 def test_profile_step_refuses_compile_without_a_cpp_compiler(tmp_path, monkeypatch, capsys):
-    # As train_dp.py does (flags.compiler_missing): before the model is built, not in its
+    # As train_dp.py does (speed.compiler_missing): before the model is built, not in its
     # first step.
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(sys, "argv", ["tools/profile_step.py", "--compile"])

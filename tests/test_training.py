@@ -215,7 +215,7 @@ def test_an_epoch_is_the_splits_whole_batches_and_less_than_one_batch_is_refused
 
     args = argparse.Namespace(batch_size=8)
     assert training.steps_per_epoch(Indices(17), args) == 2
-    with pytest.raises(ValueError, match="--batch-size 8 is more than the training split's 7 seq"):
+    with pytest.raises(ValueError, match="--batch-size 8 is more than the 7 sequences"):
         training.steps_per_epoch(Indices(7), args)
 
 

@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lib import distributed, exits, flags, metrics, model_config, training
 from lib.checkpoints import files
+from lib.extras import speed
 from lib.parallel.replica import Replica
 from model import IGNORE_INDEX, count_parameters
 from tools import bench_loader
@@ -60,8 +61,13 @@ from tools.plot_metrics import check_output_file, output_failed
 STRATEGIES = ("single", "dp", "ddp", "zero1", "fsdp")
 # What each measured strategy reports (per device; see the module docstring).
 RESULT_FIELDS = (
-    "devices_per_process", "tokens_per_sec", "step_ms", "mfu", "peak_memory_gb", "vs_single"
-)  # fmt: skip
+    "devices_per_process",
+    "tokens_per_sec",
+    "step_ms",
+    "mfu",
+    "peak_memory_gb",
+    "vs_single",
+)
 AHEAD = 10  # the data loader should deliver at least this many times what the step consumes
 
 
@@ -166,7 +172,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as torchrun_rank's
-    if args.compile and (missing := flags.compiler_missing(device)):
+    if args.compile and (missing := speed.compiler_missing(device)):
         parser.error(missing)
     try:
         if args.json:  # found now, not after the timing
@@ -415,9 +421,12 @@ def main():
     # The lessons' process-group setup: a group of one without torchrun.
     rank, _, world_size, device = distributed.torchrun_rank()
     dist.init_process_group(
-        distributed.backend_for(None, device), store=distributed.rendezvous_store(), rank=rank,
-        world_size=world_size, device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
+        distributed.backend_for(None, device),
+        store=distributed.rendezvous_store(),
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )
     is_main = rank == 0
     precision = check_precision(args.precision, device)
 

@@ -56,12 +56,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]  # the repository root
 
 # The issue's shape, in the two programs' own flags.
-SUITE_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-heads", "4",
-               "--num-kv-heads", "4", "--ffn-size", "344", "--seq-length", "64",
-               "--batch-size", "12", "--lr", "1e-3", "--warmup-steps", "100"]  # fmt: skip
-NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
-                 "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
-                 "--n_embd=128", "--dropout=0.0"]  # fmt: skip
+SUITE_FLAGS = "--num-layers 4 --hidden-size 128 --num-heads 4 --num-kv-heads 4".split()
+SUITE_FLAGS += "--ffn-size 344 --seq-length 64 --batch-size 12 --lr 1e-3 --warmup-steps 100".split()
+NANOGPT_FLAGS = "--device=cpu --compile=False --eval_iters=20 --log_interval=1".split()
+NANOGPT_FLAGS += "--block_size=64 --batch_size=12 --n_layer=4 --n_head=4".split()
+NANOGPT_FLAGS += "--n_embd=128 --dropout=0.0".split()
 # The laptop recipe (README, BENCHMARKS.md): Muon, fewer steps, higher rates, for --suite-flags.
 LAPTOP = "--optimizer muon --max-steps 350 --warmup-steps 10 --muon-lr 0.03 --lr 4e-2".split()
 SEQ_LENGTH = 64
@@ -90,10 +89,6 @@ def stdlib_documents(max_chars: int) -> list[str]:
             docs.append(text)
             total += len(text)
     return docs
-
-
-def write_corpus(docs: list[str], path: Path) -> None:
-    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
 
 
 def char_tokenizer(chars: list[str]):
@@ -131,10 +126,11 @@ def prepare(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     corpus_path = work / "corpus.jsonl"
     docs = stdlib_documents(args.corpus_chars)
-    write_corpus(docs, corpus_path)
+    corpus_path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     cache_dir = str(work / "cache")
-    suite_argv = ["--data", str(corpus_path), "--tokenizer", str(work / "tokenizer.json"),
-                  "--cache-dir", cache_dir, *SUITE_FLAGS]  # fmt: skip
+    tokenizer = str(work / "tokenizer.json")
+    files = ["--data", str(corpus_path), "--tokenizer", tokenizer, "--cache-dir", cache_dir]
+    suite_argv = [*files, *SUITE_FLAGS]
     steps = ["--max-steps", str(getattr(args, "max_steps", 2000))]
     train_args = flags.build_parser("").parse_args(suite_argv + steps)
     # train_dp.py's own split of the documents (the same function, the same defaults).
@@ -145,26 +141,29 @@ def prepare(args) -> dict:
     char_tokenizer(chars).save(str(work / "tokenizer.json"))
     write_nanogpt_data(train_text, val_text, chars, work / "data" / DATASET)
     training.build_datasets(train_args, train_args.tokenizer)  # tokenized once, cached
-    return {"work": work, "suite_argv": suite_argv, "val_text": val_text, "chars": chars,
-            "train_chars": len(train_text)}  # fmt: skip
+    prepared = {"work": work, "suite_argv": suite_argv, "val_text": val_text, "chars": chars}
+    return prepared | {"train_chars": len(train_text)}
 
 
 # -------------------------------------------------------------------------------------------------
 # The runs
 
 
-def suite_command(prep: dict, out_dir: Path, max_steps: int, compile: bool = False,
-                  extra: str = "") -> list[str]:  # fmt: skip
-    return [sys.executable, str(REPO / "train_dp.py"), *prep["suite_argv"],
-            "--max-steps", str(max_steps), "--out-dir", str(out_dir),
-            *(["--compile"] if compile else []), *shlex.split(extra)]  # fmt: skip
+def suite_command(
+    prep: dict, out_dir: Path, max_steps: int, compile: bool = False, extra: str = ""
+) -> list[str]:
+    run = ["--max-steps", str(max_steps), "--out-dir", str(out_dir)]
+    compiled = ["--compile"] if compile else []
+    script = [sys.executable, str(REPO / "train_dp.py")]
+    return [*script, *prep["suite_argv"], *run, *compiled, *shlex.split(extra)]
 
 
 def nanogpt_command(nanogpt: Path, out_dir: Path, max_steps: int, compile=False) -> list[str]:
-    return [sys.executable, str(nanogpt / "train.py"),
-            str(nanogpt / "config" / "train_shakespeare_char.py"), *NANOGPT_FLAGS,
-            f"--max_iters={max_steps}", f"--lr_decay_iters={max_steps}", f"--dataset={DATASET}",
-            f"--out_dir={out_dir}", *(["--compile=True"] if compile else [])]  # fmt: skip
+    script = [sys.executable, str(nanogpt / "train.py")]
+    config = str(nanogpt / "config" / "train_shakespeare_char.py")
+    run = [f"--max_iters={max_steps}", f"--lr_decay_iters={max_steps}", f"--dataset={DATASET}"]
+    compiled = ["--compile=True"] if compile else []
+    return [*script, config, *NANOGPT_FLAGS, *run, f"--out_dir={out_dir}", *compiled]
 
 
 def timed_run(command: list[str], cwd: Path, env: dict, log: Path, name: str) -> float:
@@ -256,14 +255,20 @@ def score_suite(out_dir: Path, val_text: str) -> float:
     return mean_loss(model, x, y)
 
 
+def nanogpt_module(nanogpt: Path):
+    """The model.py of the nanoGPT checkout `nanogpt`, imported from there."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def score_nanogpt(nanogpt: Path, out_dir: Path, val_text: str, chars: list[str]) -> float | None:
     import torch
 
     if not (out_dir / "ckpt.pt").exists():  # saved at evaluations after the first (every 250)
         return None
-    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = nanogpt_module(nanogpt)
     ckpt = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=True)
     model = module.GPT(module.GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
@@ -282,9 +287,9 @@ def llama_config(vocab_size: int):
     """The issue's shape as this suite's LlamaConfig."""
     from model import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=344,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                       max_position_embeddings=1024)  # fmt: skip
+    shape = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4)  # SUITE_FLAGS
+    heads = dict(num_attention_heads=4, num_key_value_heads=4)
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=1024, **shape, **heads)
 
 
 def hf_llama(config):
@@ -292,26 +297,17 @@ def hf_llama(config):
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
-    hf = HFConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                  intermediate_size=config.intermediate_size,
-                  num_hidden_layers=config.num_hidden_layers,
-                  num_attention_heads=config.num_attention_heads,
-                  num_key_value_heads=config.num_key_value_heads,
-                  max_position_embeddings=config.max_position_embeddings,
-                  rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
-                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                  attn_implementation="sdpa")  # fmt: skip
+    # The fields both configs name alike, copied; then what ours has and theirs must be told.
+    shared = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"]
+    shared += ["num_attention_heads", "num_key_value_heads", "max_position_embeddings"]
+    shared += ["rope_theta", "rms_norm_eps"]
+    told = dict(tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf = HFConfig(**{n: getattr(config, n) for n in shared}, **told, attn_implementation="sdpa")
     return LlamaForCausalLM(hf).float()
 
 
 def compare_steps(
-    other: str,
-    vocab_size: int,
-    rounds: int,
-    steps: int,
-    nanogpt=None,
-    compile_ours: bool = False,
-    compile_theirs: bool = False,
+    other, vocab_size, rounds, steps, nanogpt=None, compile_ours=False, compile_theirs=False
 ) -> dict:
     """ms per training step of this suite's model and of `other`'s at the same shape and batch
     (12 x 64 random tokens), timed in rounds that alternate which goes first: {(name, clock):
@@ -321,20 +317,20 @@ def compare_steps(
     checkout `nanogpt`, at its README's CPU shape. Both clip gradients at 1, as the lessons.
     compile_ours: this suite's layers and loss compiled as --compile does; compile_theirs:
     torch.compile on the other model, as nanoGPT's --compile=True does (the warm-up pays both)."""
-    import argparse as ap
-
     import torch
+    import torch.nn.functional as F
 
     from lib import training
+    from lib.extras import speed
     from model import LlamaForPretraining
 
-    args = ap.Namespace(lr=1e-3, weight_decay=0.1)
+    args = argparse.Namespace(lr=1e-3, weight_decay=0.1)
     torch.manual_seed(0)
     tokens = torch.randint(vocab_size, (12, 65))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     ours = LlamaForPretraining(llama_config(vocab_size))
     if compile_ours:
-        training.compile_layers(ours)
+        speed.compile_layers(ours)
 
     def stepper(model, loss_of, optimizer):
         def step():
@@ -345,16 +341,18 @@ def compare_steps(
 
         return step
 
-    contenders = {"this suite": stepper(ours, lambda m: m(x, y)[0] / y.numel(),
-                                        training.build_optimizer(ours, args, "cpu"))}  # fmt: skip
+    optimizer = training.build_optimizer(ours, args, "cpu")
+    contenders = {"this suite": stepper(ours, lambda m: m(x, y)[0] / y.numel(), optimizer)}
     if other == "transformers":
         theirs = hf_llama(ours.config)
         optimizer = training.build_optimizer(theirs, args, "cpu")
     else:
         theirs, optimizer = nanogpt_model(nanogpt, vocab_size)
 
-    def their_loss(model):  # transformers': the same 64 targets, the loss computed as ours is
-        return hf_loss(model(x).logits, y) if other == "transformers" else model(x, y)[1]
+    def their_loss(model):  # for transformers: the same 64 targets, the loss computed as ours
+        if other == "transformers":
+            return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+        return model(x, y)[1]
 
     model = torch.compile(theirs) if compile_theirs else theirs
     contenders[other] = stepper(model, their_loss, optimizer)
@@ -380,43 +378,33 @@ def nanogpt_model(nanogpt: Path, vocab_size: int):
     layers, 4 heads, width 128, block 64, no dropout, no bias: its train.py's default), and the
     AdamW its train.py makes for it (train_shakespeare_char's beta2 0.99)."""
     import contextlib
-    import importlib.util
     import io
 
-    spec = importlib.util.spec_from_file_location("nanogpt_model", nanogpt / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.GPTConfig(block_size=SEQ_LENGTH, vocab_size=vocab_size, n_layer=4, n_head=4,
-                              n_embd=128, dropout=0.0, bias=False)  # fmt: skip
+    module = nanogpt_module(nanogpt)
+    shape = dict(n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)  # NANOGPT_FLAGS'
+    config = module.GPTConfig(block_size=SEQ_LENGTH, vocab_size=vocab_size, **shape)
     with contextlib.redirect_stdout(io.StringIO()):  # its parameter count and optimizer notes
         model = module.GPT(config)
         return model, model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
 
 
-def hf_loss(logits, targets):
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def report_steps(times: dict, other: str, rounds: int, steps: int) -> None:
     import torch
 
-    threads = torch.get_num_threads()
-    print(f"training step, 12 x 64 tokens, torch {torch.__version__}, {threads} threads; "
-          f"{rounds} alternating rounds of {steps} steps; command: "
-          f"{shlex.join(['python', *sys.argv])}")  # fmt: skip
+    timed = f"{rounds} alternating rounds of {steps} steps"
+    setting = f"torch {torch.__version__}, {torch.get_num_threads()} threads; {timed}"
+    print(f"training step, 12 x 64 tokens, {setting}; command: {shlex.join(['python', *sys.argv])}")
     target = ">= 1.2" if other == "transformers" else ">= 1.0"  # issue 27's
     for clock in ("wall", "cpu"):
         ours, theirs = times["this suite", clock], times[other, clock]
         for name, t in (("this suite", ours), (other, theirs)):
-            print(f"  {clock:<4} {name:<13} median {statistics.median(t):7.2f} ms per step "
-                  f"(rounds: {min(t):.2f}-{max(t):.2f})")  # fmt: skip
+            median = f"median {statistics.median(t):7.2f} ms per step"
+            print(f"  {clock:<4} {name:<13} {median} (rounds: {min(t):.2f}-{max(t):.2f})")
         ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
         whose = f"{other}'" if other.endswith("s") else f"{other}'s"  # transformers', nanogpt's
-        print(f"  {clock:<4} this suite's speed / {whose}, per round: median "
-              f"{statistics.median(ratios):.2f}, {spread} (target {target})")  # fmt: skip
+        median = f"median {statistics.median(ratios):.2f}, {spread} (target {target})"
+        print(f"  {clock:<4} this suite's speed / {whose}, per round: {median}")
 
 
 # What a run of nanoGPT's train.py needs of its checkout besides train.py and model.py, and why.
@@ -428,16 +416,15 @@ NANOGPT_RUN_FILES = {
 
 def busy_neighbours(n: int) -> list[subprocess.Popen]:
     """n processes that keep one core each busy until killed."""
-    spin = "while True: pass"
-    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, no usage
     p.add_argument("--nanogpt", default=None, help="a checkout of karpathy/nanoGPT: run both")
-    p.add_argument("--transformers", action="store_true",
-                   help="time the step alone against transformers' LlamaForCausalLM")  # fmt: skip
+    transformers = "time the step alone against transformers' LlamaForCausalLM"
+    p.add_argument("--transformers", action="store_true", help=transformers)
     p.add_argument("--work-dir", default="bench_nanogpt_work", help="corpus, data, runs")
     p.add_argument("--rounds", type=int, default=2, help="rounds of both runs, alternating")
     p.add_argument("--max-steps", type=int, default=2000, help="steps of both runs")
@@ -445,17 +432,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the runs")
     p.add_argument("--busy", type=int, default=0, help="busy neighbour processes meanwhile")
     p.add_argument("--only", choices=["suite", "nanogpt"], default=None, help="run one side")
-    p.add_argument("--step", action="store_true",
-                   help="with --nanogpt: time the training step alone of both models, in one "
-                   "process (alternating rounds), instead of the whole runs")  # fmt: skip
-    p.add_argument("--compile", action="store_true",
-                   help="this suite with --compile (its layers and loss compiled; Inductor "
-                   "needs a C++ compiler on a CPU); nanoGPT stays as its recipe")  # fmt: skip
-    p.add_argument("--compile-nanogpt", action="store_true",
-                   help="nanoGPT (or, with --transformers, LlamaForCausalLM) compiled too: "
-                   "its own --compile=True, for a like-for-like comparison")  # fmt: skip
-    p.add_argument("--suite-flags", default="", help="more flags for this suite's runs (after "
-                   "its own: they win), e.g. the laptop recipe: " + shlex.join(LAPTOP))  # fmt: skip
+    step = (
+        "with --nanogpt: time the training step alone of both models, in one process "
+        "(alternating rounds), instead of the whole runs"
+    )
+    p.add_argument("--step", action="store_true", help=step)
+    compiled = (
+        "this suite with --compile (its layers and loss compiled; Inductor needs a C++ compiler "
+        "on a CPU); nanoGPT stays as its recipe"
+    )
+    p.add_argument("--compile", action="store_true", help=compiled)
+    both = (
+        "nanoGPT (or, with --transformers, LlamaForCausalLM) compiled too: its own "
+        "--compile=True, for a like-for-like comparison"
+    )
+    p.add_argument("--compile-nanogpt", action="store_true", help=both)
+    more = "more flags for this suite's runs (after its own: they win), e.g. the laptop recipe"
+    p.add_argument("--suite-flags", default="", help=f"{more}: {shlex.join(LAPTOP)}")
     p.add_argument("--step-rounds", type=int, default=9, help="--step, --transformers: rounds")
     p.add_argument("--step-steps", type=int, default=10, help="--step, --transformers: steps each")
     args = p.parse_args()
@@ -473,8 +466,8 @@ def main() -> None:
         runs_nanogpt = not args.step and args.only != "suite"
         for name, why in NANOGPT_RUN_FILES.items() if runs_nanogpt else ():
             if not (nanogpt / name).is_file():
-                raise ValueError(f"--nanogpt {nanogpt}: no {name} there ({why}): not a nanoGPT "
-                                 f"checkout")  # fmt: skip
+                missing = f"--nanogpt {nanogpt}: no {name} there ({why})"
+                raise ValueError(f"{missing}: not a nanoGPT checkout")
         if not args.step:
             run_both(args, nanogpt)
     others = (["nanogpt"] if args.step else []) + (["transformers"] if args.transformers else [])
@@ -486,9 +479,15 @@ def main() -> None:
         neighbours = busy_neighbours(args.busy)
         try:
             vocab = CHAR_VOCAB - 3 if other == "nanogpt" else CHAR_VOCAB  # its 96 characters
-            times = compare_steps(other, vocab, args.step_rounds, args.step_steps,
-                                  nanogpt if other == "nanogpt" else None, args.compile,
-                                  args.compile_nanogpt)  # fmt: skip
+            checkout = nanogpt if other == "nanogpt" else None
+            steps = (
+                args.step_rounds,
+                args.step_steps,
+                checkout,
+                args.compile,
+                args.compile_nanogpt,
+            )
+            times = compare_steps(other, vocab, *steps)
         finally:
             for proc in neighbours:
                 proc.kill()
@@ -513,8 +512,7 @@ def run_both(args, nanogpt: Path) -> None:
                 log = work / f"{side}_{r}.log"
                 if side == "suite":
                     cmd = suite_command(prep, out, args.max_steps, args.compile, args.suite_flags)
-                    cwd = REPO
-                    name = "train_dp.py"
+                    cwd, name = REPO, "train_dp.py"
                 else:  # train.py reads ./configurator.py and ./data/<dataset>/: from work
                     shutil.copy(nanogpt / "configurator.py", work / "configurator.py")
                     cmd = nanogpt_command(nanogpt, out, args.max_steps, args.compile_nanogpt)
@@ -526,12 +524,11 @@ def run_both(args, nanogpt: Path) -> None:
                 else:
                     output = log.read_text(errors="replace")
                     if not any(ITER_RE.match(line) for line in output.splitlines()):
-                        raise ValueError(f"--nanogpt {nanogpt}: its train.py printed no 'iter N: "
-                                         f"loss L, time T ms' line (its output: {log}): not "
-                                         f"nanoGPT's train.py")  # fmt: skip
-                    row = nanogpt_figures(output) | {
-                        "held_out": score_nanogpt(nanogpt, out, prep["val_text"], prep["chars"])
-                    }
+                        silent = "its train.py printed no 'iter N: loss L, time T ms' line"
+                        wrong = f"(its output: {log}): not nanoGPT's train.py"
+                        raise ValueError(f"--nanogpt {nanogpt}: {silent} {wrong}")
+                    held_out = score_nanogpt(nanogpt, out, prep["val_text"], prep["chars"])
+                    row = nanogpt_figures(output) | {"held_out": held_out}
                 rows.append({"round": r + 1, "side": side, "wall_s": wall, **row})
     except Exception:
         if rows:  # the runs that finished are measured: their table, before the error's line
@@ -559,39 +556,42 @@ def report(args, prep: dict, rows: list[dict]) -> None:
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)  # fmt: skip
+            names = (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+            cpu = next(names, cpu)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"tools/bench_nanogpt.py, {date}")
     print(f"command: {shlex.join([*runtime_settings(os.environ), 'python', *sys.argv])}")
-    print(f"torch {torch.__version__}; {cpu}, {os.cpu_count()} cores; OMP_NUM_THREADS "
-          f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'unset')}; busy neighbours "
-          f"{args.busy}")  # fmt: skip
-    print(f"corpus: {len(prep['chars'])} characters, {prep['train_chars']:,} train / "
-          f"{len(prep['val_text']):,} held-out; {args.max_steps} steps of 12 x 64 (this suite: "
-          f"then --suite-flags {args.suite_flags!r})\n")  # fmt: skip
+    threads = args.threads or os.environ.get("OMP_NUM_THREADS", "unset")
+    machine = f"{cpu}, {os.cpu_count()} cores; OMP_NUM_THREADS {threads}"
+    print(f"torch {torch.__version__}; {machine}; busy neighbours {args.busy}")
+    texts = f"{prep['train_chars']:,} train / {len(prep['val_text']):,} held-out"
+    steps = (
+        f"{args.max_steps} steps of 12 x 64 (this suite: then --suite-flags {args.suite_flags!r})"
+    )
+    print(f"corpus: {len(prep['chars'])} characters, {texts}; {steps}\n")
     print("| round | run     | wall s | step ms (median) | own val loss | held-out nats/char |")
     print("| ----: | :------ | -----: | ---------------: | -----------: | -----------------: |")
     for r in rows:
         own, held = (("-" if v is None else f"{v:.4f}") for v in (r["val_loss"], r["held_out"]))
         step_ms = "-" if r["step_ms"] is None else f"{r['step_ms']:.2f}"  # only evaluation steps
-        print(f"| {r['round']:5} | {r['side']:<7} | {r['wall_s']:6.1f} | {step_ms:>16} | "
-              f"{own:>12} | {held:>18} |")  # fmt: skip
+        cells = f"{r['round']:5} | {r['side']:<7} | {r['wall_s']:6.1f} | {step_ms:>16}"
+        print(f"| {cells} | {own:>12} | {held:>18} |")
     by = {side: [r for r in rows if r["side"] == side] for side in ("suite", "nanogpt")}
     pairs = list(zip(by["suite"], by["nanogpt"], strict=False))
     if pairs:
         print("\nthis suite's time to nanoGPT's held-out loss (target <= 0.35x its wall time):")
         for s, n in pairs:  # reached where the suite's final model is at least as good
-            ours, theirs = (("-" if v is None else f"{v:.4f}")
-                            for v in (s["held_out"], n["held_out"]))  # fmt: skip
+            shown = lambda v: "-" if v is None else f"{v:.4f}"
+            ours, theirs = shown(s["held_out"]), shown(n["held_out"])
             reached = "-" not in (ours, theirs) and s["held_out"] <= n["held_out"]
-            print(f"  round {s['round']}: {'' if reached else 'not reached in '}"
-                  f"{s['wall_s'] / n['wall_s']:.2f}x ({s['wall_s']:.1f} s against "
-                  f"{n['wall_s']:.1f} s; held-out {ours} against {theirs} nats/char)")  # fmt: skip
+            times = f"{s['wall_s']:.1f} s against {n['wall_s']:.1f} s"
+            losses = f"held-out {ours} against {theirs} nats/char"
+            ratio = f"{s['wall_s'] / n['wall_s']:.2f}x ({times}; {losses})"
+            print(f"  round {s['round']}: {'' if reached else 'not reached in '}{ratio}")
         step = [n["step_ms"] / s["step_ms"] if n["step_ms"] else None for s, n in pairs]
-        print(f"suite step speed / nanoGPT's (their step ms over ours), per round: "
-              f"{', '.join('-' if v is None else f'{v:.2f}' for v in step)} (target >= "
-              f"1.00)")  # fmt: skip
+        ratios = ", ".join("-" if v is None else f"{v:.2f}" for v in step)
+        speed = "suite step speed / nanoGPT's (their step ms over ours)"
+        print(f"{speed}, per round: {ratios} (target >= 1.00)")
 
 
 if __name__ == "__main__":

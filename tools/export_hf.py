@@ -108,8 +108,10 @@ def to_hf_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tens
     if match := OUR_EXPERTS.fullmatch(name):
         i, w = match.groups()
         # clone: each expert its own storage (safetensors refuses tensors that share memory)
-        return [(f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", matrix.clone())
-                for e, matrix in enumerate(tensor)]  # fmt: skip
+        return [
+            (f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", matrix.clone())
+            for e, matrix in enumerate(tensor)
+        ]
     return [(to_hf_name(name), tensor.contiguous())]
 
 
@@ -212,7 +214,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         raise ValueError(f"this {kind}'s {', '.join(bad)} differ from what model.py implements")
     if model_type == "llama":
         config = {
-            "num_key_value_heads": hf.get("num_attention_heads", 32),  # HF's: no grouping
+            "num_key_value_heads": hf.get("num_attention_heads", 32),  # HF's default: no grouping
             "rope_theta": 10000.0,
             "rms_norm_eps": 1e-6,
             "max_position_embeddings": 2048,
@@ -367,8 +369,9 @@ def write_safetensors(state_dict: dict, hf_dir: str) -> None:
     os.umask(umask)
     weight_map = {}
     for i, names in enumerate(shards, 1):
-        file = "model.safetensors" if len(shards) == 1 else (
-            f"model-{i:05d}-of-{len(shards):05d}.safetensors")  # fmt: skip
+        file = "model.safetensors"
+        if len(shards) > 1:
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors = dict(pair for name in names for pair in to_hf_tensors(name, state_dict[name]))
         path = os.path.join(hf_dir, file)
         try:
@@ -448,9 +451,10 @@ def hf_reader(config: LlamaConfig, hf_dir: str):
     # What must be loaded: every tensor, and of a mixture of experts' stacked weights (E, ...)
     # each expert's row (a Mixtral file holds one matrix per expert): (name, expert or None).
     expected = {
-        (name, e) for name, p in params.items()
+        (name, e)
+        for name, p in params.items()
         for e in (range(p.size(0)) if OUR_EXPERTS.fullmatch(name) else [None])
-    }  # fmt: skip
+    }
     sources: dict[str, list[tuple[str, str]]] = {}  # our name -> the (file, HF name)s it needs
     loaded = set()
     for file in files:
@@ -459,11 +463,11 @@ def hf_reader(config: LlamaConfig, hf_dir: str):
                 for hf_name in f.keys():
                     if hf_name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved RoPE's
                         continue
-                    shape = f.get_slice(hf_name).get_shape()  # the header's: no data read
+                    shape = f.get_slice(hf_name).get_shape()  # from the header: no data read
                     meta = torch.empty(shape, device="meta")
                     for name, expert, values in from_hf_tensors(hf_name, meta):
-                        check_hf_tensor(hf_dir, file, hf_name, shape, name, expert, values,
-                                        params, expected, config)  # fmt: skip
+                        where = (hf_dir, file, hf_name, shape, name, expert)
+                        check_hf_tensor(*where, values, params, expected, config)
                         sources.setdefault(name, []).append((file, hf_name))
                         loaded.add((name, expert))
         except (OSError, SafetensorError) as e:  # a shard missing, unreadable or not one
@@ -489,8 +493,9 @@ def hf_reader(config: LlamaConfig, hf_dir: str):
     return read
 
 
-def check_hf_tensor(hf_dir, file, hf_name, shape, name, expert, values, params, expected,
-                    config) -> None:  # fmt: skip
+def check_hf_tensor(
+    hf_dir, file, hf_name, shape, name, expert, values, params, expected, config
+) -> None:
     """ValueError unless the HF tensor (values: its meta part for our `name`) fits the config."""
     if (name, expert) not in expected:
         what = "" if expert is None else f" (expert {expert})"

@@ -11,8 +11,9 @@ uses), as every training document is, and decoding stops at the end-of-document 
 which the model learnt to put at the end of a document. On a GPU the weights are loaded in bf16
 (half the memory) where the GPU supports it; on CPU they stay fp32.
 
-The training scripts' end-of-run sample calls lib/extras/sampling.py's generate_text, as this script does,
-so what they print is exactly what this script prints for the same prompt and seed.
+The sample at the end of a training run calls generate_text (lib/extras/sampling.py), as this
+script does, so what the run prints is exactly what this script prints for the same prompt and
+seed.
 """
 
 import argparse
@@ -109,8 +110,10 @@ def main() -> None:
     model, tokenizer = load_model(args.out_dir, device)
     if not all(bool(torch.isfinite(w).all()) for w in model.parameters()):  # a diverged run's
         # (sampling would fail in torch.multinomial, and greedy decoding print nothing)
-        raise ValueError(f"{args.out_dir}/model.pt holds NaN or infinite weights: nothing to "
-                         f"generate from (an earlier checkpoint may hold finite ones)")  # fmt: skip
+        raise ValueError(
+            f"{args.out_dir}/model.pt holds NaN or infinite weights: nothing to "
+            f"generate from (an earlier checkpoint may hold finite ones)"
+        )
     ids, cut = generate_ids(
         model,
         tokenizer,

@@ -34,11 +34,9 @@ REPO = Path(__file__).resolve().parents[1]  # the repository root
 
 # The presets and shapes of BENCHMARKS.md's targets; the micro-batch sizes fit an 80 GB GPU.
 BENCHES = {
-    "small": ["--model", "small", "--seq-length", "1024", "--micro-batch-size", "32",
-              "--steps", "30", "--warmup", "10"],
-    "1b": ["--model", "1b", "--seq-length", "2048", "--micro-batch-size", "8",
-           "--steps", "20", "--warmup", "8"],
-}  # fmt: skip
+    "small": "--model small --seq-length 1024 --micro-batch-size 32 --steps 30 --warmup 10".split(),
+    "1b": "--model 1b --seq-length 2048 --micro-batch-size 8 --steps 20 --warmup 8".split(),
+}
 BENCH_COMMON = ["--vocab-size", "32000", "--precision", "bf16", "--compile", "--num-workers", "4"]
 
 
@@ -134,10 +132,9 @@ def main() -> int:
         code, seconds = run(cmd, out / "gpu_tests.log", timeout=1800)
         failed |= code != 0
         summary = tail_summary((out / "gpu_tests.log").read_text())
-        report += [
-            "## GPU tests", "", f"`{shlex.join(['python', *cmd[1:]])}`: exit {code}, "
-            f"{seconds:.0f} s", "", "```text", summary, "```", "",
-        ]  # fmt: skip
+        command = shlex.join(["python", *cmd[1:]])
+        report += ["## GPU tests", "", f"`{command}`: exit {code}, {seconds:.0f} s", ""]
+        report += ["```text", summary, "```", ""]
         save()
     if not args.skip_bench:
         report += ["## tools/bench.py", ""]

@@ -102,17 +102,15 @@ ROUTING_SHARE = 0.01
 
 def common_flags(args, out_dir: Path) -> list[str]:
     """What every run shares: the data, the model, the global batch, the schedule, fp32."""
-    return [
-        "--data", args.data, "--cache-dir", args.cache_dir, "--out-dir", str(out_dir),
-        "--model", "tiny", "--vocab-size", str(args.vocab_size),
-        "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
-        "--max-steps", str(args.steps), "--lr", "1e-3", "--warmup-steps", "2",
-        "--seed", str(args.seed), "--val-fraction", str(args.val_fraction),
-        "--precision", "fp32", "--document-mask",
-        "--log-interval", "1", "--eval-interval", str(args.steps),
-        "--save-interval", str(args.steps), "--num-workers", "0", "--sample-tokens", "0",
-        "--optimizer", args.optimizer,
-    ]  # fmt: skip
+    files = ["--data", args.data, "--cache-dir", args.cache_dir, "--out-dir", str(out_dir)]
+    model = ["--model", "tiny", "--vocab-size", str(args.vocab_size)]
+    batch = ["--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size)]
+    schedule = ["--max-steps", str(args.steps), "--lr", "1e-3", "--warmup-steps", "2"]
+    schedule += ["--seed", str(args.seed), "--val-fraction", str(args.val_fraction)]
+    run = ["--precision", "fp32", "--document-mask", "--num-workers", "0", "--sample-tokens", "0"]
+    logs = ["--log-interval", "1", "--eval-interval", str(args.steps)]
+    logs += ["--save-interval", str(args.steps), "--optimizer", args.optimizer]
+    return [*files, *model, *batch, *schedule, *run, *logs]
 
 
 TABLE_HEADER = (
@@ -123,12 +121,12 @@ TABLE_HEADER = (
 def table_row(name: str, r: dict) -> str:
     """The printed table's row of strategy `name`, from its compare() result `r`."""
     script, processes, _, what = STRATEGIES[name]
-    row = (f"{name:<16}{processes:>6}  {r['max_loss_rel_diff']:>14.1e}"
-           f"{r['max_weight_abs_diff']:>17.1e}  {'yes' if r['within_tolerance'] else 'NO ':<4} "
-           f"{what} ({script})")  # fmt: skip
+    diffs = f"{r['max_loss_rel_diff']:>14.1e}{r['max_weight_abs_diff']:>17.1e}"
+    ok = "yes" if r["within_tolerance"] else "NO "
+    row = f"{name:<16}{processes:>6}  {diffs}  {ok:<4} {what} ({script})"
     if r["routing_differs_from_step"]:
-        row += (f"; its routing differs from step {r['routing_differs_from_step']} on: held to "
-                f"the bounds before it")  # fmt: skip
+        differs = f"its routing differs from step {r['routing_differs_from_step']} on"
+        row += f"; {differs}: held to the bounds before it"
     return row
 
 
@@ -138,9 +136,8 @@ def check_work_dir(path: str) -> None:
     for folder in (Path(path), *Path(path).parents):
         if folder.exists():
             if not folder.is_dir():
-                raise ValueError(f"--work-dir {path}: {folder} is a file, not a folder; name a "
-                                 f"folder for the runs (one that does not exist is "
-                                 f"created)")  # fmt: skip
+                advice = "name a folder for the runs (one that does not exist is created)"
+                raise ValueError(f"--work-dir {path}: {folder} is a file, not a folder; {advice}")
             return
 
 
@@ -151,8 +148,8 @@ def launch(name: str, args, work_dir: Path) -> Path:
     if processes == 1:
         command = [sys.executable, str(REPO / script)]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={processes}", str(REPO / script)]  # fmt: skip
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command = [*torchrun, f"--nproc_per_node={processes}", str(REPO / script)]
     command += common_flags(args, out) + flags
     # One thread per process: the ranks do not oversubscribe the cores, and every run computes
     # with the same threading (hence the same kernels) as the reference.
@@ -257,34 +254,52 @@ def draw(results: dict, reference_losses: dict[str, list[float]], path: str) -> 
         flip = r["routing_differs_from_step"] or len(steps) + 1
         held = [(s, max(d, FLOOR)) for s, d in zip(steps, r["loss_diff_by_step"], strict=True)]
         line = gaps.plot(
-            *zip(*[p for p in held if p[0] < flip], strict=True), marker="o", markersize=3,
-            linestyle="none", alpha=0.7, label=name,
-        )  # fmt: skip
+            *zip(*[p for p in held if p[0] < flip], strict=True),
+            marker="o",
+            markersize=3,
+            linestyle="none",
+            alpha=0.7,
+            label=name,
+        )
         if flip <= len(steps):
-            gaps.plot(*zip(*[p for p in held if p[0] >= flip], strict=True), marker="x",
-                      linestyle="none", color=line[0].get_color())  # fmt: skip
+            gaps.plot(
+                *zip(*[p for p in held if p[0] >= flip], strict=True),
+                marker="x",
+                linestyle="none",
+                color=line[0].get_color(),
+            )
     curves.set(xlabel="step", ylabel="training loss", title="every strategy: one curve per model")
     curves.legend(fontsize=7, ncol=2)
     gaps.axhline(LOSS_RTOL, color="red", linestyle="--", label="tests' bound")
     gaps.set(
-        xlabel="step", ylabel="|loss - one process| / loss", yscale="log", ylim=(FLOOR, 1e-3),
+        xlabel="step",
+        ylabel="|loss - one process| / loss",
+        yscale="log",
+        ylim=(FLOOR, 1e-3),
         title=f"loss: distance from one process (0 drawn at {FLOOR:g})",
-    )  # fmt: skip
+    )
     gaps.legend(fontsize=7, ncol=2)
     names = list(results)
     flipped = [results[n]["routing_differs_from_step"] is not None for n in names]
     weights.barh(
-        names, [max(results[n]["max_weight_abs_diff"], FLOOR) for n in names],
+        names,
+        [max(results[n]["max_weight_abs_diff"], FLOOR) for n in names],
         color=["lightgray" if f else "tab:blue" for f in flipped],
-    )  # fmt: skip
+    )
     if any(flipped):  # a legend entry for the gray bars
-        weights.barh([names[flipped.index(True)]], [0], color="lightgray",
-                     label="routing differs (x: not held to the bound)")  # fmt: skip
+        weights.barh(
+            [names[flipped.index(True)]],
+            [0],
+            color="lightgray",
+            label="routing differs (x: not held to the bound)",
+        )
     weights.axvline(ATOL, color="red", linestyle="--", label=f"tests' bound ({ATOL:g} + rel.)")
     weights.set(
-        xscale="log", xlim=(FLOOR, 1e-3), xlabel="largest |w - w of one process|",
+        xscale="log",
+        xlim=(FLOOR, 1e-3),
+        xlabel="largest |w - w of one process|",
         title="final weights: distance from one process",
-    )  # fmt: skip
+    )
     weights.invert_yaxis()
     weights.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -335,8 +350,12 @@ def main() -> None:
     )
     p.add_argument("--json", default=None, help="also write the table as JSON to this file")
     p.add_argument("--work-dir", default=None, help="keep the runs here (none: a temp dir)")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="every run's "
-                   "(muon: each strategy's Muon against Muon in one process)")  # fmt: skip
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="every run's (muon: each strategy's Muon against Muon in one process)",
+    )
     args = p.parse_args()
     for flag, path in (("--png", args.png), ("--json", args.json)):  # now, not after the runs
         try:

@@ -46,8 +46,9 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
                 continue  # a half-written last line
             raise ValueError(f"{path}, line {i + 1}, is not JSON: {line[:80]!r}") from None
         if problem := record_problem(record):
-            raise ValueError(f"{path}, line {i + 1}: {problem}; it is not a line a training "
-                             f"script writes")  # fmt: skip
+            raise ValueError(
+                f"{path}, line {i + 1}: {problem}; it is not a line a training script writes"
+            )
         if "loss" in record:
             train[record["step"]] = record
         if "val_loss" in record:
@@ -100,8 +101,10 @@ def check_output_file(flag: str, path: str) -> None:
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; name the file to write in it")
     if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: there is no folder {folder}; create it first, or "
-                         f"name a file in a folder that exists")  # fmt: skip
+        raise ValueError(
+            f"{flag} {path}: there is no folder {folder}; create it first, or "
+            f"name a file in a folder that exists"
+        )
 
 
 def output_failed(flag: str, path: str, error: OSError) -> ValueError:
@@ -140,8 +143,8 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
     ax_speed.set(title="training throughput", ylabel="tokens / s", xlabel="step")
     ax_mfu.set(title="model FLOPs utilisation", ylabel="MFU (%)", xlabel="step")
     if not any_mfu:
-        ax_mfu.text(0.5, 0.5, "no MFU logged", ha="center", va="center",
-                    transform=ax_mfu.transAxes, color="gray")  # fmt: skip
+        centre = {"ha": "center", "va": "center", "transform": ax_mfu.transAxes}
+        ax_mfu.text(0.5, 0.5, "no MFU logged", color="gray", **centre)
     for ax in (ax_lr, ax_speed):
         ax.set_ylim(bottom=0)  # a dip in throughput should look like one, not like a cliff
     for ax in axes.flat:

@@ -13,9 +13,9 @@ It prints
   2. milliseconds per step of our step and of `reference_step`: the same Llama (the same
      weights, optimizer and loss), written lean, with torch.nn.functional ops only (one matmul
      for q, k and v, one for the gate and up projections, no modules, no wrapper; with
-     --num-experts, lib/extras/moe.py's routing and load-balancing loss, written so too). The two are
-     timed in alternating rounds (the median is printed), so that a busy machine slows both
-     alike; their ratio is what the suite's readable model and loop cost;
+     --num-experts, the routing and load-balancing loss of lib/extras/moe.py, written so too).
+     The two are timed in alternating rounds (the median is printed), so that a busy machine
+     slows both alike; their ratio is what the suite's readable model and loop cost;
   3. with --compile: how long compiling took (the first step, less a compiled one), and the
      eager step's time next to the compiled one's.
 
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from lib import exits, flags, loop, model_config, training
+from lib.extras import speed
 from lib.parallel.replica import Replica
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, rope_cos_sin
 
@@ -55,7 +56,7 @@ def our_step(args, config: LlamaConfig, device, precision: str, compile: bool):
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     guard = loop.NonFiniteGuard(device, skip=False)
     if compile:
-        training.compile_layers(model)
+        speed.compile_layers(model)
     # One GPU, like the reference (train_dp.py itself takes every visible GPU).
     dp_model = nn.DataParallel(Replica(model, device, precision), device_ids=gpu_ids(device))
 
@@ -91,27 +92,36 @@ def reference_params(model: LlamaForPretraining) -> dict:
         return nn.Parameter(torch.cat([t.detach() for t in tensors], dim))
 
     def mlp(ffn: nn.Module) -> dict:
-        if (
-            model.config.num_local_experts
-        ):  # lib/extras/moe.py's: w1, w3 (E, ffn, d), w2 (E, d, ffn)
-            return {"gate": leaf(ffn.gate.weight), "w13": leaf(ffn.w1, ffn.w3, dim=1),
-                    "w2": leaf(ffn.w2)}  # fmt: skip
+        # As lib/extras/moe.py holds them: w1, w3 (E, ffn, d), w2 (E, d, ffn).
+        if model.config.num_local_experts:
+            return {
+                "gate": leaf(ffn.gate.weight),
+                "w13": leaf(ffn.w1, ffn.w3, dim=1),
+                "w2": leaf(ffn.w2),
+            }
         return {"w13": leaf(ffn.w1.weight, ffn.w3.weight), "w2": leaf(ffn.w2.weight)}
 
     layers = [
-        {"attention_norm": leaf(layer.attention_norm.weight),
-         "wqkv": leaf(layer.attention.wq.weight, layer.attention.wk.weight,
-                      layer.attention.wv.weight),
-         "wo": leaf(layer.attention.wo.weight),
-         "ffn_norm": leaf(layer.ffn_norm.weight),
-         **mlp(layer.feed_forward)}
+        {
+            "attention_norm": leaf(layer.attention_norm.weight),
+            "wqkv": leaf(
+                layer.attention.wq.weight, layer.attention.wk.weight, layer.attention.wv.weight
+            ),
+            "wo": leaf(layer.attention.wo.weight),
+            "ffn_norm": leaf(layer.ffn_norm.weight),
+            **mlp(layer.feed_forward),
+        }
         for layer in model.layers
-    ]  # fmt: skip
+    ]
     embedding = leaf(model.tok_embeddings.weight)
     tied = model.config.tie_word_embeddings
     lm_head = embedding if tied else leaf(model.lm_head.weight)
-    return {"embedding": embedding, "layers": layers, "norm": leaf(model.norm.weight),
-            "lm_head": lm_head}  # fmt: skip
+    return {
+        "embedding": embedding,
+        "layers": layers,
+        "norm": leaf(model.norm.weight),
+        "lm_head": lm_head,
+    }
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,8 +151,8 @@ def reference_layer(h, layer: dict, cos, sin, config: LlamaConfig):
     return h + F.linear(F.silu(gate) * up, layer["w2"]), None
 
 
-# Not compiled, as lib/extras/moe.py's forward is not (--compile compiles the rest of the layer): the
-# split sizes are read on the host.
+# Not compiled, as the forward of lib/extras/moe.py is not (--compile compiles the rest of the
+# layer): the split sizes are read on the host.
 @torch.compiler.disable
 def reference_moe(x: torch.Tensor, layer: dict, config: LlamaConfig):
     """Mixtral's dropless mixture of experts on x (B, T, d), as lib/extras/moe.py computes it: the
@@ -158,8 +168,9 @@ def reference_moe(x: torch.Tensor, layer: dict, config: LlamaConfig):
     order = experts.flatten().argsort(stable=True)  # (N * k,) the (token, slot) pairs by expert
     counts = torch.bincount(experts.flatten(), minlength=E).tolist()
     outputs = []
-    for chunk, w13, w2 in zip(tokens[order // k].split(counts), layer["w13"], layer["w2"],
-                              strict=True):  # fmt: skip
+    for chunk, w13, w2 in zip(
+        tokens[order // k].split(counts), layer["w13"], layer["w2"], strict=True
+    ):
         gate, up = F.linear(chunk, w13).chunk(2, -1)
         outputs.append(F.linear(F.silu(gate) * up, w2))
     y = torch.cat(outputs)  # (N * k, d), by expert
@@ -200,9 +211,12 @@ def reference_step(args, config: LlamaConfig, device, precision: str, compile: b
     flat += [] if config.tie_word_embeddings else [params["lm_head"]]  # tied: the embedding
     flat += [p for layer in params["layers"] for p in layer.values()]
     optimizer = torch.optim.AdamW(
-        flat, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+        flat,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=args.weight_decay,
         fused=device.type == "cuda",
-    )  # fmt: skip
+    )
     layer_fn = torch.compile(reference_layer) if compile else reference_layer
     cos, sin = reference_rope_tables(config, args.seq_length, device)
 
@@ -244,8 +258,9 @@ def time_steps(step, micro_batches, device, steps: int, clock=time.perf_counter)
     return (clock() - start) / steps
 
 
-def compare(steps: dict, micro_batches, device, rounds: int, steps_per_round: int,
-            clock=time.perf_counter) -> dict:  # fmt: skip
+def compare(
+    steps: dict, micro_batches, device, rounds: int, steps_per_round: int, clock=time.perf_counter
+) -> dict:
     """{name: median ms per step}, the contenders timed in alternating rounds."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
@@ -347,14 +362,15 @@ def main() -> None:
     if args.seq_length > config.max_position_embeddings:
         p.error(f"--seq-length exceeds the model's {config.max_position_embeddings} positions")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if args.compile and (missing := flags.compiler_missing(device)):
+    if args.compile and (missing := speed.compiler_missing(device)):
         p.error(missing)
     precision = training.resolve_precision(args.precision, device)
 
     tokens = torch.randint(
-        config.vocab_size, (args.batch_size, args.seq_length + 1),
+        config.vocab_size,
+        (args.batch_size, args.seq_length + 1),
         generator=torch.Generator().manual_seed(0),
-    ).to(device)  # fmt: skip
+    ).to(device)
     # (micro, T) each, contiguous as the DataLoader's are
     micro_batches = [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in tokens.split(micro)]
     print(
@@ -379,14 +395,18 @@ def main() -> None:
     print(profile_table(steps["ours"], micro_batches, device, args.profile_steps, args.rows))
 
     ms = compare(steps, micro_batches, device, args.rounds, args.steps, CLOCKS[args.clock])
-    print(f"{args.clock} ms per step (median of {args.rounds} alternating rounds of {args.steps} "
-          f"steps):")  # fmt: skip
+    print(
+        f"{args.clock} ms per step (median of {args.rounds} alternating rounds of {args.steps} "
+        f"steps):"
+    )
     for name, value in ms.items():
         print(f"  {name:<12} {value:9.1f} ms   {value / ms['reference']:5.2f} x reference")
     if args.compile:
         for name in ("ours", "reference"):
-            print(f"compiling {name}: {first[name] - ms[name] / 1000:.1f} s (its first step, less "
-                  f"a compiled step)")  # fmt: skip
+            print(
+                f"compiling {name}: {first[name] - ms[name] / 1000:.1f} s (its first step, less "
+                f"a compiled step)"
+            )
         print(f"our step compiled: {ms['ours, eager'] / ms['ours']:.2f} x faster than eager")
 
 

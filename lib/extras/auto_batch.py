@@ -70,6 +70,17 @@ def optimizer_state_to_come(optimizer) -> int:
     return total
 
 
+def check_device(parser) -> None:
+    """parser.error on a machine without a CUDA GPU: there is nothing to measure. torch counts
+    peak memory on GPUs only, and a CPU that runs out of memory swaps or has the process killed
+    instead of raising an error one could catch."""
+    if not torch.cuda.is_available():
+        parser.error(
+            "--micro-batch-size auto measures GPU memory and needs a CUDA GPU; on CPU give a "
+            "number, or leave the flag out (no accumulation: --batch-size / devices per forward)"
+        )
+
+
 def auto_micro_batch_size(
     args, plan, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
 ):
@@ -95,7 +106,7 @@ def auto_micro_batch_size(
     # the micro-steps of an accumulation (set_requires_gradient_sync(False)); a probe does not.
     params = [p for group in optimizer.param_groups for p in group["params"]]
     unsharded_grads = sum(4 * p.numel() for p in params if isinstance(p, DTensor))
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP's; the others have none
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # only DDP has one
     tokens = torch.Generator().manual_seed(0)  # its own generator: training's RNG is untouched
 
     def forward_backward(n: int) -> None:

@@ -26,7 +26,7 @@ BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parq
 SAMPLE_BY = {"paragraph": "paragraph", "line": "line", "file": "document"}
 
 
-TXT_SPLITS = ("auto", "paragraph", "line", "file")  # --txt-split's choices
+TXT_SPLITS = ("auto", "paragraph", "line", "file")  # the choices of --txt-split
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,23 @@ class Source:
     data_files: list[str] | None = None  # local files, sorted; None for a hub dataset
     options: dict = field(default_factory=dict)  # builder options: the text builder's sample_by
     txt_mode: str | None = None  # how .txt files became documents (see txt_split_mode)
+
+
+def load_corpus(spec: str, text_column: str, cache_dir: str, txt_split: str, is_nonempty):
+    """data.load_corpus for a --data other than the stdlib: its documents in one "text" column,
+    in a deterministic order, those that fail is_nonempty (passed in by data.py) left out;
+    ValueError if unusable."""
+    source = resolve_source(spec, txt_split)
+    ds = open_source(source, spec, text_column, cache_dir)
+    try:
+        ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+    except UnicodeDecodeError as e:  # a json file's non-UTF-8 text
+        raise read_error(source.data_files, source.path, spec, e) from e
+    if len(ds) == 0:
+        raise ValueError(f"corpus {spec!r} has no non-empty documents")
+    if source.txt_mode is not None and len(ds) == 1:
+        raise one_document_error(source.txt_mode, spec, txt_split)  # split_corpus needs 2
+    return ds
 
 
 def resolve_source(spec: str, txt_split: str = "auto") -> Source:
@@ -59,12 +76,14 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
         ds = load_hub(source.path, source.config, spec, **kwargs)
         return select_text_column(ds, text_column, spec)
     # A user's file that is not UTF-8 (a binary file, another encoding) is refused below, naming
-    # it, not trained on as garbage. (A stream's errors come as it is read: lib/extras/streaming.py.)
+    # it, not trained on as garbage. (A stream meets its errors as it is read: see
+    # lib/extras/streaming.py.)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
     try:
-        ds = datasets.load_dataset(source.path, data_files=source.data_files, **source.options,
-                                   **kwargs)  # fmt: skip
+        ds = datasets.load_dataset(
+            source.path, data_files=source.data_files, **source.options, **kwargs
+        )
     except Exception as e:  # datasets wraps a bad file in many exception types
         raise load_error(e, cache_dir, source.data_files, source.path, spec) from e
     finally:

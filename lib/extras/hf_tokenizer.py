@@ -1,7 +1,7 @@
-"""A tokenizer.json made elsewhere (--tokenizer, --init-from's, a finished run's out-dir for
-tools/generate.py and tools/export_hf.py): any Hugging Face tokenizer, and the three tokens the
-pipeline needs, found in it. data.load_tokenizer imports this only for such a file; a tokenizer
-that a run trains has its own.
+"""A tokenizer.json made elsewhere (--tokenizer, the one in --init-from, or the out-dir of a
+finished run for tools/generate.py and tools/export_hf.py): any Hugging Face tokenizer, and the
+three tokens the pipeline needs, found in it. data.load_tokenizer imports this only for such a
+file; a tokenizer that a run trains has its own.
 
     tokenizer, roles = read_tokenizer("tokenizer.json", {"eot": "</s>"}, data.HF_NAMES)
 """

@@ -5,11 +5,12 @@
     figures = router_figures(model)         # the balance loss and tokens per expert, and reset
 
 model.py builds it in place of the dense FeedForward (and imports this file only then: copying a
-lesson for a dense model needs no lib/extras/moe.py) and adds the load-balancing loss (balance_loss_sum) to
-the loss it returns; lib/metrics.py logs router_figures where this file is loaded. The expert flags'
-checks are here too (check_expert_flags, and which lessons cannot train experts: NO_EXPERTS).
-No training or distributed code: expert parallelism (lib/parallel/expert_parallel.py) sets each layer's
-`dispatch` to its all-to-all, which calls run_experts on the tokens a rank receives.
+lesson for a dense model needs no lib/extras/moe.py) and adds the load-balancing loss
+(balance_loss_sum) to the loss it returns; lib/metrics.py logs router_figures where this file is
+loaded. The checks of the expert flags are here too (check_expert_flags, and NO_EXPERTS: which
+lessons cannot train experts). No training or distributed code: expert parallelism
+(lib/parallel/expert_parallel.py) sets the `dispatch` of each layer to its all-to-all, which calls
+run_experts on the tokens a rank receives.
 """
 
 from collections.abc import Callable
@@ -48,8 +49,9 @@ class MoEFeedForward(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, ffn, d))  # gate projections
         self.w3 = nn.Parameter(torch.empty(E, ffn, d))  # up projections
         self.w2 = nn.Parameter(torch.empty(E, d, ffn))  # down projections
-        # Expert parallelism (lib/parallel/expert_parallel.py) sets this to a function like run_experts that
-        # sends the tokens to the ranks holding their experts and brings the outputs back.
+        # Expert parallelism (lib/parallel/expert_parallel.py) sets this to a function like
+        # run_experts that sends the tokens to the ranks holding their experts and brings the
+        # outputs back.
         self.dispatch: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
         self.record_routing = False
         self.routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (probs, experts)
@@ -257,8 +259,11 @@ NO_EXPERTS = {
 
 def cannot_train(script: str, args, experts: int) -> str:
     """Why `script`, one of NO_EXPERTS, refuses this run's mixture of `experts` experts."""
-    given = (f"--num-experts {experts}" if args.init_from is None
-             else f"--init-from {args.init_from}, with {experts} experts")  # fmt: skip
+    given = (
+        f"--num-experts {experts}"
+        if args.init_from is None
+        else f"--init-from {args.init_from}, with {experts} experts"
+    )
     return (
         f"{script} cannot train a mixture of experts ({given}): {NO_EXPERTS[script]}. "
         f"Train it with train_dp.py, train_ddp.py, train_zero1.py or train_fsdp.py, or with "

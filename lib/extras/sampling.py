@@ -12,25 +12,31 @@ from model import KVCache, LlamaForPretraining
 
 @torch.no_grad()
 def generate(
-    model: LlamaForPretraining, input_ids: torch.Tensor, max_new_tokens: int,
-    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    model: LlamaForPretraining,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     eos_id: int | None = None,
-    generator: torch.Generator | None = None, use_cache: bool = True,
-) -> torch.Tensor:  # fmt: skip
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
     """Continue input_ids (B, T) by up to max_new_tokens; returns (B, T + generated). With the
     KV cache the prompt runs once, then each step feeds the newest token. temperature 0 is
     greedy. Stops once every sequence has produced eos_id (then repeated)."""
     B, T = input_ids.shape
     total = T + max_new_tokens
     if total > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's max_position_embeddings "
-                         f"({model.config.max_position_embeddings})")  # fmt: skip
+        longest = f"max_position_embeddings ({model.config.max_position_embeddings})"
+        raise ValueError(
+            f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the model's {longest}"
+        )
     config, dtype = model.config, model.tok_embeddings.weight.dtype
-    caches = [
-        KVCache(B, config.num_key_value_heads, total, config.head_dim, input_ids.device, dtype)
-        for _ in model.layers
-    ] if use_cache else None  # fmt: skip
+    caches = None
+    if use_cache:
+        shape = (B, config.num_key_value_heads, total, config.head_dim)
+        caches = [KVCache(*shape, input_ids.device, dtype) for _ in model.layers]
     tokens = next_input = input_ids
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
@@ -69,8 +75,14 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> t
 # Text in, text out: what tools/generate.py prints and every train script's sample at the end
 
 
-def generate_text(model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
-                  *sampling, **named_sampling) -> str:  # fmt: skip
+def generate_text(
+    model: LlamaForPretraining,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *sampling,
+    **named_sampling,
+) -> str:
     """`prompt` followed by up to max_new_tokens generated tokens, stopping at the end of a
     document (the tokenizer's eot_id) or of the model's context; sampling as generate_ids."""
     ids, _ = generate_ids(model, tokenizer, prompt, max_new_tokens, *sampling, **named_sampling)
@@ -78,10 +90,16 @@ def generate_text(model: LlamaForPretraining, tokenizer, prompt: str, max_new_to
 
 
 def generate_ids(
-    model: LlamaForPretraining, tokenizer, prompt: str, max_new_tokens: int,
-    temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None,
-    seed: int | None = None, use_cache: bool = True,
-) -> tuple[list[int], bool]:  # fmt: skip
+    model: LlamaForPretraining,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> tuple[list[int], bool]:
     """generate_text's token ids ([BOT], the prompt's, the generated ones), and whether the
     model's context cut them short. temperature 0 is greedy; `seed` makes sampling reproducible."""
     model.eval()
@@ -90,14 +108,21 @@ def generate_ids(
     context = model.config.max_position_embeddings
     room = context - len(ids)
     if room <= 0:
-        raise ValueError(f"the prompt is {len(ids)} tokens, no shorter than the model's context "
-                         f"of {context}")  # fmt: skip
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens, no shorter than the model's context of {context}"
+        )
     generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     out = generate(
-        model, torch.tensor([ids], device=device), min(max_new_tokens, room),
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eot_id,
-        generator=generator, use_cache=use_cache,
-    )[0].tolist()  # T + generated  # fmt: skip
+        model,
+        torch.tensor([ids], device=device),
+        min(max_new_tokens, room),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=tokenizer.eot_id,
+        generator=generator,
+        use_cache=use_cache,
+    )[0].tolist()  # T + generated
     cut = max_new_tokens > room and len(out) == context and out[-1] != tokenizer.eot_id
     return out, cut
 

@@ -107,7 +107,7 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
         if not val_texts:
             raise ValueError(f"corpus {args.data!r} has no non-empty documents")
         held_out = frozenset(map(_digest, val_texts))
-        train_texts, size = [], 0  # the tokenizer's: the documents after, up to its budget
+        train_texts, size = [], 0  # to train the tokenizer: the documents after, up to its budget
         for text in texts:
             if _digest(text) in held_out:
                 continue
@@ -142,9 +142,16 @@ def open_stream(args, tokenizer_path: str | None) -> Stream:
             f"sequences (the stream's length, hence its epochs, is not known in advance)"
         )
     return Stream(
-        source, args.data, documents, held_out, len(val_texts), val_set, tokenizer,
-        args.seq_length, args.data_mode,
-    )  # fmt: skip
+        source,
+        args.data,
+        documents,
+        held_out,
+        len(val_texts),
+        val_set,
+        tokenizer,
+        args.seq_length,
+        args.data_mode,
+    )
 
 
 def stream_fingerprint(source: corpus.Source, first_texts: list[str]) -> str:
@@ -221,8 +228,16 @@ class StreamingBatches:
     one background thread (the positions stay those of the steps returned).
     """
 
-    def __init__(self, stream: Stream, micro_batch_size: int, accumulation: int, rank: int,
-                 world_size: int, state: dict | None = None, read_ahead: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        stream: Stream,
+        micro_batch_size: int,
+        accumulation: int,
+        rank: int,
+        world_size: int,
+        state: dict | None = None,
+        read_ahead: int = 0,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not one of {world_size} data-parallel ranks")
         self.stream, self.rank, self.world_size = stream, rank, world_size
