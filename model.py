@@ -2,14 +2,15 @@
 
 Llama 2/3's architecture: token embeddings -> N x [RMSNorm -> grouped-query attention with rotary
 position embeddings -> residual -> RMSNorm -> SwiGLU MLP (num_local_experts > 0: Mixtral's mixture
-of experts, lib/extras/moe.py) -> residual] -> RMSNorm -> lm_head. Names follow Meta's code (`wq wk wv wo`,
-`w1 w2 w3`, `attention_norm`, `ffn_norm`), LlamaConfig Hugging Face's config.json, RoPE its
-`rotate_half` layout: weights map 1:1. No training or distributed code: strategies wrap or shard it.
+of experts, lib/extras/moe.py) -> residual] -> RMSNorm -> lm_head. Names follow Meta's code (`wq
+wk wv wo`, `w1 w2 w3`, `attention_norm`, `ffn_norm`), LlamaConfig Hugging Face's config.json,
+RoPE its `rotate_half` layout: weights map 1:1. No training or distributed code: strategies wrap
+or shard it.
 
     model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
     logits = model(input_ids)                              # (B, T, vocab_size)
     loss_sum, num_tokens = model(input_ids, targets)       # summed loss, and how many targets count
-    logits = model(next_ids, kv_caches=caches)             # KV-cache decoding (lib/extras/sampling.py)
+    logits = model(next_ids, kv_caches=caches)  # KV-cache decoding (lib/extras/sampling.py)
 """
 
 import functools
@@ -59,16 +60,19 @@ class LlamaConfig:
         if d % nh:
             raise ValueError(f"hidden_size {d} is not divisible by num_attention_heads {nh}")
         if nh % kv:
-            raise ValueError(f"num_attention_heads {nh} is not divisible by "
-                             f"num_key_value_heads {kv}")  # fmt: skip
+            raise ValueError(
+                f"num_attention_heads {nh} is not divisible by num_key_value_heads {kv}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if not is_integer(E) or E < 0:
             raise ValueError(f"num_local_experts {E!r} must be an integer >= 0 (0: the dense MLP)")
         if E > 0 and not (is_integer(k) and 1 <= k <= E):
-            raise ValueError(f"num_experts_per_tok {k!r} must be an integer from 1 to "
-                             f"num_local_experts ({E}): each token goes to that many different "
-                             f"experts")  # fmt: skip
+            raise ValueError(
+                f"num_experts_per_tok {k!r} must be an integer from 1 to "
+                f"num_local_experts ({E}): each token goes to that many different "
+                f"experts"
+            )
         number = is_integer(coef) or isinstance(coef, float)
         if not (number and math.isfinite(coef) and coef >= 0):
             raise ValueError(f"router_aux_loss_coef {coef!r} must be a finite number >= 0")
@@ -218,10 +222,12 @@ def fused_flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> to
     """flex_attention(q, k, v) with a BlockMask, one fused kernel. CUDA only: on a CPU without
     AVX-512, torch 2.13's compiled kernel is wrong; no silent fallback to a dense (T, T) mask."""
     if q.device.type != "cuda":
-        raise ValueError(f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch "
-                         f"2.13 computes it wrongly without AVX-512): pass the dense mask "
-                         f"masks.create_causal_mask(T) + masks.create_document_mask(ids) instead "
-                         f"of a BlockMask")  # fmt: skip
+        raise ValueError(
+            f"FlexAttention runs on CUDA only, not on {q.device.type} (on CPU, torch "
+            f"2.13 computes it wrongly without AVX-512): pass the dense mask "
+            f"masks.create_causal_mask(T) + masks.create_document_mask(ids) instead "
+            f"of a BlockMask"
+        )
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
     return attend(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
@@ -261,9 +267,13 @@ class Attention(nn.Module):
             # No mask: `is_causal=True` lets SDPA pick its fastest kernel (flash attention on GPU)
             # with no (T, T) mask; a single decoding step (T == 1) attends to the whole cache.
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1,
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=attn_mask is None and T > 1,
                 enable_gqa=nkv != nh,
-            )  # (B, nh, T, hd)  # fmt: skip
+            )  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
         return self.wo(y)
 
@@ -330,10 +340,13 @@ class LlamaForPretraining(nn.Module):
             param.copy_(initial_weight(self.config, name, param.shape, seed, param.device))
 
     def forward(
-        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | Callable | None = None,
-        kv_caches: list[KVCache] | None = None, position_ids: torch.Tensor | None = None,
-    ):  # fmt: skip
+        kv_caches: list[KVCache] | None = None,
+        position_ids: torch.Tensor | None = None,
+    ):
         """input_ids (B, T) -> the logits (B, T, vocab); with targets (B, T), (loss_sum,
         num_tokens): the cross-entropy summed over targets that are not IGNORE_INDEX (padding), and
         their number. The caller divides by the *whole* global batch's count, so the gradient is
@@ -342,14 +355,17 @@ class LlamaForPretraining(nn.Module):
 
         attn_mask: None (plain causal, the fast path); a masks.py mask for SDPA (causal included,
         broadcasting to (B, heads, T, T)); a FlexAttention BlockMask (CUDA); or attend(q, k, v,
-        enable_gqa) -> (B, heads, T, head_dim) (lib/parallel/context_parallel.py's). position_ids: RoPE
-        positions, (T,) or (B, T); None: 0..T-1 after a KV cache's tokens (CP passes its slice's).
+        enable_gqa) -> (B, heads, T, head_dim), as lib/parallel/context_parallel.py passes it.
+        position_ids: RoPE positions, (T,) or (B, T); None: 0..T-1 after a KV cache's tokens (CP
+        passes those of its slice).
         """
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
         if start + T > self.config.max_position_embeddings:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")  # fmt: skip
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
         if kv_caches is not None and start > 0 and T > 1:
             raise ValueError("with a KV cache, feed the prompt once, then one token per step")
         if position_ids is None:

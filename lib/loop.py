@@ -68,8 +68,13 @@ class TrainingLoop:
         self.guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
         self.throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
         self.stop_request = StopRequest(device)  # Ctrl-C, SIGTERM, ...: stop cleanly (see there)
-        self.bar = tqdm(range(start_step, args.max_steps), initial=start_step,
-                        total=args.max_steps, desc="train", disable=not self.is_main)  # fmt: skip
+        self.bar = tqdm(
+            range(start_step, args.max_steps),
+            initial=start_step,
+            total=args.max_steps,
+            desc="train",
+            disable=not self.is_main,
+        )
         self.lr, self.stopping = 0.0, False
 
     def __iter__(self):
@@ -83,8 +88,9 @@ class TrainingLoop:
         not checked); False: skip the step's update (--skip-nonfinite)."""
         return self.guard.step_ok(step + 1, loss, grad_norm)
 
-    def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, evaluate,
-                   save) -> None:  # fmt: skip
+    def after_step(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, evaluate, save
+    ) -> None:
         """After the optimizer step, on every rank alike:
         1. a stop requested by a signal on any rank is agreed on by all (a collective);
         2. a NaN/inf since the last check stops the run before any log, evaluation or save;
@@ -107,8 +113,14 @@ class TrainingLoop:
             figures = self.throughput.figures()
             self.bar.set_postfix(bar_postfix(value, self.lr, figures))
             # A mixture of experts' routing, summed over the ranks (a collective); {} if dense.
-            self.metrics.log(step=done, loss=value, lr=self.lr, **figures,
-                             grad_norm=grad_norm.item(), **router_figures(self.model))  # fmt: skip
+            self.metrics.log(
+                step=done,
+                loss=value,
+                lr=self.lr,
+                **figures,
+                grad_norm=grad_norm.item(),
+                **router_figures(self.model),
+            )
         if do_eval:
             loss_sum, targets, text_bytes = evaluate().tolist()  # (a lesson's evaluate's sums)
             bits_per_byte = loss_sum / math.log(2) / text_bytes if text_bytes else math.nan
@@ -153,14 +165,18 @@ class NonFiniteGuard:
                 return True
             self.skipped_in_a_row += 1
             if self.skipped_in_a_row == self.MAX_SKIPPED_IN_A_ROW:
-                raise TrainingError(f"the loss or the gradient was NaN/infinite at "
-                                    f"{self.skipped_in_a_row} steps in a row "
-                                    f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
-                                    f"not recovering, so it stopped (--skip-nonfinite skipped "
-                                    f"their updates, so nothing saved holds NaN/inf). Try a lower "
-                                    f"--lr or --grad-clip.")  # fmt: skip
-            print(f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
-                  file=sys.stderr)  # fmt: skip
+                raise TrainingError(
+                    f"the loss or the gradient was NaN/infinite at "
+                    f"{self.skipped_in_a_row} steps in a row "
+                    f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
+                    f"not recovering, so it stopped (--skip-nonfinite skipped "
+                    f"their updates, so nothing saved holds NaN/inf). Try a lower "
+                    f"--lr or --grad-clip."
+                )
+            print(
+                f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
+                file=sys.stderr,
+            )
             return False
         first = (self.first_bad_step == 0) & ~finite
         self.first_bad_step = torch.where(first, step, self.first_bad_step)
@@ -169,12 +185,17 @@ class NonFiniteGuard:
     def check(self, out_dir: str) -> None:
         if step := int(self.first_bad_step):
             saved = list_checkpoints(out_dir) + list_checkpoints(out_dir, CHECKPOINT_DIR_RE)
-            kept = (f"the checkpoints in {out_dir} are the last good ones" if saved else
-                    "no checkpoint had been saved yet")  # fmt: skip
-            raise TrainingError(f"the loss or the gradient became NaN/infinite at step {step}; "
-                                f"stopped before saving anything from that state ({kept}). Try "
-                                f"a lower --lr, --grad-clip, or --skip-nonfinite to skip such "
-                                f"steps.")  # fmt: skip
+            kept = (
+                f"the checkpoints in {out_dir} are the last good ones"
+                if saved
+                else "no checkpoint had been saved yet"
+            )
+            raise TrainingError(
+                f"the loss or the gradient became NaN/infinite at step {step}; "
+                f"stopped before saving anything from that state ({kept}). Try "
+                f"a lower --lr, --grad-clip, or --skip-nonfinite to skip such "
+                f"steps."
+            )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -219,8 +240,10 @@ class StopRequest:
         if int(os.environ.get("RANK", "0")) == 0:
             # Received, not yet agreed: a rank whose peer died is told SIGTERM by torchrun too,
             # and fails in the next collective (exits.run says so) instead of saving.
-            note = (f"\n{signal.Signals(signum).name} received (the same signal again stops at "
-                    f"once, without saving)\n")  # fmt: skip
+            note = (
+                f"\n{signal.Signals(signum).name} received (the same signal again stops at "
+                f"once, without saving)\n"
+            )
             # os.write, not print: a handler may run in the middle of a print to stderr.
             with contextlib.suppress(OSError):
                 os.write(sys.stderr.fileno(), note.encode())

@@ -1,5 +1,5 @@
-"""Specification of context parallelism (train_cp.py, lib/parallel/context_parallel.py): splitting every
-sequence over 2 ranks trains exactly like one process on the same global batch, with document
+"""Specification of context parallelism (train_cp.py, lib/parallel/context_parallel.py): splitting
+every sequence over 2 ranks trains exactly like one process on the same global batch, with document
 masks and padding, resumes bit for bit, and writes the same sharded checkpoints as train_fsdp.py.
 
 The pieces are checked in-process first (the zigzag split; this rank's attention against the

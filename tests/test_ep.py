@@ -1,7 +1,7 @@
-"""Specification of expert parallelism (train_ep.py, lib/parallel/expert_parallel.py): the experts of every
-MoE layer split over the ep ranks of a group, the tokens sent to them and back with all-to-alls,
-train exactly like one process on the same global batch, resume bit for bit, and write the
-sharded checkpoints of train_fsdp.py.
+"""Specification of expert parallelism (train_ep.py, lib/parallel/expert_parallel.py): the experts
+of every MoE layer split over the ep ranks of a group, the tokens sent to them and back with
+all-to-alls, train exactly like one process on the same global batch, resume bit for bit, and
+write the sharded checkpoints of train_fsdp.py.
 
 The dispatch is checked alone first, on 2 gloo ranks spawned by the test (float64: the ranks'
 outputs and every gradient equal MoEFeedForward's on the whole batch), then the script is

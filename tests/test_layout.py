@@ -212,8 +212,8 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     lesson, tmp_path, stdlib_cache
 ):
     # Only the run's size is changed from the defaults (train_ep.py's needs experts): the default
-    # corpus (so no lib/extras/corpus.py), the default tokenizer training, evaluation, checkpoints, a
-    # resume, the sample at the end and every figure logged each step (a mixture of experts'
+    # corpus (so no lib/extras/corpus.py), the default tokenizer training, evaluation, checkpoints,
+    # a resume, the sample at the end and every figure logged each step (a mixture of experts'
     # routing).
     folder = tmp_path / "copy"
     folder.mkdir()

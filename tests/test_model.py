@@ -354,10 +354,11 @@ def test_decoding_with_the_kv_cache_gives_the_logits_of_a_full_forward(model):
 
 
 def test_position_ids_and_an_attention_function_continue_a_sequence_from_elsewhere(sharp_model):
-    # The two seams context parallelism uses (lib/parallel/context_parallel.py): position_ids place a slice
-    # of a sequence at its positions (RoPE), and an attention function attends to keys and values
-    # computed elsewhere. Here the second half of a sequence attends to the first half's keys and
-    # values, recorded by a first call, and gives the logits of the whole sequence's run.
+    # The two seams context parallelism uses (lib/parallel/context_parallel.py): position_ids
+    # place a slice of a sequence at its positions (RoPE), and an attention function attends to
+    # keys and values computed elsewhere. Here the second half of a sequence attends to the keys
+    # and values of the first half, recorded by a first call, and gives the logits of the whole
+    # sequence's run.
     x = random_tokens(2, 16)
     recorded = []
 

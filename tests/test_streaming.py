@@ -1,6 +1,6 @@
-"""Specification of lib/extras/streaming.py (--streaming): exact resume, one shard per rank, held-out
-validation, and the same windows as the cached path, in-process on corpora made in tmp_path;
-then the train scripts' side: the position each checkpoint saves, and a run under torchrun
+"""Specification of lib/extras/streaming.py (--streaming): exact resume, one shard per rank,
+held-out validation, and the same windows as the cached path, in-process on corpora made in
+tmp_path; then the train scripts' side: the position each checkpoint saves, and a run under torchrun
 resumed from one. (A killed streaming job: tests/test_faults.py.)"""
 
 import io

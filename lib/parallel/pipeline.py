@@ -312,9 +312,11 @@ class PipelineLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+            logits.float().flatten(0, 1),
+            targets.flatten(),
+            ignore_index=IGNORE_INDEX,
             reduction="sum",
-        )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets  # fmt: skip
+        )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets
         return loss_sum * self.scale
 
 
