@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, training
-from lib.checkpoints import TrainingState, sharded
+from lib.checkpoints.sharded import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from lib.parallel import context_parallel, fsdp
 from lib.parallel.context_parallel import ContextParallel, zigzag_slice
@@ -48,7 +48,6 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # The grid: dp x cp ranks. Only the dp groups split the batch: a cp group shares its sequences.
     cp, dp = context_parallel.check_flags(parser, args, world_size)
     settings = flags.run_settings(parser, args, dp, device, context_parallel=True, fp16=False)
@@ -58,7 +57,8 @@ def main():
     # cp_mesh["dp"] the ranks that hold the same slice in the other groups.
     cp_mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     dp_rank, cp_rank = cp_mesh.get_local_rank("dp"), cp_mesh.get_local_rank("cp")
-    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -106,7 +106,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, cp_model, doc_ids, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -123,14 +123,14 @@ def main():
         dist.all_reduce(totals)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
-
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
         # copies them to CPU memory, and a thread writes them as training goes on).
-        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
+        with checkpoints.saving(step, state, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
-                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+                checkpoints.job = dcp.async_save(
+                    to_save, checkpoint_id=path, process_group=checkpoints.group
+                )
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
@@ -173,7 +173,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded.finish_run(args, saves, device)
+    checkpoints.finish(state, device)
     dist.destroy_process_group()
 
 

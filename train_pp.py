@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, training
-from lib.checkpoints import TrainingState, sharded
+from lib.checkpoints.sharded import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from lib.parallel import pipeline, tensor_parallel
 from model import IGNORE_INDEX
@@ -47,7 +47,6 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
     # accumulation steps are the m micro-batches the schedule streams through each pipeline.
     settings, pp, v, dp = pipeline.check_flags(parser, args, world_size, device)  # checked
@@ -59,7 +58,8 @@ def main():
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
     pp_rank, pp_group = mesh.get_local_rank("pp"), mesh["pp"].get_group()  # this rank's pipeline
-    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -106,7 +106,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
     # the schedule orders the m micro-batches' forwards, backwards and sends (loss normalised).
     stages = [PipelineStage(s, s.index, pp * v, device, group=pp_group) for s in stage_models]
@@ -143,14 +143,14 @@ def main():
         dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
-
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
         # copies them to CPU memory, and a thread writes them as training goes on).
-        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
+        with checkpoints.saving(step, state, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
-                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+                checkpoints.job = dcp.async_save(
+                    to_save, checkpoint_id=path, process_group=checkpoints.group
+                )
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
@@ -182,7 +182,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded.finish_run(args, saves, device)
+    checkpoints.finish(state, device)
     dist.destroy_process_group()
 
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DistributedSampler
 
 from lib import distributed, exits, flags, training
-from lib.checkpoints import TrainingState, sharded
+from lib.checkpoints.sharded import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from lib.parallel import tensor_parallel
 from model import IGNORE_INDEX
@@ -48,7 +48,6 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     # The grid: dp x tp ranks. Only the dp groups split the batch: a tp group shares its samples.
     tp, dp = tensor_parallel.check_flags(parser, args, world_size)
     settings = flags.run_settings(parser, args, dp, device, fp16=False)  # checked
@@ -58,7 +57,8 @@ def main():
     # mesh["dp"] the ranks that hold the same TP shard in the other groups.
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
-    resume_path = distributed.from_rank0(sharded.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -105,7 +105,7 @@ def main():
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
-    start_step, data_position = sharded.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
@@ -123,14 +123,14 @@ def main():
         dist.all_reduce(totals, group=dp_group)  # (loss sum, targets, their bytes)
         return totals
 
-    saves = sharded.ShardedSaves(args, state)  # the save in flight, its group
-
     def save(step: int) -> None:
         # A collective: every rank writes its own shards, and no rank gathers them (--async-save:
         # copies them to CPU memory, and a thread writes them as training goes on).
-        with saves.checkpoint(step, training.data_positions(batches)) as (to_save, path):
+        with checkpoints.saving(step, state, training.data_positions(batches)) as (to_save, path):
             if args.async_save and not loop.stopping:  # (the run's last one is written at once)
-                saves.job = dcp.async_save(to_save, checkpoint_id=path, process_group=saves.group)
+                checkpoints.job = dcp.async_save(
+                    to_save, checkpoint_id=path, process_group=checkpoints.group
+                )
             else:
                 dcp.save(to_save, checkpoint_id=path)
 
@@ -175,7 +175,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
-    sharded.finish_run(args, saves, device)
+    checkpoints.finish(state, device)
     dist.destroy_process_group()
 
 

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import data
-from lib import checkpoints, exits, training
+from lib import exits, training
 from lib.checkpoints.finished_run import load_model
+from lib.checkpoints.out_dir import save_final
 from lib.extras import sampling
 from lib.extras.moe import MoEFeedForward, router_stats, sequence_balance_loss
 from lib.extras.sampling import generate_text
@@ -489,7 +490,7 @@ def moe_out_dir(tmp_path_factory):
     config = moe_config(vocab_size=tokenizer.get_vocab_size(), rope_theta=500000.0)
     model = sharp(LlamaForPretraining(config)).eval()
     out = tmp_path_factory.mktemp("moe_out")
-    checkpoints.save_final(str(out), model, config, tokenizer)
+    save_final(str(out), model, config, tokenizer)
     return out
 
 
