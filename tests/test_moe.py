@@ -1,4 +1,5 @@
-"""Specification of the mixture of experts in lib/extras/moe.py (MoEFeedForward), and its Mixtral export.
+"""Specification of the mixture of experts in lib/extras/moe.py (MoEFeedForward) and its Mixtral
+export.
 
 A config with num_local_experts > 0 replaces every layer's SwiGLU MLP by Mixtral's sparse MoE:
 a router sends each token to num_experts_per_tok experts, dropless (no token is ever dropped),
