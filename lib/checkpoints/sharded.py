@@ -198,7 +198,8 @@ class Checkpoints:
 
 
 # -------------------------------------------------------------------------------------------------
-# Rank 0's parts: the out-dir, a checkpoint completed, a resume that failed, the end of a run
+# What the methods call: rank 0's part of each (the out-dir, a checkpoint completed, the end of
+# a run), and the error of a load that failed
 
 
 def prepare_out_dir(args, script: str | None = None) -> str | None:
