@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from lib import checkpoints, distributed, exits, flags, training
-from lib.checkpoints import TrainingState
+from lib import distributed, exits, flags, training
+from lib.checkpoints.one_file import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from model import IGNORE_INDEX
 
@@ -38,11 +38,11 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    is_main = rank == 0  # global rank 0 alone prints, writes files and shows the progress bar
     settings = flags.run_settings(parser, args, world_size, device)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    resume_path = distributed.from_rank0(checkpoints.prepare_out_dir, is_main, args)
+    checkpoints = Checkpoints(args)  # the whole model in one .pt file, written by rank 0
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -68,7 +68,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
-    start_step, data_position = checkpoints.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # DDP broadcasts rank 0's weights to every rank here, then all-reduces gradients in buckets
     # while backward runs; no buffers re-sent before each forward (the RoPE tables are constants).
     device_ids = [local_rank] if device.type == "cuda" else None
@@ -89,9 +89,8 @@ def main():
         return totals
 
     def save(step: int) -> None:
-        position = training.data_positions(batches)  # --streaming: where the stream is
         # Rank 0 alone writes it, and every rank learns whether it could (a full disk: all stop).
-        distributed.from_rank0(checkpoints.save_checkpoint, is_main, args, step, state, position)
+        checkpoints.save(step, state, training.data_positions(batches))
 
     # ---- training loop -------------------------------------------------------------------------
     loop = TrainingLoop(args, settings, state, device, start_step)
@@ -131,7 +130,7 @@ def main():
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt and the final sample: from `model` itself, whose names have no wrapper's prefix.
     # Rank 0 alone writes them; the run is over for every rank when they are written.
-    distributed.from_rank0(training.finish_run, is_main, args, model, config, tokenizer, device)
+    checkpoints.finish(state, device)
     del ddp_model  # its reducer holds the group: freed first (a hang at exit, pytorch#56297)
     dist.destroy_process_group()
 

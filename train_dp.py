@@ -14,8 +14,8 @@ data.py, masks.py and the lib/ folder.
 
 import torch
 
-from lib import checkpoints, exits, flags, training
-from lib.checkpoints import TrainingState
+from lib import exits, flags, training
+from lib.checkpoints.one_file import Checkpoints, TrainingState
 from lib.loop import TrainingLoop
 from lib.parallel.replica import Replica
 from model import IGNORE_INDEX
@@ -30,7 +30,8 @@ def main():
     settings = flags.run_settings(parser, args, devices, device, replicas=devices)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
-    resume_path = checkpoints.prepare_out_dir(args)
+    checkpoints = Checkpoints(args)  # the whole model in one .pt file, written by rank 0
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
@@ -54,7 +55,7 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
-    start_step, data_position = checkpoints.resume(resume_path, state, args)
+    start_step, data_position = checkpoints.resume(resume_path, state)
     # On CPU or a single GPU, DataParallel simply calls the module: the same code runs everywhere.
     # DataParallel sums each replica's gradients into the original model's, on GPU 0.
     dp_model = torch.nn.DataParallel(Replica(model, device, settings.precision))
@@ -72,8 +73,7 @@ def main():
         return totals
 
     def save(step: int) -> None:
-        position = training.data_positions(batches)  # --streaming: where the stream is
-        checkpoints.save_checkpoint(args, step, state, position)
+        checkpoints.save(step, state, training.data_positions(batches))
 
     # ---- training loop -------------------------------------------------------------------------
     loop = TrainingLoop(args, settings, state, device, start_step)
@@ -104,7 +104,7 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt and the final sample: from `model` itself, whose names have no wrapper's prefix.
-    training.finish_run(args, model, config, tokenizer, device)
+    checkpoints.finish(state, device)
 
 
 if __name__ == "__main__":

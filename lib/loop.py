@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.checkpoints import TrainingState, record_run
 from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
+from lib.checkpoints.out_dir import TrainingState, record_run
 from lib.exits import STOP_SIGNALS, Stopped, TrainingError
 from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
 from lib.metrics import Metrics, Throughput, bar_postfix, build_memory, router_figures

@@ -1,10 +1,11 @@
 """The parts of a training run that no parallel strategy changes: the datasets and the batches of
-each step, the model, AdamW and its schedule, mixed precision, attention masks, evaluation and
-the end of a run. Each train_*.py keeps its own visible loop and calls these, so neighbouring
-lessons differ by the concept each adds. A module that only a flag needs is imported where that
-flag is handled: lib/extras/streaming.py (--streaming), lib/extras/loader_workers.py
-(--num-workers), lib/extras/speed.py (--compile, --activation-checkpointing), masks.py
-(--document-mask), lib/checkpoints/finished_run.py (--init-from)."""
+each step, the model, AdamW and its schedule, mixed precision, attention masks and evaluation
+(the end of a run is in lib/checkpoints/). Each train_*.py keeps its own visible loop and calls
+these, so neighbouring lessons differ by the concept each adds. A module that only a flag needs
+is imported where that flag is handled: lib/extras/streaming.py (--streaming),
+lib/extras/loader_workers.py (--num-workers), lib/extras/speed.py (--compile,
+--activation-checkpointing), masks.py (--document-mask), lib/checkpoints/finished_run.py
+(--init-from)."""
 
 import contextlib
 import math
@@ -18,10 +19,8 @@ from torch.utils.data import DataLoader, Subset
 
 import data
 from lib import model_config
-from lib.checkpoints import save_failed, save_final
-from lib.checkpoints.files import TEMP_RE
 from lib.distributed import main_process_first
-from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, initial_weight, reset_buffers
+from model import IGNORE_INDEX, LlamaForPretraining, initial_weight, reset_buffers
 
 # -------------------------------------------------------------------------------------------------
 # Data
@@ -358,28 +357,3 @@ def batch_totals(loss_sum: torch.Tensor, targets: torch.Tensor, loader) -> torch
     bytes at the average of the whole set, so that one evaluation sums to the text of the set."""
     targets = targets.double()
     return torch.stack([loss_sum.double(), targets, targets * loader.bytes_per_target])
-
-
-def finish_run(args, model: LlamaForPretraining, config: LlamaConfig, tokenizer, device) -> None:
-    """The end of a run, on the process that writes files: the final files, the peak memory
-    (--plan, GPU) and a sample of the trained model (--sample-tokens)."""
-    save_final_files(args, model, config, tokenizer, device)
-    if args.sample_tokens:
-        from lib.extras.sampling import print_sample  # at the end of a run
-
-        print_sample(args, model.to(device), tokenizer)
-
-
-def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> None:
-    """checkpoints.save_final (model: the model, or a function reading it one tensor at a time),
-    an error in one line (a full disk), and the peak GPU memory (--plan)."""
-    try:
-        save_final(args.out_dir, model, config, tokenizer)
-    except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
-        # A write's error names no file; model.pt is the large one (a temporary name: its own).
-        path = TEMP_RE.sub("", e.filename) if e.filename else os.path.join(args.out_dir, "model.pt")
-        raise save_failed(path, e, "the run's final file") from e
-    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
-    if args.plan and device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 1e9
-        print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")

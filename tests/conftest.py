@@ -5,8 +5,9 @@ The training tests share one corpus, one cache and the runs that several of them
 pytest-xdist worker is a session of its own, with a cache of its own; the corpus and the runs
 are made by the first worker that needs them, while any other waits on a lock (`once`). The tests
 of what reads a run's outputs (tools/generate.py, tools/export_hf.py) need no training: an out-dir
-is model.pt + config.json + tokenizer.json, and `checkpoints.save_final` writes exactly what the
-training scripts write (`make_out_dir`, `out_dir`, built in-process in well under a second).
+is model.pt + config.json + tokenizer.json, and `save_final` (lib/checkpoints/out_dir.py) writes
+exactly what the training scripts write (`make_out_dir`, `out_dir`, built in-process in well under
+a second).
 """
 
 import fcntl
@@ -22,7 +23,8 @@ import torch
 from harness import build_args, cmd, run_script, write_corpus
 
 import data
-from lib import checkpoints, training
+from lib import training
+from lib.checkpoints.out_dir import save_final
 from model import LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ def make_out_dir(tmp_path_factory):
         out = tmp_path_factory.mktemp("out_tied" if tie else "out")
         tokenizer = tiny_tokenizer(cache)
         model = tiny_model(tokenizer.get_vocab_size(), tie=tie)
-        checkpoints.save_final(str(out), model, model.config, tokenizer)
+        save_final(str(out), model, model.config, tokenizer)
         return out
 
     return make

@@ -1,5 +1,5 @@
 """--config FILE.toml, the settings record OUT_DIR/args.jsonl, and extending a run with a larger
---max-steps (lib/flags.py, checkpoints.resume_schedule).
+--max-steps (lib/flags.py, resuming.resume_schedule).
 
 The parsing tests run in-process or with --check (no training); three train_dp.py launches
 make one run of 4 steps from a config file, extend it to 8 and refuse to shorten it.

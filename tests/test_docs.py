@@ -22,8 +22,10 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 from harness import REPO, build_args, run_ddp_sh_env
 
-from lib import checkpoints, exits, flags, loop, metrics, model_config, training
+from lib import exits, flags, loop, metrics, model_config, training
 from lib.checkpoints import resuming
+from lib.checkpoints.one_file import Checkpoints
+from lib.checkpoints.out_dir import TrainingState, lock_out_dir
 from model import LlamaConfig, count_active_parameters, count_parameters
 from tools import bench, parity
 
@@ -198,7 +200,7 @@ def test_outputs_md_quotes_the_training_bar_as_the_loop_labels_and_fills_it(tmp_
     run = flags.run_settings(parser, args, 1, CPU)
     model = tiny_model(300)
     optimizer = torch.optim.AdamW(model.parameters())
-    state = checkpoints.TrainingState(model, optimizer, None, None, model.config, None)
+    state = TrainingState(model, optimizer, None, None, model.config, None)
     bar = loop.TrainingLoop(args, run, state, CPU, 0).bar
     figures = {"tokens_per_sec": 5765.0, "step_ms": 710.5, "mfu": None}
     bar.set_postfix(metrics.bar_postfix(4.733, 3e-4, figures))
@@ -215,7 +217,8 @@ def test_outputs_md_quotes_the_final_files_and_the_sample_as_the_run_prints_them
     args = flags.build_parser("train_dp.py").parse_args(["--sample-tokens", "4"])
     tokenizer = tiny_tokenizer(tmp_path / "cache")
     model = tiny_model(tokenizer.get_vocab_size())
-    training.finish_run(args, model, model.config, tokenizer, CPU)
+    state = TrainingState(model, None, None, None, model.config, tokenizer)
+    Checkpoints(args).finish(state, CPU)  # (one process: no torchrun)
     printed = capsys.readouterr().out.splitlines()
     assert transcript()[-2:] == printed[:2]  # saved ... to out, sample:
 
@@ -463,7 +466,7 @@ def test_troubleshooting_md_quotes_the_refusal_of_an_out_dir_in_use(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from lib.checkpoints import lock_out_dir; "
+        [sys.executable, "-c", "import sys; from lib.checkpoints.out_dir import lock_out_dir; "
          "lock_out_dir(sys.argv[1]); print('locked', flush=True); sys.stdin.read()",
          str(tmp_path / "out")],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -472,7 +475,7 @@ def test_troubleshooting_md_quotes_the_refusal_of_an_out_dir_in_use(tmp_path, mo
         assert holder.stdout.readline() == "locked\n"
         who = json.loads((tmp_path / "out" / ".lock").read_text())  # the holder's own record
         with pytest.raises(ValueError) as refused:
-            checkpoints.lock_out_dir("out")
+            lock_out_dir("out")
     finally:
         holder.communicate("")
     (quoted,) = block("troubleshooting.md", "error: --out-dir out is in use")

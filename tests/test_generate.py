@@ -1,6 +1,6 @@
 """Specification of tools/generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
 
-The out-dir comes from conftest.py (a tiny random model saved with checkpoints.save_final, exactly
+The out-dir comes from conftest.py (a tiny random model saved with out_dir.save_final, exactly
 what the training scripts write); only two tests launch the script itself (~4 s each).
 """
 

@@ -185,14 +185,16 @@ def test_each_lesson_says_which_files_come_with_it_and_names_its_neighbour(lesso
 
 def test_copying_a_lesson_takes_few_files_and_lines():
     # The layout's figures: a lesson copies the shared library and its own modules, no more, and
-    # train_ddp.py with its files is at most 3,000 lines (comments, docstrings, blanks included).
-    # The counts are of modules: lib/__init__.py, a one-line docstring, is not one.
+    # train_ddp.py with its files is at most 3,100 lines (comments, docstrings, blanks included).
+    # The counts are of modules: a package's __init__.py, its docstring alone, is not one.
     def modules(lesson: str) -> set[str]:
         return files_to_copy(lesson) - package_markers(files_to_copy(lesson))
 
     ddp = modules("train_ddp.py")
-    assert len(ddp) <= 12  # the lesson, model.py, data.py and 9 of lib/'s
-    assert sum(len((Path(REPO) / name).read_text().splitlines()) for name in ddp) <= 3000
+    # The lesson, model.py, data.py and 10 of lib/'s (3 of them lib/checkpoints/'s: out_dir.py,
+    # files.py and one_file.py).
+    assert len(ddp) <= 13
+    assert sum(len((Path(REPO) / name).read_text().splitlines()) for name in ddp) <= 3100
     assert max(len(modules(lesson)) for lesson in LESSONS) <= 17
 
 
@@ -212,9 +214,9 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
     lesson, tmp_path, stdlib_cache
 ):
     # Only the run's size is changed from the defaults (train_ep.py's needs experts): the default
-    # corpus (so no lib/extras/corpus.py), the default tokenizer training, evaluation, checkpoints,
-    # a resume, the sample at the end and every figure logged each step (a mixture of experts'
-    # routing).
+    # corpus (so no lib/extras/corpus.py), the default tokenizer training, evaluation,
+    # checkpoints, a resume, the sample at the end and every figure logged each step (a mixture
+    # of experts' routing).
     folder = tmp_path / "copy"
     folder.mkdir()
     for name in copy_of(lesson):  # what its docstring says to copy; lib/ keeps its folder

@@ -1,4 +1,4 @@
-"""Specification of the mixture of experts in lib/extras/moe.py (MoEFeedForward), and its Mixtral
+"""Specification of the mixture of experts in lib/extras/moe.py (MoEFeedForward) and its Mixtral
 export.
 
 A config with num_local_experts > 0 replaces every layer's SwiGLU MLP by Mixtral's sparse MoE:
@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import data
-from lib import checkpoints, exits
+from lib import exits
 from lib.checkpoints.finished_run import load_model
+from lib.checkpoints.out_dir import save_final
 from lib.extras import sampling, speed
 from lib.extras.moe import MoEFeedForward, router_stats, sequence_balance_loss
 from lib.extras.sampling import generate_text
@@ -490,7 +491,7 @@ def moe_out_dir(tmp_path_factory):
     config = moe_config(vocab_size=tokenizer.get_vocab_size(), rope_theta=500000.0)
     model = sharp(LlamaForPretraining(config)).eval()
     out = tmp_path_factory.mktemp("moe_out")
-    checkpoints.save_final(str(out), model, config, tokenizer)
+    save_final(str(out), model, config, tokenizer)
     return out
 
 

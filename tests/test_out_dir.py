@@ -29,8 +29,8 @@ from harness import (
 )
 from test_bad_input import assert_refused
 
-from lib import checkpoints
-from lib.checkpoints import sharded
+from lib.checkpoints import one_file, sharded
+from lib.checkpoints.out_dir import release_out_dir
 
 FSDP = "train_fsdp.py"
 
@@ -130,11 +130,11 @@ def refused_at_resume(out: Path, expect: str, script: str = DP) -> None:
     try:
         with pytest.raises(ValueError) as refusal:
             if script == DP:
-                checkpoints.prepare_out_dir(args)
+                one_file.prepare_out_dir(args)
             else:
                 sharded.prepare_out_dir(args, script)
     finally:
-        checkpoints.release_out_dir()  # (a run's lock, held by this process)
+        release_out_dir()  # (a run's lock, held by this process)
     assert expect in str(refusal.value) and "\n" not in str(refusal.value), str(refusal.value)
     assert snapshot(out) == before
 
@@ -218,7 +218,7 @@ def test_a_resume_path_that_holds_no_checkpoint_leaves_no_out_dir_behind(tmp_pat
     expect = "no checkpoint file at" if script == DP else f"is not a {FSDP} checkpoint directory"
     with pytest.raises(ValueError, match=expect):
         if script == DP:
-            checkpoints.prepare_out_dir(args)
+            one_file.prepare_out_dir(args)
         else:
             sharded.prepare_out_dir(args, script)
     assert not out.exists()

@@ -9,8 +9,8 @@ from conftest import tiny_model
 from harness import build_args, write_foreign_tokenizer
 
 import data
-from lib import checkpoints
 from lib.checkpoints.finished_run import load_model
+from lib.checkpoints.out_dir import save_final
 
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 TEXT = "def add(x, y):\n    return x + y"
@@ -79,7 +79,7 @@ def test_an_out_dir_keeps_its_special_tokens_for_generate_and_init_from(tmp_path
     model = tiny_model(tokenizer.get_vocab_size())
     flagged = data.load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"), {"eot": "<|eot_id|>"})
     (tmp_path / "out").mkdir()
-    checkpoints.save_final(str(tmp_path / "out"), model, model.config, flagged)
+    save_final(str(tmp_path / "out"), model, model.config, flagged)
     _, loaded = load_model(str(tmp_path / "out"))
     assert loaded.specials == flagged.specials  # from out/tokenizer_config.json
     assert loaded.eot_id == tokenizer.token_to_id("<|eot_id|>")

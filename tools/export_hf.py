@@ -48,7 +48,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from data import load_tokenizer, tokenizer_digest
-from lib import checkpoints, exits, flags, model_config
+from lib import exits, flags, model_config
 from lib.checkpoints import files
 from lib.checkpoints.finished_run import (
     check_config_values,
@@ -56,6 +56,7 @@ from lib.checkpoints.finished_run import (
     is_number,
     open_weights,
 )
+from lib.checkpoints.out_dir import save_final
 from lib.checkpoints.sharded import save_tensor_by_tensor
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 
@@ -423,7 +424,7 @@ def import_hf(hf_dir: str, out_dir: str, specials: dict[str, str | None] | None 
             )
         read = hf_reader(config, hf_dir)  # (every name and shape checked first)
         write = functools.partial(save_tensor_by_tensor, config, read)
-        checkpoints.save_final(tmp, write, config, tokenizer)
+        save_final(tmp, write, config, tokenizer)
 
 
 def hf_reader(config: LlamaConfig, hf_dir: str):

@@ -210,14 +210,14 @@ def start_from(out_dir: str, resume: str | None) -> str | None:
 
 
 def choose_checkpoint(args) -> str | None:
-    """checkpoints.prepare_out_dir's choice, in an out-dir where an earlier run left anything:
+    """one_file.prepare_out_dir's choice, in an out-dir where an earlier run left anything:
     the .pt checkpoint to resume from (None: start fresh)."""
     if args.resume == "never":
         if list_checkpoints(args.out_dir):
             raise resume_never_error(args.out_dir)
         resume = None
     elif args.resume != "auto":
-        resume = args.resume  # (checked by checkpoints.prepare_out_dir)
+        resume = args.resume  # (checked by one_file.prepare_out_dir)
     else:
         resume = newest_readable(list_checkpoints(args.out_dir))
     refuse_other_checkpoints(args.out_dir, sharded=False)
