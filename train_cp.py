@@ -48,6 +48,7 @@ def main():
     # The grid: dp x cp ranks. Only the dp groups split the batch: a cp group shares its sequences.
     layout = context_parallel.setup(parser, args, world_size, device)  # checked; the meshes
     settings = flags.run_settings(parser, args, layout.dp, device, context_parallel=True)
+    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and this rank's
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
@@ -65,9 +66,7 @@ def main():
     # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(
-            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
-        )
+        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -99,7 +98,6 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
@@ -108,8 +106,8 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, cp_model, doc_ids, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows, device)
-    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)
+    start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -118,7 +116,7 @@ def main():
         # Each rank its slice of its share (every forward gathers each layer: all run it); the
         # sums over all ranks: each target is in exactly one rank's slice.
         totals = training.evaluate(cp_model, val_loader, device, settings, doc_ids)
-        dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
+        dist.all_reduce(totals)  # (loss sum, targets, their bytes)
         return totals
 
     def save(step: int) -> None:
@@ -142,7 +140,7 @@ def main():
         # Each target is in exactly one rank's slice: the slices' counts add up to the batch's.
         slices = [zigzag_slice(y, cp_rank, layout.cp) for _, y in micro_batches]
         global_tokens = sum((y != IGNORE_INDEX).sum() for y in slices)
-        dist.all_reduce(global_tokens, group=layout.dp_group)
+        dist.all_reduce(global_tokens)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: reduce-scatter only after the last micro-step; before it,
@@ -156,7 +154,7 @@ def main():
             scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        dist.all_reduce(step_loss, group=layout.dp_group)
+        dist.all_reduce(step_loss)
         scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         # The gradients are sharded DTensors: the norm sums their squares over the ranks, and
         # full_tensor() gives every rank that whole norm as a plain tensor.

@@ -52,13 +52,11 @@ def main():
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
     attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # The samples this rank reads in an epoch: every dp-th of one shared shuffle, so that each
-    # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
+    # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
+    # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(
-            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
-        )
+        sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -86,7 +84,6 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
@@ -95,8 +92,8 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows, device)
-    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
+    val_loader = training.ValidationShard(val_set, rank, world_size, rows, device)  # its share
+    start, shard = (start_step, data_position), (rank, world_size)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -104,7 +101,7 @@ def main():
     def evaluate() -> torch.Tensor:
         # Each rank its share (every forward all-gathers each layer: all run it); sums added up.
         totals = training.evaluate(model, val_loader, device, settings, attn_mask)
-        dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
+        dist.all_reduce(totals)  # (loss sum, targets, their bytes)
         return totals
 
     def save(step: int) -> None:
@@ -126,7 +123,7 @@ def main():
         # every target token weighs the same however the batch is split (micro-batches, ranks),
         # and padded batches give the same gradient as one big batch would.
         global_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        dist.all_reduce(global_tokens, group=layout.dp_group)
+        dist.all_reduce(global_tokens)
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro_batches):
             # Gradient accumulation: reduce-scatter only after the last micro-step; before it,
@@ -140,7 +137,7 @@ def main():
             scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        dist.all_reduce(step_loss, group=layout.dp_group)
+        dist.all_reduce(step_loss)
         scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         # The gradients are sharded DTensors: the norm sums their squares over the ranks, and
         # full_tensor() gives every rank that whole norm as a plain tensor.

@@ -52,6 +52,7 @@ def main():
     # No fp16 (refused): every stage would have to agree to skip a step, which the grad scaler
     # of each rank, seeing only its own stages' gradients, cannot; use bf16.
     settings = pipeline.run_settings(parser, args, layout, device)  # checked
+    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and this rank's
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
@@ -65,9 +66,7 @@ def main():
     # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(
-            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
-        )
+        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -108,10 +107,8 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
-    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
-    state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
+    state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
     start_step, data_position = checkpoints.resume(resume_path, state)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
@@ -124,23 +121,16 @@ def main():
     schedule = Schedule(runs, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1  # tokens go in; the loss comes out
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows * m, device)
-    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows * m, device)
+    start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
     def run_pipeline(x, y, scale, train: bool) -> torch.Tensor:
-        # One run of the schedule over a pipeline's batch (m x rows, T), forwards and backwards
-        # (eval: forwards alone): the first stage reads x, the last computes each micro-batch's
-        # loss sum x scale, every stage gets the attention mask.
-        loss_fn.scale, losses = scale, []
-        masks = {} if (mask := attn_mask(x)) is None else {"attn_mask": mask}
-        run = schedule.step if train else schedule.eval
-        inputs, target = (x,) if is_first else (), y if is_last else None
-        run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
-        # The last stage's (loss sum, targets, their bytes); zeros on the other stages.
-        loss_sum = sum(losses, torch.zeros((), device=device)) / scale
+        # The last stage's (loss sum, targets, their bytes) of one run; zeros on the other stages.
+        ends = (is_first, is_last)  # (the tokens go in; the loss comes out)
+        loss_sum = run_schedule(schedule, loss_fn, x, y, attn_mask(x), scale, train, *ends)
         return training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), val_loader) * is_last
 
     def evaluate() -> torch.Tensor:
@@ -179,15 +169,12 @@ def main():
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=pp_group)  # the last stage's (the others hold zeros)
         dist.all_reduce(step_loss, group=layout.dp_group)
-        scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
             tensor_parallel.replicate_partial_grads(model.parameters())
         # Each rank holds its own stages' gradients: their squared norms add up over the pipeline.
         grad_norm = pipeline.clip_grad_norm_(model.parameters(), settings.max_grad_norm, pp_group)
-        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
-        if loop.step_ok(step, step_loss, None if scaler.is_enabled() else grad_norm):
-            scaler.step(optimizer)
-        scaler.update()
+        if loop.step_ok(step, step_loss, grad_norm):
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).
@@ -197,6 +184,18 @@ def main():
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
     checkpoints.finish(state, device)
     dist.destroy_process_group()
+
+
+def run_schedule(schedule, loss_fn, x, y, attn_mask, scale, train: bool, first: bool, last: bool):
+    """One run of the schedule over a pipeline's batch (m x rows, T), forwards and backwards (eval:
+    forwards alone): the first stage reads x, the last computes each micro-batch's loss sum x
+    scale, every stage gets the attention mask. Returns the last stage's loss sum, unscaled."""
+    loss_fn.scale, losses = scale, []
+    masks = {} if attn_mask is None else {"attn_mask": attn_mask}
+    run = schedule.step if train else schedule.eval
+    inputs, target = (x,) if first else (), y if last else None
+    run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
+    return sum(losses, torch.zeros((), device=x.device)) / scale
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def main():
     # The grid: dp x tp ranks. Only the dp groups split the batch: a tp group shares its samples.
     layout = tensor_parallel.setup(parser, args, world_size, device)  # checked; the device mesh
     settings = flags.run_settings(parser, args, layout.dp, device)  # checked
+    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and this rank's
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
@@ -60,9 +61,7 @@ def main():
     # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
     # epoch); every rank passes the same epoch, so their shares stay disjoint.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(
-            train_ds, layout.dp, layout.dp_rank, shuffle=True, seed=args.seed
-        )
+        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -97,7 +96,6 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
-    # fp16: the grad scaler checks the sharded gradients for inf/NaN on every rank, and all agree.
     scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
@@ -108,8 +106,8 @@ def main():
     with loss_parallel():
         settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, layout.dp_rank, layout.dp, rows, device)
-    start, shard = (start_step, data_position), (layout.dp_rank, layout.dp)  # (for --streaming)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)
+    start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
