@@ -10,6 +10,7 @@ library package, `tools.bench` in the tools package, and `lib` and `tools` the p
 """
 
 import ast
+import functools
 import shutil
 import subprocess
 import sys
@@ -236,3 +237,36 @@ def test_a_lesson_copied_alone_with_its_files_trains_resumes_and_samples(
         )  # fmt: skip
         assert proc.returncode == 0, describe(proc, f"{lesson} copied alone: expected exit 0")
         assert said in proc.stdout, describe(proc, f"expected {said!r} in the output")
+
+
+def reading_set(lesson: str) -> tuple[list[str], int]:
+    """What a learner reads to follow `lesson` from its start: the lesson and every module it
+    imports at module level, transitively (files_to_copy, the packages' one-line __init__.py
+    aside), the lesson first; and their lines, comments and blanks included."""
+    files = sorted(files_to_copy(lesson) - package_markers(files_to_copy(lesson)))
+    files.sort(key=lambda f: (f != lesson, "/" in f, f.count("/"), f))
+    return files, sum(len((Path(REPO) / f).read_text().splitlines()) for f in files)
+
+
+@functools.cache
+def core() -> list[str]:
+    """The files every lesson reads (README.md names them once)."""
+    sets = [set(reading_set(lesson)[0]) for lesson in LESSONS]
+    return sorted(set.intersection(*sets), key=lambda f: ("/" in f, f.count("/"), f))
+
+
+def reading_set_row(lesson: str) -> str:
+    """README.md's row for `lesson`: its own modules beside the core, and the files and lines of
+    the whole set, rounded to the hundred."""
+    files, lines = reading_set(lesson)
+    own = ", ".join(f"`{f}`" for f in files[1:] if f not in core()) or "(the core alone)"
+    return f"| `{lesson}` | {own} | {len(files)} files, about {round(lines, -2):,} lines |"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_the_readme_names_each_lessons_reading_set(lesson):
+    # What a learner reads to follow a lesson, as README.md says it: the core, the same files
+    # beside it, and their lines to the nearest hundred (reading_set_row prints the current row).
+    readme = (Path(REPO) / "README.md").read_text()
+    assert ", ".join(f"`{f}`" for f in core()) in readme, f"the core is now {core()}"
+    assert reading_set_row(lesson) in readme, f"README.md's row is now:\n{reading_set_row(lesson)}"
