@@ -131,7 +131,7 @@ def main():
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    describe = expert_parallel.describe(layout, config.num_local_experts)  # at start-up
+    describe = expert_parallel.describe(layout)  # at start-up
     loop = TrainingLoop(args, settings, state, device, start_step, layout, describe)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)

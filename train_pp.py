@@ -152,7 +152,7 @@ def main():
                 dcp.save(to_save, checkpoint_id=path)
 
     # ---- training loop -------------------------------------------------------------------------
-    describe = pipeline.describe(layout, m, rows, config.num_hidden_layers)  # at start-up
+    describe = pipeline.describe(layout)  # at start-up
     loop = TrainingLoop(args, settings, state, device, start_step, layout, describe)
     for step in loop:
         micro_batches = training.to_device(next(batches), device)

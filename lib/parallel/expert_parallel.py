@@ -66,31 +66,24 @@ def setup(parser, args, world_size: int, device) -> Layout:
     through parser.error): --ep divides the ranks and the experts. Every rank reads its own share
     of the batch (dp = world_size). Meshes built unless --check: mesh["ep"] shares out the
     experts, mesh["dp"] (the ranks that hold the same ones) shards them with FSDP."""
+    experts = model_config.model_shape(args).num_local_experts
     try:
-        groups = data_parallel_size(
-            world_size, args.ep, model_config.model_shape(args).num_local_experts
-        )
+        groups = data_parallel_size(world_size, args.ep, experts)
     except ValueError as e:
         parser.error(str(e))
     fsdp.check_replicate(parser, args, world_size)
+    sizes = dict(ep=args.ep, experts=experts, **fsdp.options(args))
     if args.check:
-        return Layout(world_size, world_size, ep=args.ep, **fsdp.options(args))
+        return Layout(world_size, world_size, **sizes)
     mesh = init_device_mesh(device.type, (groups, args.ep), mesh_dim_names=("dp", "ep"))
     fsdp_mesh = fsdp.hsdp_mesh(args, world_size, device)
-    return Layout(
-        world_size,
-        world_size,
-        ep=args.ep,
-        **fsdp.options(args),
-        mesh=mesh,
-        fsdp_mesh=fsdp_mesh,
-        dp_rank=dist.get_rank(),
-    )
+    rank = dist.get_rank()
+    return Layout(world_size, world_size, **sizes, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_rank=rank)
 
 
-def describe(layout: Layout, num_experts: int) -> str:
+def describe(layout: Layout) -> str:
     """train_ep.py's grid, and FSDP's over it: the start-up summary's line."""
-    ep, groups = layout.ep, layout.world_size // layout.ep
+    ep, groups, num_experts = layout.ep, layout.world_size // layout.ep, layout.experts
     text = f"experts: {num_experts} per layer over the {ep} ranks of each EP group "
     text += f"({num_experts // ep} each), {groups} group{'s' * (groups > 1)}; the experts' FSDP "
     text += f"over {groups} rank{'s' * (groups > 1)}; "

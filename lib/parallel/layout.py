@@ -28,6 +28,12 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # the pipeline's (pp > 1)
     stages_per_rank: int = 1
+    # What the start-up line says beside the grid: a pipeline's layers per stage and its
+    # micro-batches of so many sequences; a mixture of experts' experts per layer.
+    stage_layers: tuple[int, ...] = ()
+    micro_batches: int = 1
+    micro_batch_size: int = 1
+    experts: int = 0
     # The device meshes and groups, under torchrun (None for --check and the planner): the
     # strategy's own grid, named by its dimensions; what fully_shard shards over (None: all
     # ranks); and this rank's place among the dp groups, with the group that adds up their sums.

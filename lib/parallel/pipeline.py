@@ -95,7 +95,12 @@ def setup(parser, args, world_size: int, device) -> Layout:
     except ValueError as e:
         parser.error(str(e))
     fsdp.check_replicate(parser, args, dp)
+    # Each pipeline's batch is m micro-batches of rows sequences (pp: no --micro-batch-size auto).
+    rows = args.micro_batch_size or 1
+    m = max(1, args.batch_size // (rows * dp))
+    stage_layers = tuple(len(r) for r in split_layers(config.num_hidden_layers, pp * v))
     sizes = dict(tp=tp, pp=pp, schedule=args.schedule, stages_per_rank=v)
+    sizes |= dict(stage_layers=stage_layers, micro_batches=m, micro_batch_size=rows)
     sizes |= dict(sequence_parallel=args.sequence_parallel, **fsdp.options(args))
     if args.check:
         return Layout(world_size, dp, **sizes)
@@ -149,11 +154,16 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int, stages_per_rank:
     return (pp - 1) / (slots + pp - 1)
 
 
-def describe(layout: Layout, m: int, rows: int, num_layers: int) -> str:
+def describe(layout: Layout) -> str:
     """The pipeline at start-up: schedule, stages, layers per stage, micro-batches, the bubble,
     TP inside each stage and FSDP across the pipelines."""
-    pp, v = layout.pp, layout.stages_per_rank
-    layers = [len(r) for r in split_layers(num_layers, pp * v)]
+    pp, v, m, rows = (
+        layout.pp,
+        layout.stages_per_rank,
+        layout.micro_batches,
+        layout.micro_batch_size,
+    )
+    layers = list(layout.stage_layers)
     bubble = bubble_fraction(layout.schedule, pp, m, v)
     formula = "(p-1)/(v*m+p-1)" if layout.schedule == "interleaved" else "(p-1)/(m+p-1)"
     text = (
