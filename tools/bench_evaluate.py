@@ -3,6 +3,7 @@
     pip install -r requirements-eval.txt                  # lm-eval: this comparison only
     python -m tools.export_hf out hf_model                # the model, as lm-eval loads it
     python -m tools.bench_evaluate hf_model --tasks mine.jsonl,hellaswag:200
+    python -m tools.bench_evaluate --write-code-task assign.jsonl   # a local task, no download
 
 For each task, every (context, continuation) request is scored twice in this process, in fp32 on
 the CPU (or --device): by lm-eval's HFLM.loglikelihood (transformers' LlamaForCausalLM, its own
@@ -12,8 +13,16 @@ shared). Printed per task: the largest difference of a request's log-likelihood,
 greedy flags agree, how many examples' acc and acc_norm answers agree, and the seconds per
 example of each (the better of --repeats timings, the model loaded once). Nothing is asserted:
 a measurement (tests/test_evaluate.py holds the 1e-4 bound on a tiny model).
+
+--write-code-task FILE writes a multiple-choice task in tools/evaluate.py's schema from Python
+code this suite never trains on (torch's own .py files, not the standard library): the right-hand
+side of an assignment, among four, three taken from other files' assignments (chance 0.25).
 """
 
+import json
+import os
+import random
+import re
 import time
 
 import torch
@@ -57,12 +66,42 @@ def timed(fn, repeats: int):
     return value, best
 
 
+ASSIGNMENT = re.compile(r"(\s*[A-Za-z_][\w.]* =) (\S.{2,60})")  # "    x = value", one line
+
+
+def write_code_task(path: str, examples: int = 200, seed: int = 0) -> None:
+    """`examples` questions: the 5 lines before an assignment and its "name =" are the context,
+    the value and three others' values the choices (the value of the same line in torch's
+    sources, in path order, for any machine with this torch)."""
+    root = os.path.dirname(torch.__file__)
+    paths = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names
+                   if f.endswith(".py"))  # fmt: skip
+    found = []  # (context, value)
+    for source in paths:
+        with open(source, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines[5:], 5):
+            if (match := ASSIGNMENT.fullmatch(line)) and "#" not in line:
+                found.append(("\n".join(lines[i - 5 : i] + [match.group(1)]), match.group(2)))
+    rng = random.Random(seed)
+    chosen = rng.sample(range(len(found)), examples)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in chosen:
+            context, value = found[i]
+            others = [v for _, v in rng.sample(found, 6) if v != value][:3]
+            choices = [value, *others]
+            rng.shuffle(choices)
+            record = {"context": context, "choices": choices, "label": choices.index(value)}
+            f.write(json.dumps(record) + "\n")
+
+
 def main() -> None:
     p = flags.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=flags.HelpFormatter
     )
-    p.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face Llama directory (an export)")
-    p.add_argument("--tasks", required=True, help="as tools/evaluate.py's --tasks")
+    p.add_argument("hf_dir", metavar="HF_DIR", nargs="?", help="a HF Llama directory (an export)")
+    p.add_argument("--tasks", help="as tools/evaluate.py's --tasks")
+    p.add_argument("--write-code-task", metavar="FILE", help="write the code task, and stop")
     p.add_argument("--batch-size", type=flags.number_arg(int, 1), default=16,
                    help="lm-eval's requests per forward")  # fmt: skip
     p.add_argument("--batch-tokens", type=flags.number_arg(int, 1), default=4096,
@@ -71,6 +110,12 @@ def main() -> None:
                    help="timings of each; the best is kept")  # fmt: skip
     p.add_argument("--device", type=device_arg, default=torch.device("cpu"), help="cpu, cuda, ...")
     args = p.parse_args()
+    if args.write_code_task:
+        write_code_task(args.write_code_task)
+        print(f"wrote {args.write_code_task}")
+        return
+    if not (args.hf_dir and args.tasks):
+        p.error("give HF_DIR and --tasks (or --write-code-task FILE)")
     try:
         from lm_eval.models.huggingface import HFLM
     except ImportError as e:
@@ -88,7 +133,7 @@ def main() -> None:
     for task in tasks:
         requests = [request for example in task.examples for request in example.requests]
         theirs, their_time = timed(lambda r=requests: lm_eval_scores(lm, r), args.repeats)
-        score = lambda r=requests: evaluation.score_requests(  # noqa: E731
+        score = lambda r=requests: evaluation.score_requests(
             model, tokenizer, r, window, batch_tokens=args.batch_tokens, device=args.device
         )
         (ours, _), our_time = timed(score, args.repeats)

@@ -30,7 +30,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def is_hf_dir(path: str) -> bool:
     """A Hugging Face model directory (safetensors weights, no model.pt)."""
-    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    has = lambda name: os.path.isfile(os.path.join(path, name))
     weights = has("model.safetensors") or has("model.safetensors.index.json")
     return not has("model.pt") and has("config.json") and weights
 
