@@ -218,6 +218,21 @@ def test_the_tool_prints_a_table_and_writes_eval_json_only(make_out_dir, tmp_pat
     assert result["examples"] == 3
 
 
+@pytest.mark.quick
+def test_the_tool_never_writes_over_a_file_that_is_not_an_eval_json(
+    out_dir, tmp_path, monkeypatch, capsys
+):
+    task = write_task(tmp_path / "code.jsonl", RECORDS)
+    config = out_dir / "config.json"
+    before = config.read_bytes()
+    code, _, err = run_main(monkeypatch, capsys, str(out_dir), "--tasks", task, "--output",
+                            str(config))  # fmt: skip
+    assert code == 2 and err == (
+        f"error: {config} exists and is not an earlier eval.json: give another --output\n"
+    )
+    assert config.read_bytes() == before
+
+
 def test_a_hugging_face_directory_scores_as_the_run_it_was_exported_from(
     out_dir, tmp_path, monkeypatch, capsys
 ):

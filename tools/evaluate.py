@@ -48,6 +48,26 @@ def run_dir(path: str):
         yield os.path.join(tmp, "run")
 
 
+def check_output(path: str) -> None:
+    """ValueError unless `path` can take eval.json: its folder exists, and it is new or an
+    earlier eval.json (never a model's file, or anything else, written over)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {path}: no folder {folder}")
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            earlier = json.load(f)
+        ours = isinstance(earlier, dict) and all(
+            isinstance(r, dict) and "examples" in r for r in earlier.values()
+        )
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ValueError(f"{path} exists and is not an earlier eval.json: give another --output")
+
+
 def table(results: dict[str, dict]) -> str:
     """The results as an aligned text table, one task a line (- where a metric does not apply)."""
 
@@ -101,6 +121,7 @@ def main() -> None:
     args = p.parse_args()
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     output = args.output or os.path.join(args.model_dir, "eval.json")
+    check_output(output)  # before the work, not after
     # The tasks first: a bad name or record fails before the model is read.
     tasks = [eval_tasks.load_task(spec, n) for spec, n in eval_tasks.parse_tasks(args.tasks)]
 
