@@ -287,6 +287,13 @@ def test_a_bad_task_name_ends_in_one_line(tmp_path, monkeypatch, capsys, tasks, 
     assert err.startswith(f"error: {message}")
 
 
+@pytest.mark.parametrize("argv", [["--batch-tokens", "nan"], ["--batch-tok", "8"]])
+@pytest.mark.quick
+def test_a_bad_or_abbreviated_flag_ends_in_one_line(tmp_path, monkeypatch, capsys, argv):
+    code, out, err = run_main(monkeypatch, capsys, str(tmp_path), "--tasks", "piqa", *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ")
+
+
 @pytest.mark.quick
 def test_the_limit_takes_the_first_n_examples(tmp_path):
     [(name, limit)] = eval_tasks.parse_tasks(write_task(tmp_path / "code.jsonl", RECORDS) + ":2")
