@@ -326,3 +326,58 @@ def test_every_log_likelihood_equals_lm_evals_on_the_hf_export(out_dir, tmp_path
     assert truncated == {len(requests) - 1}
     for (a, greedy_a), (b, greedy_b) in zip(ours, theirs, strict=True):
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+
+
+def test_hub_records_give_the_prompts_of_lm_evals_own_task_files():
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed")
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    import datasets
+    import yaml
+    from lm_eval.utils import apply_template
+
+    folder = Path(lm_eval.__file__).parent / "tasks"
+
+    def module(path: str):
+        spec = importlib.util.spec_from_file_location(Path(path).stem, folder / path)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
+
+    def rendered(task_file: str, doc: dict) -> tuple[str, list[str] | None, str]:
+        config = yaml.safe_load((folder / task_file).read_text())  # (no !function in these)
+        choices = config.get("doc_to_choice")
+        choices = ast.literal_eval(apply_template(choices, doc)) if choices else None
+        target = config["doc_to_target"]
+        target = doc[target] if target in doc else apply_template(target, doc)
+        return apply_template(config["doc_to_text"], doc), choices, target
+
+    hella = {"activity_label": "Baking", "ctx_a": "A man mixes [header] flour.", "ctx_b": "then he",
+             "endings": ["bakes [title] it.", "sings  loudly."], "label": "1"}  # fmt: skip
+    processed = module("hellaswag/utils.py").process_docs(datasets.Dataset.from_list([hella]))[0]
+    example = eval_tasks.hellaswag(hella)
+    assert example.requests == [(processed["query"], " " + c) for c in processed["choices"]]
+    assert example.label == int(processed["label"])
+
+    wino = {"sentence": "Tom gave Ann a book because _ was kind.", "option1": "Tom",
+            "option2": "Ann", "answer": "2"}  # fmt: skip
+    rules = module("winogrande/preprocess_winogrande.py")
+    example = eval_tasks.winogrande(wino)
+    ending = " " + rules.doc_to_target(wino)
+    assert example.requests == [(c, ending) for c in rules.doc_to_choice(wino)]
+    assert example.label == rules.doc_to_text(wino)
+
+    arc = {"question": "Which is a liquid?", "answerKey": "C",
+           "choices": {"text": ["ice", "steam", "water"], "label": ["A", "B", "C"]}}  # fmt: skip
+    piqa = {"goal": "Open a jar", "sol1": "twist the lid", "sol2": "sing to it", "label": 0}
+    for task_file, convert, doc in [("arc/arc_easy.yaml", eval_tasks.arc, arc),
+                                    ("piqa/piqa.yaml", eval_tasks.piqa, piqa)]:  # fmt: skip
+        text, choices, target = rendered(task_file, doc)
+        example = convert(doc)
+        assert example.requests == [(text, " " + c) for c in choices]
+        assert example.label == int(target)
+    lambada = {"text": "she looked at the map and opened the door"}
+    text, _, target = rendered("lambada/lambada_openai.yaml", lambada)
+    assert eval_tasks.lambada(lambada).requests == [(text, target)]
