@@ -74,8 +74,9 @@ def write_code_task(path: str, examples: int = 200, seed: int = 0) -> None:
     the value and three others' values the choices (the value of the same line in torch's
     sources, in path order, for any machine with this torch)."""
     root = os.path.dirname(torch.__file__)
-    paths = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names
-                   if f.endswith(".py"))  # fmt: skip
+    paths = sorted(
+        os.path.join(d, f) for d, _, names in os.walk(root) for f in names if f.endswith(".py")
+    )
     found = []  # (context, value)
     for source in paths:
         with open(source, encoding="utf-8", errors="replace") as f:
@@ -102,12 +103,24 @@ def main() -> None:
     p.add_argument("hf_dir", metavar="HF_DIR", nargs="?", help="a HF Llama directory (an export)")
     p.add_argument("--tasks", help="as tools/evaluate.py's --tasks")
     p.add_argument("--write-code-task", metavar="FILE", help="write the code task, and stop")
-    p.add_argument("--batch-size", type=flags.number_arg(int, 1), default=16,
-                   help="lm-eval's requests per forward")  # fmt: skip
-    p.add_argument("--batch-tokens", type=flags.number_arg(int, 1), default=4096,
-                   help="this suite's padded tokens per forward")  # fmt: skip
-    p.add_argument("--repeats", type=flags.number_arg(int, 1), default=2,
-                   help="timings of each; the best is kept")  # fmt: skip
+    p.add_argument(
+        "--batch-size",
+        type=flags.number_arg(int, 1),
+        default=16,
+        help="lm-eval's requests per forward",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=flags.number_arg(int, 1),
+        default=4096,
+        help="this suite's padded tokens per forward",
+    )
+    p.add_argument(
+        "--repeats",
+        type=flags.number_arg(int, 1),
+        default=2,
+        help="timings of each; the best is kept",
+    )
     p.add_argument("--device", type=device_arg, default=torch.device("cpu"), help="cpu, cuda, ...")
     args = p.parse_args()
     if args.write_code_task:
@@ -124,8 +137,9 @@ def main() -> None:
         ) from e
 
     tasks = [eval_tasks.load_task(spec, n) for spec, n in eval_tasks.parse_tasks(args.tasks)]
-    lm = HFLM(pretrained=args.hf_dir, device=str(args.device), dtype="float32",
-              batch_size=args.batch_size)  # fmt: skip
+    lm = HFLM(
+        pretrained=args.hf_dir, device=str(args.device), dtype="float32", batch_size=args.batch_size
+    )
     with run_dir(args.hf_dir) as out_dir:
         model, tokenizer = load_model(out_dir, args.device, torch.float32)
     window = model.config.max_position_embeddings
@@ -143,10 +157,12 @@ def main() -> None:
         n = len(task.examples)
         same_acc = sum(a[0] == b[0] for a, b in zip(ours_a, theirs_a, strict=True))
         same_norm = sum(a[1] == b[1] for a, b in zip(ours_a, theirs_a, strict=True))
-        print(f"{task.name}: {n} examples, {len(requests)} requests; largest log-likelihood "
-              f"difference {difference:.2e}; greedy flags agree {greedy}/{len(requests)}; acc "
-              f"answers agree {same_acc}/{n}, acc_norm {same_norm}/{n}; seconds per example: "
-              f"lm-eval {their_time / n:.4f}, this suite {our_time / n:.4f}")  # fmt: skip
+        print(
+            f"{task.name}: {n} examples, {len(requests)} requests; largest log-likelihood "
+            f"difference {difference:.2e}; greedy flags agree {greedy}/{len(requests)}; acc "
+            f"answers agree {same_acc}/{n}, acc_norm {same_norm}/{n}; seconds per example: "
+            f"lm-eval {their_time / n:.4f}, this suite {our_time / n:.4f}"
+        )
 
 
 if __name__ == "__main__":

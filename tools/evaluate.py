@@ -80,12 +80,21 @@ def table(results: dict[str, dict]) -> str:
     for name, r in results.items():
         notes = [f"perplexity {r['perplexity']:.2f}"] if "perplexity" in r else []
         notes += [f"{r['truncated']} truncated"] if r["truncated"] else []
-        lines.append((name, str(r["examples"]), number(r["acc"], r["acc_stderr"]),
-                      number(r["acc_norm"], r["acc_norm_stderr"]), number(r["chance"] or None),
-                      ", ".join(notes)))  # fmt: skip
+        lines.append(
+            (
+                name,
+                str(r["examples"]),
+                number(r["acc"], r["acc_stderr"]),
+                number(r["acc_norm"], r["acc_norm_stderr"]),
+                number(r["chance"] or None),
+                ", ".join(notes),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-                     for line in lines)  # fmt: skip
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
 
 
 def main() -> None:
@@ -109,9 +118,13 @@ def main() -> None:
         default=4096,
         help="padded tokens per forward (fewer: less memory)",
     )
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="the weights' dtype (auto: bf16 on a GPU that has it, else fp32); "
-                        "log-probabilities are always fp32")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="the weights' dtype (auto: bf16 on a GPU that has it, else fp32); "
+        "log-probabilities are always fp32",
+    )
     p.add_argument(
         "--device",
         type=device_arg,
@@ -128,8 +141,9 @@ def main() -> None:
     with run_dir(args.model_dir) as out_dir:
         model, tokenizer = load_model(out_dir, device, PRECISIONS.get(args.precision))
     window = model.config.max_position_embeddings
-    results = evaluation.evaluate(model, tokenizer, tasks, window, batch_tokens=args.batch_tokens,
-                                  device=device)  # fmt: skip
+    results = evaluation.evaluate(
+        model, tokenizer, tasks, window, batch_tokens=args.batch_tokens, device=device
+    )
     print(table(results))
     files.atomic_write_text(output, json.dumps(results, indent=2) + "\n")
     print(f"wrote {output}")

@@ -104,12 +104,18 @@ def checkpoint_state(state: TrainingState, step: int, args, data_position=None) 
     """Everything a resumed run needs to continue exactly as if it had never stopped. step: the
     optimizer steps done, also the position in a cached dataset; data_position: a stream's."""
     return {
-        "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
-        "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
-        "rng": rng_state(), "step": step, "config": state.config.to_dict(),
+        "model": state.model.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "scaler": state.scaler.state_dict(),
+        "rng": rng_state(),
+        "step": step,
+        "config": state.config.to_dict(),
         "tokenizer_sha256": tokenizer_digest(state.tokenizer),
-        "corpus_sha256": corpus_digest(state.tokenizer), "args": vars(args), "data": data_position,
-    }  # fmt: skip
+        "corpus_sha256": corpus_digest(state.tokenizer),
+        "args": vars(args),
+        "data": data_position,
+    }
 
 
 def finish_run(args, state: TrainingState, device) -> None:

@@ -26,17 +26,25 @@ METADATA_GLOBALS = {
     *(
         ("torch.distributed.checkpoint.metadata", name)
         for name in (
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-            "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
             "_MEM_FORMAT_ENCODING",
         )
     ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    *((module, name) for module in ("pathlib", "pathlib._local")
-      for name in ("PosixPath", "WindowsPath")),
-}  # fmt: skip
+    *(
+        (module, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "WindowsPath")
+    ),
+}
 
 
 class MetadataUnpickler(pickle.Unpickler):

@@ -62,8 +62,9 @@ def arc(doc: dict) -> Example:
 
 
 def piqa(doc: dict) -> Example:
-    return choice_example(f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]],
-                          int(doc["label"]))  # fmt: skip
+    return choice_example(
+        f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]], int(doc["label"])
+    )
 
 
 def winogrande(doc: dict) -> Example:
@@ -74,8 +75,9 @@ def winogrande(doc: dict) -> Example:
     ending = TARGET_DELIMITER + sentence[blank + 1 :].strip()
     contexts = [sentence[:blank] + doc["option1"], sentence[:blank] + doc["option2"]]
     # lm-eval's completion_len is the length of each "choice", here each context
-    return Example([(c, ending) for c in contexts], {"1": 0, "2": 1}[doc["answer"]],
-                   [len(c) for c in contexts])  # fmt: skip
+    return Example(
+        [(c, ending) for c in contexts], {"1": 0, "2": 1}[doc["answer"]], [len(c) for c in contexts]
+    )
 
 
 def lambada(doc: dict) -> Example:
@@ -106,8 +108,10 @@ def load_hub_task(name: str, limit: int | None = None) -> Task:
         records = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # noqa: BLE001 - offline and not cached, no such dataset, ...
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"task {name}: cannot read {path} ({reason}); it is downloaded once "
-                         f"with network access, then read from the cache") from e  # fmt: skip
+        raise ValueError(
+            f"task {name}: cannot read {path} ({reason}); it is downloaded once "
+            f"with network access, then read from the cache"
+        ) from e
     if limit is not None:
         records = records.select(range(min(limit, len(records))))
     return Task(name, [convert(doc) for doc in records], kind, norm)
@@ -198,8 +202,10 @@ def parse_tasks(text: str) -> list[tuple[str, int | None]]:
         if number and int(number) < 1:
             raise ValueError(f"task {item}: N must be 1 or more")
         if name not in HUB_TASKS and not name.endswith(FILE_SUFFIXES):
-            raise ValueError(f"unknown task {name!r}: give one of {', '.join(HUB_TASKS)}, or a "
-                             f"{'/'.join(FILE_SUFFIXES)} file")  # fmt: skip
+            raise ValueError(
+                f"unknown task {name!r}: give one of {', '.join(HUB_TASKS)}, or a "
+                f"{'/'.join(FILE_SUFFIXES)} file"
+            )
         if name not in HUB_TASKS and not os.path.isfile(name):
             raise ValueError(f"task file {name} does not exist")
         specs.append((name, int(number) if number else None))

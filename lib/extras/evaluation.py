@@ -139,8 +139,10 @@ def plan_rows(
         if not continuation:
             raise ValueError(f"request {i}: the continuation {requests[i][1]!r} has no tokens")
         if len(continuation) > window:
-            raise ValueError(f"request {i}: the continuation alone has {len(continuation)} "
-                             f"tokens, more than the model's window of {window}")  # fmt: skip
+            raise ValueError(
+                f"request {i}: the continuation alone has {len(continuation)} "
+                f"tokens, more than the model's window of {window}"
+            )
     truncated = {i for i, (c, d) in enumerate(encoded) if len(c) + len(d) > window + 1}
     rows, i = [], 0
     while i < len(encoded):
