@@ -156,7 +156,7 @@ def batched_against_one_by_one(args) -> None:
     for round_ in range(args.rounds + 1):
         for batched in (False, True):
             start = time.perf_counter()
-            muon.orthogonalize_all(updates, batched=batched)
+            muon.orthogonalize_all(updates, batch=batched)
             if round_:
                 times[batched].append(time.perf_counter() - start)
     one, batch = (statistics.median(times[b]) * 1e3 for b in (False, True))

@@ -90,17 +90,19 @@ class MuonWithAdamW(torch.optim.AdamW):
         matrix's shape."""
         lr, decay = group["lr"], group["weight_decay"]
         params = [p for p in group["params"] if p.grad is not None]  # (the same on every rank)
-        updates = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:  # (and a step count, as AdamW keeps one)
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.grad.device)
             state["step"] += 1
-            buffer = state["momentum_buffer"]  # an average of the gradients, as torch's
-            buffer.lerp_(p.grad, 1 - MOMENTUM)
-            updates.append(p.grad.lerp(buffer, MOMENTUM))  # Nesterov's look-ahead
-        for p, result in zip(params, self.orthogonalized(params, updates), strict=True):
+            # An average of the gradients, as torch's; every rank keeps its part of each.
+            state["momentum_buffer"].lerp_(p.grad, 1 - MOMENTUM)
+
+        def update(p):  # Nesterov's look-ahead, made where an exchange needs it
+            return p.grad.lerp(self.state[p]["momentum_buffer"], MOMENTUM)
+
+        def apply(p, result: torch.Tensor) -> None:  # result: this rank's part of p's
             # Keller Jordan's scale: a tall matrix's orthogonalised update has smaller entries.
             rows, cols = p.shape[-2:]
             scale = math.sqrt(max(1.0, rows / cols))
@@ -108,19 +110,12 @@ class MuonWithAdamW(torch.optim.AdamW):
             local.mul_(1 - lr * decay)
             local.add_(result.to(local.dtype), alpha=-lr * scale)
 
-    def orthogonalized(self, params: list, updates: list) -> list[torch.Tensor]:
-        """Each update orthogonalised, as the part of it this rank holds: every exchange in
-        the order of its first matrix, the same order on every rank that shares it."""
         key = tuple(id(p) for p in params)
         if key not in self.exchanges:
             self.exchanges[key] = plan_exchanges(params, self.replicated_over)
-        results = [None] * len(params)
-        for exchange in self.exchanges[key]:
-            mine = exchange.run([updates[i] for i in exchange.indices])
+        for exchange in self.exchanges[key]:  # (in the same order on every rank)
+            exchange.run([params[i] for i in exchange.indices], update, apply)
             self.newton_schulz_matrices += exchange.orthogonalised_here()
-            for i, result in zip(exchange.indices, mine, strict=True):
-                results[i] = result
-        return results
 
     def describe_newton_schulz(self) -> str:
         """How the Newton-Schulz work is split, as this rank sees it, for the start-up summary:
@@ -210,16 +205,22 @@ class Exchange:
         self.costs = [newton_schulz_flops(shape) for shape in shapes]
         self.ranks, self.owners, self.me = 1, [0] * len(shapes), 0
 
-    def run(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        if not self.gather:
-            return orthogonalize_all([local_part(update) for update in updates])
-        results = []
-        for update in updates:  # this rank's part, as init_weights slices: src_data_rank=None
-            whole = newton_schulz(update.full_tensor())  # an all-gather: every rank all of it
-            mesh, placements = update.device_mesh, update.placements
-            mine = distribute_tensor(whole, mesh, placements, src_data_rank=None)
-            results.append(mine.to_local())
-        return results
+    def run(self, params: list, update, apply) -> None:
+        """apply(p, this rank's part of p's orthogonalised update(p)), for each p in params (the
+        exchange's matrices, in its order); every rank of the exchange runs it."""
+        if self.gather:
+            for p in params:  # this rank's part, as init_weights slices: src_data_rank=None
+                u = update(p)
+                whole = newton_schulz(u.full_tensor())  # an all-gather: every rank all of it
+                mine = distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None)
+                apply(p, mine.to_local())
+        elif batched(params[0]):
+            results = orthogonalize_all([local_part(update(p)) for p in params])
+            for p, result in zip(params, results, strict=True):
+                apply(p, result)
+        else:  # one matrix at a time: one update and one result in memory
+            for p in params:
+                apply(p, newton_schulz(local_part(update(p))))
 
     def orthogonalised_here(self) -> int:
         """How many matrices this rank orthogonalises in each step (each expert's counted)."""
@@ -247,17 +248,18 @@ class ReplicatedExchange(Exchange):
         self.group, self.ranks, self.me = group, dist.get_world_size(group), dist.get_rank(group)
         self.owners = assign_owners(self.costs, self.ranks)
 
-    def run(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, params: list, update, apply) -> None:
         owned = [k for k, owner in enumerate(self.owners) if owner == self.me]
-        results = dict(zip(owned, orthogonalize_all([updates[k] for k in owned]), strict=True))
-        device, dtype = updates[0].device, newton_schulz_dtype(updates[0])
+        results = orthogonalize_all([update(params[k]) for k in owned])  # (only its own)
+        results = dict(zip(owned, results, strict=True))
+        device, dtype = params[0].device, newton_schulz_dtype(params[0])
         buffers, works = [], []
         for rank in range(self.ranks):  # in rank order on every rank: each rank's results
             ks = [k for k, owner in enumerate(self.owners) if owner == rank]
             if rank == self.me:
                 buffer = torch.cat([results[k].reshape(-1) for k in ks])
             else:
-                numel = sum(updates[k].numel() for k in ks)
+                numel = sum(params[k].numel() for k in ks)
                 buffer = torch.empty(numel, dtype=dtype, device=device)
             if ks:  # (a rank may own nothing: more ranks than matrices)
                 work = dist.broadcast(buffer, group=self.group, group_src=rank, async_op=True)
@@ -266,10 +268,9 @@ class ReplicatedExchange(Exchange):
         for work in works:
             work.wait()
         for ks, buffer in buffers:
-            pieces = buffer.split([updates[k].numel() for k in ks])
+            pieces = buffer.split([params[k].numel() for k in ks])
             for k, piece in zip(ks, pieces, strict=True):
-                results[k] = piece.view(updates[k].shape)
-        return [results[k] for k in range(len(updates))]
+                apply(params[k], piece.view(params[k].shape))
 
 
 class ShardedExchange(Exchange):
@@ -285,13 +286,13 @@ class ShardedExchange(Exchange):
         self.owners = assign_owners(self.costs, self.ranks)
         self.group = None  # made at the first step, with the pieces' places (connect)
 
-    def connect(self, updates: list[DTensor]) -> None:
+    def connect(self, params: list[DTensor]) -> None:
         """The mesh's ranks as one process group, and where each rank's piece of each matrix
         lies (chunks[rank][k]: offsets and sizes, DCP's description of a DTensor's piece);
         senders[k]: the ranks that send matrix k's pieces to its owner, one per distinct piece."""
         self.group = mesh_group(self.mesh)
         self.me = dist.get_rank(self.group)
-        mine = [update.__create_chunk_list__()[0] for update in updates]
+        mine = [p.__create_chunk_list__()[0] for p in params]
         mine = [(tuple(c.offsets), tuple(c.sizes)) for c in mine]
         self.chunks = [None] * self.ranks
         dist.all_gather_object(self.chunks, mine, group=self.group)
@@ -304,18 +305,18 @@ class ShardedExchange(Exchange):
             picked = [ranks[owner * len(ranks) // self.ranks] for ranks in holders.values()]
             self.senders.append({r for r in picked if math.prod(self.chunks[r][k][1])})
 
-    def run(self, updates: list[DTensor]) -> list[torch.Tensor]:
+    def run(self, params: list[DTensor], update, apply) -> None:
         if self.group is None:
-            self.connect(updates)
-        me, chunks, ranks, K = self.me, self.chunks, range(self.ranks), len(updates)
-        device, dtype = updates[0].device, updates[0].dtype  # (the results': newton_schulz's)
+            self.connect(params)
+        me, chunks, ranks, K = self.me, self.chunks, range(self.ranks), len(params)
+        device, dtype = params[0].device, params[0].grad.dtype  # (the updates')
         size = [[math.prod(chunks[r][k][1]) for k in range(K)] for r in ranks]
         # 1. Each piece to its matrix's owner; each owner assembles its matrices whole.
         to_owner = [[k for k in range(K) if self.owners[k] == r and me in self.senders[k]]
                     for r in ranks]  # fmt: skip
         from_rank = [[k for k in range(K) if self.owners[k] == me and r in self.senders[k]]
                      for r in ranks]  # fmt: skip
-        sent = [[updates[k].to_local().reshape(-1) for k in ks] for ks in to_owner]
+        sent = [[update(params[k]).to_local().reshape(-1) for k in ks] for ks in to_owner]
         wanted = [[size[r][k] for k in from_rank[r]] for r in ranks]
         got = all_to_all(sent, wanted, self.group, dtype, device)
         wholes = {}
@@ -331,10 +332,10 @@ class ShardedExchange(Exchange):
         sent = [[results[k][region(chunks[r][k])].reshape(-1) for k in owned] for r in ranks]
         of_owner = [[k for k in range(K) if self.owners[k] == r] for r in ranks]
         wanted = [[size[me][k] for k in ks] for ks in of_owner]
-        dtype = newton_schulz_dtype(updates[0])
-        got = all_to_all(sent, wanted, self.group, dtype, device)
-        mine = {k: piece for r in ranks for k, piece in zip(of_owner[r], got[r], strict=True)}
-        return [mine[k].view(chunks[me][k][1]) for k in range(K)]
+        got = all_to_all(sent, wanted, self.group, newton_schulz_dtype(params[0]), device)
+        for r in ranks:
+            for k, piece in zip(of_owner[r], got[r], strict=True):
+                apply(params[k], piece.view(chunks[me][k][1]))
 
 
 def region(chunk: tuple) -> tuple[slice, ...]:
@@ -378,11 +379,16 @@ def newton_schulz_dtype(g: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if g.is_cuda else torch.float32
 
 
-def orthogonalize_all(updates: list[torch.Tensor], batched: bool | None = None) -> list:
-    """newton_schulz of each update; batched, one call per shape (torch.stack), where that is
-    faster: on a GPU (batched None). On a CPU one call each was as fast (BENCHMARKS.md), and
-    keeps each matrix's bits independent of which others its owner holds."""
-    if not updates or not (updates[0].is_cuda if batched is None else batched):
+def batched(t: torch.Tensor) -> bool:
+    """Whether an owner orthogonalises its same-shape matrices in one call (torch.stack): on a
+    GPU. On a CPU one call per matrix was faster (BENCHMARKS.md), and it keeps each matrix's
+    bits independent of which others its owner holds."""
+    return t.is_cuda
+
+
+def orthogonalize_all(updates: list[torch.Tensor], batch: bool | None = None) -> list:
+    """newton_schulz of each update: batched by shape if `batch` (None: batched(updates[0]))."""
+    if not updates or not (batched(updates[0]) if batch is None else batch):
         return [newton_schulz(update) for update in updates]
     by_shape, results = {}, [None] * len(updates)
     for i, update in enumerate(updates):
