@@ -319,15 +319,10 @@ class ShardedExchange(Exchange):
         sent = [[update(params[k]).to_local().reshape(-1) for k in ks] for ks in to_owner]
         wanted = [[size[r][k] for k in from_rank[r]] for r in ranks]
         got = all_to_all(sent, wanted, self.group, dtype, device)
-        wholes = {}
-        for r in ranks:
-            for k, piece in zip(from_rank[r], got[r], strict=True):
-                if k not in wholes:
-                    wholes[k] = torch.empty(self.shapes[k], dtype=dtype, device=device)
-                whole = wholes[k]
-                whole[region(chunks[r][k])] = piece.view(chunks[r][k][1])
+        wholes = self.assemble(from_rank, got)
+        del sent, got  # (the pieces: freed before the results travel)
         owned = sorted(wholes)
-        results = dict(zip(owned, orthogonalize_all([wholes[k] for k in owned]), strict=True))
+        results = dict(zip(owned, orthogonalize_all([wholes.pop(k) for k in owned]), strict=True))
         # 2. Each rank its pieces of the results, from their owners.
         sent = [[results[k][region(chunks[r][k])].reshape(-1) for k in owned] for r in ranks]
         of_owner = [[k for k in range(K) if self.owners[k] == r] for r in ranks]
@@ -336,6 +331,17 @@ class ShardedExchange(Exchange):
         for r in ranks:
             for k, piece in zip(of_owner[r], got[r], strict=True):
                 apply(params[k], piece.view(chunks[me][k][1]))
+
+    def assemble(self, from_rank: list[list[int]], got: list[list[torch.Tensor]]) -> dict:
+        """The whole updates of this rank's matrices, {k: matrix}, from the pieces it got:
+        got[r], flat, those of the matrices from_rank[r] in order."""
+        wholes = {}
+        for r, (ks, pieces) in enumerate(zip(from_rank, got, strict=True)):
+            for k, piece in zip(ks, pieces, strict=True):
+                if k not in wholes:
+                    wholes[k] = piece.new_empty(self.shapes[k])
+                wholes[k][region(self.chunks[r][k])] = piece.view(self.chunks[r][k][1])
+        return wholes
 
 
 def region(chunk: tuple) -> tuple[slice, ...]:
