@@ -18,10 +18,13 @@ rounds are reported. The global batch stays the same at every n (--batch-size se
 
 Reported: the step times, Muon's extra (Muon's step less AdamW's), its ratio at N ranks to that
 at 1 (the target: at most 0.6 at 2 ranks, 0.35 at 4: each rank orthogonalises 1/N of the
-matrices, and the exchange costs a little), and the Newton-Schulz calls on each rank.
+matrices, and the exchange costs a little), the same ratio in CPU time (the busiest rank's
+process time: what the ranks compute and exchange, whatever else the machine runs), and the
+Newton-Schulz calls on each rank.
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -77,24 +80,26 @@ def build(layout: str, args, group):
     return model, adamw, with_muon
 
 
-def timed_steps(model, optimizer, args, group) -> float:
-    """Seconds per step, --steps steps, as the slowest rank of `group` took them."""
+def timed_steps(model, optimizer, args, group) -> tuple[float, float]:
+    """Seconds per step, --steps steps, as the slowest rank of `group` took them: wall-clock,
+    and this process's CPU time (which other jobs on the machine do not stretch)."""
     n = dist.get_world_size(group)
     rows = args.batch_size // n  # this rank's share of the global batch
     shape = (rows, args.seq_length + 1)
     tokens = torch.randint(args.vocab_size, shape, generator=torch.Generator())
     x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     dist.barrier(group)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         loss_sum, _ = model(x, y)
         (loss_sum / (y != IGNORE_INDEX).sum()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     dist.barrier(group)
-    seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    cpu = time.process_time() - cpu
+    seconds = torch.tensor([time.perf_counter() - start, cpu], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-    return seconds.item() / args.steps
+    return seconds[0].item() / args.steps, seconds[1].item() / args.steps
 
 
 def measure(args) -> None:
@@ -105,7 +110,8 @@ def measure(args) -> None:
     layouts = args.layouts.split(",")
     built = {(layout, n): build(layout, args, groups[n]) for layout in layouts for n in sizes
              if rank < n}  # fmt: skip
-    times = {(layout, n, o): [] for layout in layouts for n in sizes for o in ("adamw", "muon")}
+    times = {(layout, n, o, clock): [] for layout in layouts for n in sizes
+             for o in ("adamw", "muon") for clock in ("wall", "cpu")}  # fmt: skip
     calls = {}
     for round_ in range(args.rounds + 1):  # round 0: warm-up, not counted
         for layout in layouts:
@@ -113,9 +119,10 @@ def measure(args) -> None:
                 if rank < n:
                     model, adamw, with_muon = built[layout, n]
                     for name, optimizer in (("adamw", adamw), ("muon", with_muon)):
-                        seconds = timed_steps(model, optimizer, args, groups[n])
+                        wall, cpu = timed_steps(model, optimizer, args, groups[n])
                         if round_:
-                            times[layout, n, name].append(seconds)
+                            times[layout, n, name, "wall"].append(wall)
+                            times[layout, n, name, "cpu"].append(cpu)
                     mine = [None] * n
                     dist.all_gather_object(mine, with_muon.newton_schulz_matrices, group=groups[n])
                     calls[layout, n] = mine
@@ -126,19 +133,25 @@ def measure(args) -> None:
 
 def report(args, layouts, sizes, times, calls, built) -> str:
     median = {key: statistics.median(value) for key, value in times.items()}
+
+    def extra(layout, n, clock):  # Muon's step less AdamW's
+        return median[layout, n, "muon", clock] - median[layout, n, "adamw", clock]
+
     lines = [f"Muon against AdamW: {args.rounds} alternating rounds of {args.steps} steps, "
              f"medians; hidden {args.hidden_size}, ffn {args.ffn_size}, {args.num_layers} "
              f"layers, {args.batch_size} x {args.seq_length} tokens a step, {args.threads} "
-             f"thread(s) per rank", "",
+             f"thread(s) per rank; load average at the end {os.getloadavg()[0]:.1f} on "
+             f"{os.cpu_count()} CPUs", "",
              "| layout | ranks | AdamW step (ms) | Muon step (ms) | Muon's extra (ms) | "
-             "extra / extra at 1 rank | Newton-Schulz calls per rank |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "extra / extra at 1 rank | CPU: extra / at 1 rank | Newton-Schulz calls per rank |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for layout in layouts:
-        one = median[layout, 1, "muon"] - median[layout, 1, "adamw"]
         for n in sizes:
-            a, m = median[layout, n, "adamw"], median[layout, n, "muon"]
+            a, m = median[layout, n, "adamw", "wall"], median[layout, n, "muon", "wall"]
+            wall = extra(layout, n, "wall") / extra(layout, 1, "wall")
+            cpu = extra(layout, n, "cpu") / extra(layout, 1, "cpu")
             lines.append(f"| {layout} | {n} | {a * 1e3:.1f} | {m * 1e3:.1f} | "
-                         f"{(m - a) * 1e3:.1f} | {(m - a) / one:.2f} | "
+                         f"{(m - a) * 1e3:.1f} | {wall:.2f} | {cpu:.2f} | "
                          f"{', '.join(map(str, calls[layout, n]))} |")  # fmt: skip
     lines.append("")
     lines.append(built[layouts[0], 1][2].describe_newton_schulz() + " (1 rank)")
