@@ -5,8 +5,10 @@ Muon's update is torch.optim.Muon's, operation for operation (its Newton-Schulz 
 the same bits); a stack of experts is orthogonalised matrix by matrix. Every strategy trains with
 Muon like one process with Muon, within the AdamW parity tests' bounds (tests/test_training.py:
 Muon's update has a fixed size, lr x ~1 per element, so a gradient off in any direction moves the
-weights by far more than ATOL). Checkpoints hold both states and resume bit for bit; a resume
-with another optimizer is refused.
+weights by far more than ATOL). Each matrix is orthogonalised on one rank of those that share
+it, ceil(M / N) +- 1 matrices a rank, with the one-process update's bits (on 2 spawned ranks:
+DDP, FSDP, TP's split columns, HSDP). Checkpoints hold both states and resume bit for bit, and on
+another number of ranks within the parity bounds; a resume with another optimizer is refused.
 """
 
 import functools
@@ -195,6 +197,7 @@ def check_layout(rank: int, world: int, name: str) -> None:
         assert summary.startswith("Newton-Schulz: 14 matrices over 2 ranks, 7 each, "), summary
 
 
+@pytest.mark.one_process
 def test_each_matrix_is_orthogonalised_on_one_rank_with_one_process_update():
     # DDP (replicas), FSDP (rows, one of them unevenly), TP's row-parallel columns, HSDP's
     # replicas of a shard: the same bits as one process, and Newton-Schulz run once a matrix.
