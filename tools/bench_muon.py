@@ -18,9 +18,10 @@ rounds are reported. The global batch stays the same at every n (--batch-size se
 
 Reported: the step times, Muon's extra (Muon's step less AdamW's), its ratio at N ranks to that
 at 1 (the target: at most 0.6 at 2 ranks, 0.35 at 4: each rank orthogonalises 1/N of the
-matrices, and the exchange costs a little), the same ratio in CPU time (the busiest rank's
-process time: what the ranks compute and exchange, whatever else the machine runs), and the
-Newton-Schulz calls on each rank.
+matrices, and the exchange costs a little), how much of the extra is Newton-Schulz itself (the
+busiest rank's wall-clock in it; the rest is the exchange and the momentum), the same ratio in
+CPU time (the busiest rank's process time: what the ranks compute and exchange, whatever else
+the machine runs), and the Newton-Schulz calls on each rank.
 """
 
 import argparse
@@ -39,6 +40,7 @@ from lib.extras import muon
 from model import IGNORE_INDEX
 
 LAYOUTS = ("ddp", "fsdp")
+NEWTON_SCHULZ_SECONDS = [0.0]  # this rank's wall-clock in muon.newton_schulz (time_newton_schulz)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,16 +82,31 @@ def build(layout: str, args, group):
     return model, adamw, with_muon
 
 
-def timed_steps(model, optimizer, args, group) -> tuple[float, float]:
+def time_newton_schulz() -> None:
+    """From now on, muon.newton_schulz adds its wall-clock seconds to NEWTON_SCHULZ_SECONDS."""
+    plain = muon.newton_schulz
+
+    def timed(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return plain(g, dtype)
+        finally:
+            NEWTON_SCHULZ_SECONDS[0] += time.perf_counter() - start
+
+    muon.newton_schulz = timed
+
+
+def timed_steps(model, optimizer, args, group) -> tuple[float, float, float]:
     """Seconds per step, --steps steps, as the slowest rank of `group` took them: wall-clock,
-    and this process's CPU time (which other jobs on the machine do not stretch)."""
+    this process's CPU time (which other jobs on the machine do not stretch), and the wall-clock
+    in Newton-Schulz."""
     n = dist.get_world_size(group)
     rows = args.batch_size // n  # this rank's share of the global batch
     shape = (rows, args.seq_length + 1)
     tokens = torch.randint(args.vocab_size, shape, generator=torch.Generator())
     x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     dist.barrier(group)
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu, NEWTON_SCHULZ_SECONDS[0] = time.perf_counter(), time.process_time(), 0.0
     for _ in range(args.steps):
         loss_sum, _ = model(x, y)
         (loss_sum / (y != IGNORE_INDEX).sum()).backward()
@@ -97,9 +114,10 @@ def timed_steps(model, optimizer, args, group) -> tuple[float, float]:
         optimizer.zero_grad(set_to_none=True)
     dist.barrier(group)
     cpu = time.process_time() - cpu
-    seconds = torch.tensor([time.perf_counter() - start, cpu], dtype=torch.float64)
+    seconds = [time.perf_counter() - start, cpu, NEWTON_SCHULZ_SECONDS[0]]
+    seconds = torch.tensor(seconds, dtype=torch.float64) / args.steps
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-    return seconds[0].item() / args.steps, seconds[1].item() / args.steps
+    return tuple(seconds.tolist())
 
 
 def measure(args) -> None:
@@ -111,7 +129,7 @@ def measure(args) -> None:
     built = {(layout, n): build(layout, args, groups[n]) for layout in layouts for n in sizes
              if rank < n}  # fmt: skip
     times = {(layout, n, o, clock): [] for layout in layouts for n in sizes
-             for o in ("adamw", "muon") for clock in ("wall", "cpu")}  # fmt: skip
+             for o in ("adamw", "muon") for clock in ("wall", "cpu", "ns")}  # fmt: skip
     calls = {}
     for round_ in range(args.rounds + 1):  # round 0: warm-up, not counted
         for layout in layouts:
@@ -119,10 +137,11 @@ def measure(args) -> None:
                 if rank < n:
                     model, adamw, with_muon = built[layout, n]
                     for name, optimizer in (("adamw", adamw), ("muon", with_muon)):
-                        wall, cpu = timed_steps(model, optimizer, args, groups[n])
+                        wall, cpu, ns = timed_steps(model, optimizer, args, groups[n])
                         if round_:
                             times[layout, n, name, "wall"].append(wall)
                             times[layout, n, name, "cpu"].append(cpu)
+                            times[layout, n, name, "ns"].append(ns)
                     mine = [None] * n
                     dist.all_gather_object(mine, with_muon.newton_schulz_matrices, group=groups[n])
                     calls[layout, n] = mine
@@ -143,15 +162,16 @@ def report(args, layouts, sizes, times, calls, built) -> str:
              f"thread(s) per rank; load average at the end {os.getloadavg()[0]:.1f} on "
              f"{os.cpu_count()} CPUs", "",
              "| layout | ranks | AdamW step (ms) | Muon step (ms) | Muon's extra (ms) | "
-             "extra / extra at 1 rank | CPU: extra / at 1 rank | Newton-Schulz calls per rank |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "of which Newton-Schulz (ms) | extra / extra at 1 rank | CPU: extra / at 1 rank | "
+             "Newton-Schulz calls per rank |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for layout in layouts:
         for n in sizes:
             a, m = median[layout, n, "adamw", "wall"], median[layout, n, "muon", "wall"]
             wall = extra(layout, n, "wall") / extra(layout, 1, "wall")
             cpu = extra(layout, n, "cpu") / extra(layout, 1, "cpu")
             lines.append(f"| {layout} | {n} | {a * 1e3:.1f} | {m * 1e3:.1f} | "
-                         f"{(m - a) * 1e3:.1f} | {wall:.2f} | {cpu:.2f} | "
+                         f"{(m - a) * 1e3:.1f} | {median[layout, n, 'muon', 'ns'] * 1e3:.1f} | "
+                         f"{wall:.2f} | {cpu:.2f} | "
                          f"{', '.join(map(str, calls[layout, n]))} |")  # fmt: skip
     lines.append("")
     lines.append(built[layouts[0], 1][2].describe_newton_schulz() + " (1 rank)")
@@ -192,6 +212,7 @@ def main() -> None:
     rank, _, world_size, _ = distributed.torchrun_rank()
     dist.init_process_group("gloo", store=distributed.rendezvous_store(), rank=rank,
                             world_size=world_size)  # fmt: skip
+    time_newton_schulz()
     try:
         measure(args)
     finally:
