@@ -57,6 +57,8 @@ class TrainingLoop:
             print(describe_run(args, settings, config, device))
             if description is not None:
                 print(f"parallelism: {description}")
+            if hasattr(state.optimizer, "describe_newton_schulz"):  # --optimizer muon
+                print(state.optimizer.describe_newton_schulz())
             print(build_memory(state.model, device))
             record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
             if args.plan:  # lib/extras/memory.py: only for --plan

@@ -238,11 +238,12 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts. With
     --optimizer muon, the decoder's matrices take Muon's step instead (lib/extras/muon.py)."""
-    optimizer, named, hidden = torch.optim.AdamW, list(model.named_parameters()), []
+    optimizer, named, hidden, extra = torch.optim.AdamW, list(model.named_parameters()), [], {}
     if getattr(args, "optimizer", "adamw") == "muon":  # (the tools have no --optimizer)
         from lib.extras import muon
 
         optimizer, hidden = muon.MuonWithAdamW, [p for n, p in named if muon.is_hidden_matrix(n, p)]
+        extra = {"replicated_over": muon.replica_group(hidden)}  # DDP's ranks split the work
     rest = [p for _, p in named if not any(p is h for h in hidden)]
     matrices = [p for p in rest if p.dim() >= 2]  # decayed
     vectors = [p for p in rest if p.dim() < 2]  # the norm gains: never decayed
@@ -253,7 +254,7 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
     # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
     # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
     fused = device_type in ("cuda", "cpu")
-    return optimizer(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return optimizer(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, **extra)
 
 
 def build_scheduler(optimizer, args) -> LRScheduler:

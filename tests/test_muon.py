@@ -5,15 +5,20 @@ Muon's update is torch.optim.Muon's, operation for operation (its Newton-Schulz 
 the same bits); a stack of experts is orthogonalised matrix by matrix. Every strategy trains with
 Muon like one process with Muon, within the AdamW parity tests' bounds (tests/test_training.py:
 Muon's update has a fixed size, lr x ~1 per element, so a gradient off in any direction moves the
-weights by far more than ATOL). Checkpoints hold both states and resume bit for bit; a resume
-with another optimizer is refused.
+weights by far more than ATOL). Each matrix is orthogonalised on one rank of those that share
+it, ceil(M / N) +- 1 matrices a rank, with the one-process update's bits (on 2 spawned ranks:
+DDP, FSDP, TP's split columns, HSDP). Checkpoints hold both states and resume bit for bit, and on
+another number of ranks within the parity bounds; a resume with another optimizer is refused.
 """
 
 import functools
+import math
 import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from harness import (
     DDP,
     DP,
@@ -24,14 +29,17 @@ from harness import (
     build_args,
     cmd,
     copy_checkpoint,
+    free_port,
     load_checkpoint,
     load_weights,
     run_script,
 )
 from test_bad_input import assert_refused
 from test_fsdp import copy_sharded_checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lib import training
+from lib import exits, training
 from lib.extras import muon
 from model import LlamaConfig, LlamaForPretraining
 
@@ -95,6 +103,108 @@ def test_muon_takes_the_decoder_matrices_and_adamw_the_rest(corpus, cache_dir, e
 
 
 # -------------------------------------------------------------------------------------------------
+# Each matrix orthogonalised on one rank of those that share it
+
+
+@pytest.mark.quick
+def test_owners_split_the_matrices_evenly_by_count_and_by_cost():
+    # Llama 2 7B's 224 matrices over 8 GPUs: 28 each, and each rank ~1/8 of the FLOPs.
+    layer = [(4096, 4096)] * 4 + [(11008, 4096), (4096, 11008), (11008, 4096)]
+    costs = [muon.newton_schulz_flops(torch.Size(s)) for s in layer * 32]
+    assert costs[0] == 5 * 6 * 4096**3 and round(costs[4] / 1e12, 1) == 4.4
+    owners = muon.assign_owners(costs, 8)
+    assert owners == muon.assign_owners(costs, 8)  # (the same on every rank: costs alone)
+    counts = [owners.count(r) for r in range(8)]
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(8)]
+    assert counts == [28] * 8
+    assert max(loads) - min(loads) <= max(costs) and max(loads) < 1.01 * sum(costs) / 8
+    # Fewer matrices than ranks: one each, the rest idle.
+    assert sorted(muon.assign_owners(costs[:3], 8)) == [0, 1, 2]
+
+
+# Matrices like a decoder layer's (one with an odd number of rows, split unevenly), 2 layers.
+SHAPES = [(24, 16), (8, 16), (8, 16), (16, 24), (40, 16), (16, 40), (25, 16)] * 2
+LAYOUTS = {  # name: (mesh shape, placements); "ddp": plain tensors, replicas on every rank
+    "ddp": None,
+    "fsdp": ((2,), [Shard(0)]),
+    "tp-rows": ((2,), [Shard(1)]),
+    "hsdp": ((2, 1), [Replicate(), Shard(0)]),  # 2 replicas of a 1-rank shard group
+}
+
+
+def layout_worker(rank: int, world: int, port: int) -> None:
+    """One rank of check_layout, for each layout; ends as test_ep.py's workers do."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name in LAYOUTS:
+            check_layout(rank, world, name)
+    finally:
+        dist.destroy_process_group()
+    exits.end_process(0)  # only after every check passed: a failure raises above
+
+
+def muon_optimizer(params: list, **options) -> muon.MuonWithAdamW:
+    group = {"params": params, "muon": True, "lr": 0.02, "weight_decay": 0.1}
+    return muon.MuonWithAdamW([group], lr=1e-3, **options)
+
+
+def check_layout(rank: int, world: int, name: str) -> None:
+    """Two Muon steps on SHAPES laid out as `name`, against one process: the same weights and
+    momenta, bit for bit; each matrix orthogonalised on exactly one rank, ceil(M / N) +- 1 on
+    each, as assign_owners says."""
+    torch.manual_seed(0)
+    starts = [torch.randn(s) for s in SHAPES]
+    grads = [[torch.randn(s) for s in SHAPES] for _ in range(2)]
+    reference = [torch.nn.Parameter(w.clone()) for w in starts]
+    one_process = muon_optimizer(reference)
+    if LAYOUTS[name] is None:
+        params = [torch.nn.Parameter(w.clone()) for w in starts]
+        optimizer = muon_optimizer(params, replicated_over=muon.replica_group(params))
+        place = torch.Tensor.clone
+    else:
+        mesh = init_device_mesh("cpu", LAYOUTS[name][0])
+        place = functools.partial(distribute_tensor, device_mesh=mesh,
+                                  placements=LAYOUTS[name][1])  # fmt: skip
+        params = [torch.nn.Parameter(place(w)) for w in starts]
+        optimizer = muon_optimizer(params)
+    calls = []
+    counted = muon.newton_schulz
+    muon.newton_schulz = lambda g, **kw: calls.append(g.shape) or counted(g, **kw)
+    try:
+        for step_grads in grads:
+            for p, q, g in zip(params, reference, step_grads, strict=True):
+                p.grad, q.grad = place(g), g.clone()
+            one_process.step()
+            calls.clear()
+            optimizer.step()
+    finally:
+        muon.newton_schulz = counted
+    every = [None] * world
+    dist.all_gather_object(every, len(calls))
+    m = len(SHAPES)
+    assert sum(every) == m, f"{name}: {every} Newton-Schulz calls for {m} matrices"
+    assert all(abs(n - math.ceil(m / world)) <= 1 for n in every), (name, every)
+    assert len(calls) == optimizer.newton_schulz_matrices
+    for p, q in zip(params, reference, strict=True):
+        whole = p.full_tensor() if LAYOUTS[name] else p
+        assert torch.equal(whole, q), f"{name}: a weight differs from one process's"
+        momentum = optimizer.state[p]["momentum_buffer"]
+        momentum = momentum.full_tensor() if LAYOUTS[name] else momentum
+        assert torch.equal(momentum, one_process.state[q]["momentum_buffer"])
+    if rank == 0 and name == "fsdp":
+        summary = optimizer.describe_newton_schulz()
+        assert summary.startswith("Newton-Schulz: 14 matrices over 2 ranks, 7 each, "), summary
+
+
+@pytest.mark.one_process
+def test_each_matrix_is_orthogonalised_on_one_rank_with_one_process_update():
+    # DDP (replicas), FSDP (rows, one of them unevenly), TP's row-parallel columns, HSDP's
+    # replicas of a shard: the same bits as one process, and Newton-Schulz run once a matrix.
+    mp.spawn(layout_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+# -------------------------------------------------------------------------------------------------
 # Every strategy with Muon trains like one process with Muon
 
 
@@ -144,6 +254,22 @@ def test_a_sharded_muon_run_resumes_bit_for_bit(trained, corpus, cache_dir, tmp_
     copy_sharded_checkpoint(full, 4, out)
     run_script(FSDP, cmd(corpus, cache_dir, out, **MUON), world=2)
     assert_state_dicts_equal(load_weights(out), load_weights(full))
+
+
+@pytest.mark.resume
+def test_a_sharded_muon_run_resumes_on_another_number_of_ranks(trained, corpus, cache_dir,
+                                                                tmp_path):  # fmt: skip
+    # Written by 2 ranks, resumed by 1: DCP reshards the momentum like its weight, and the one
+    # rank now owns every matrix. Steps 5-8 add the batch up in one process: the parity
+    # tolerance, as test_fsdp.py's resume on a different number of ranks.
+    full = trained(FSDP, world=2, **MUON)
+    out = tmp_path / "resumed"
+    copy_sharded_checkpoint(full, 4, out)
+    shutil.copy(full / "metrics.jsonl", out)  # the resumed run keeps steps 1-4 of it
+    proc = run_script(FSDP, cmd(corpus, cache_dir, out, **MUON), world=1)
+    assert "at step 4" in proc.stdout and "Newton-Schulz: " in proc.stdout
+    assert_state_dicts_close(load_weights(out), load_weights(full))
+    assert_same_losses(out, full)
 
 
 def test_resuming_with_another_optimizer_is_refused_naming_it(trained, corpus, cache_dir, tmp_path):

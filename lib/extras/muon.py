@@ -9,22 +9,29 @@ The embedding, lm_head, the norms and a mixture of experts' router stay with Ada
     optimizer = build_optimizer(model, args, device_type)  # (lib/training.py's, for muon)
 
 Why sharding matters: Newton-Schulz multiplies the whole matrix by its transpose, so each step
-needs the whole update, not a rank's rows of it. `orthogonalized` is written once for every
-lesson, and does what each layout needs (docs/optimizers.md: what each costs):
-  - one process, DDP, ZeRO-1, the pipeline's stages: every matrix this rank updates is whole;
-  - FSDP (and HSDP, CP): each rank holds rows of every matrix, a DTensor: the update is
-    all-gathered (full_tensor), orthogonalised on every rank, and each keeps its own rows. The
-    same for TP's column and row shards, and both at once (2-D DTensors);
+needs the whole update, not a rank's rows of it. And it is costly (~30 x rows x cols x min(rows,
+cols) FLOPs), so each matrix is orthogonalised on exactly one rank of those that share it, its
+owner (assign_owners: the same on every rank), and the result goes back (docs/optimizers.md):
+  - one process, ZeRO-1's per-rank optimizers: every matrix this rank updates is whole and its
+    own: orthogonalised here;
+  - DDP (replicated_over, the ranks holding the same replicas): every rank has every matrix's
+    whole update; each orthogonalises the matrices it owns and broadcasts the results (nanochat's
+    way), so every rank ends with every result;
+  - FSDP, HSDP, CP, TP, TP + FSDP, the pipeline's stages: each rank holds a piece of every
+    matrix, a DTensor. The pieces travel to each matrix's owner in one all-to-all over the ranks
+    of the matrix's mesh, the owner orthogonalises the whole matrix, and a second all-to-all sends
+    each rank its piece of the result (ShardedExchange);
   - a mixture of experts: the experts' weights are stacked (E, ., .), and EP and FSDP split them
     along E, so a rank holds whole experts' matrices: each is orthogonalised where it is, with no
-    traffic. Gathering is needed only where a shard cuts across a matrix.
-Every layout thus computes exactly the one-process update (tests/test_muon.py).
+    traffic.
+Every layout thus computes exactly the one-process update, bit for bit (tests/test_muon.py).
 """
 
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Newton-Schulz's quintic coefficients and steps, and the momentum: torch.optim.Muon's defaults
 # (from Keller Jordan's implementation).
@@ -38,16 +45,30 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
     return ".attention.w" in name or (".feed_forward.w" in name and param.dim() >= 2)
 
 
+def replica_group(params: list[torch.Tensor]):
+    """The process group over which these plain tensors are replicas (DDP's, in a job of several
+    processes), or None (one process; DTensors: their meshes say who shares them)."""
+    plain = not any(isinstance(p, DTensor) for p in params)
+    return dist.group.WORLD if plain and dist.is_initialized() else None
+
+
 class MuonWithAdamW(torch.optim.AdamW):
     """AdamW, whose param groups with "muon": True take Muon's step instead (their "lr" is then
     Muon's). One optimizer, so that every lesson's loop, schedule and checkpoints, and ZeRO-1's
     ZeroRedundancyOptimizer (which builds this class on each rank's share of the groups), see the
-    usual API; its state holds AdamW's moments for the one kind, Muon's momentum for the other."""
+    usual API; its state holds AdamW's moments for the one kind, Muon's momentum for the other.
 
-    def __init__(self, params, **adamw):
+    replicated_over: the process group whose ranks all hold these same plain tensors (DDP): they
+    then split the Newton-Schulz work. None (ZeRO-1's per-rank optimizers are built without it):
+    a plain tensor is this rank's alone. A DTensor's mesh says who shares it."""
+
+    def __init__(self, params, replicated_over=None, **adamw):
         super().__init__(params, **adamw)
         for group in self.param_groups:
             group.setdefault("muon", False)
+        self.replicated_over = replicated_over
+        self.exchanges = {}  # each Muon group's exchanges, by its parameters (plan_exchanges)
+        self.newton_schulz_matrices = 0  # how many this rank orthogonalised in the last step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -57,46 +78,332 @@ class MuonWithAdamW(torch.optim.AdamW):
             loss = super().step(closure)
         finally:
             self.param_groups = every
+        self.newton_schulz_matrices = 0
         for group in every:
             if group["muon"]:
                 self.muon_step(group)
         return loss
 
     def muon_step(self, group: dict) -> None:
-        """Muon's update of one group: momentum, Nesterov's look-ahead, Newton-Schulz, then
-        decoupled weight decay and the step, its lr scaled for the matrix's shape."""
+        """Muon's update of one group: momentum, Nesterov's look-ahead, Newton-Schulz (each
+        matrix on its owner), then decoupled weight decay and the step, its lr scaled for the
+        matrix's shape."""
         lr, decay = group["lr"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]  # (the same on every rank)
+        for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:  # (and a step count, as AdamW keeps one)
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.grad.device)
             state["step"] += 1
-            buffer = state["momentum_buffer"]  # an average of the gradients, as torch's
-            buffer.lerp_(p.grad, 1 - MOMENTUM)
-            update = p.grad.lerp(buffer, MOMENTUM)  # Nesterov's look-ahead
+            # An average of the gradients, as torch's; every rank keeps its part of each.
+            state["momentum_buffer"].lerp_(p.grad, 1 - MOMENTUM)
+
+        def update(p):  # Nesterov's look-ahead, made where an exchange needs it
+            return p.grad.lerp(self.state[p]["momentum_buffer"], MOMENTUM)
+
+        def apply(p, result: torch.Tensor) -> None:  # result: this rank's part of p's
             # Keller Jordan's scale: a tall matrix's orthogonalised update has smaller entries.
             rows, cols = p.shape[-2:]
             scale = math.sqrt(max(1.0, rows / cols))
             local = p.to_local() if isinstance(p, DTensor) else p
             local.mul_(1 - lr * decay)
-            local.add_(orthogonalized(update).to(local.dtype), alpha=-lr * scale)
+            local.add_(result.to(local.dtype), alpha=-lr * scale)
+
+        key = tuple(id(p) for p in params)
+        if key not in self.exchanges:
+            self.exchanges[key] = plan_exchanges(params, self.replicated_over)
+        for exchange in self.exchanges[key]:  # (in the same order on every rank)
+            exchange.run([params[i] for i in exchange.indices], update, apply)
+            self.newton_schulz_matrices += exchange.orthogonalised_here()
+
+    def describe_newton_schulz(self) -> str:
+        """How the Newton-Schulz work is split, as this rank sees it, for the start-up summary:
+        "Newton-Schulz: 14 matrices over 2 ranks, 7 each, 0.0021 TFLOP per rank per step"."""
+        params = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        exchanges = plan_exchanges(params, self.replicated_over)
+        return "Newton-Schulz: " + "; ".join(exchange.describe() for exchange in exchanges)
 
 
-def orthogonalized(update: torch.Tensor) -> torch.Tensor:
-    """Newton-Schulz of `update`, each matrix of its last two dimensions; for a DTensor, the
-    part this rank holds (see the module's docstring for what each layout costs)."""
-    if not isinstance(update, DTensor):
-        return newton_schulz(update)
-    matrix_dims = (update.dim() - 2, update.dim() - 1)
-    if not any(isinstance(p, Shard) and p.dim in matrix_dims for p in update.placements):
-        return newton_schulz(update.to_local())  # whole matrices here (experts split along E)
-    whole = newton_schulz(update.full_tensor())  # an all-gather: every rank the whole matrix
-    # This rank's part, as init_weights slices: no traffic (src_data_rank=None).
-    mesh, placements = update.device_mesh, update.placements
-    return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+# -------------------------------------------------------------------------------------------------
+# Who orthogonalises which matrix
+
+
+def newton_schulz_flops(shape: torch.Size) -> int:
+    """The FLOPs of NS_STEPS iterations on a (..., rows, cols) update: per matrix and step, with
+    m its shorter side and n its longer, X X^T (2 m^2 n), that squared (2 m^3) and the result
+    times X (2 m^2 n). 4.4e12 for a 4096 x 11008 matrix, 2.1e12 for a 4096 x 4096 one."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * NS_STEPS * (4 * m * m * n + 2 * m**3)
+
+
+def assign_owners(costs: list[int], ranks: int) -> list[int]:
+    """Each matrix's owner among `ranks`, from the matrices' costs alone, so every rank computes
+    the same: the costliest first, each to the least loaded rank (ties: the lowest) of those
+    with fewer than ceil(M / N) matrices. The counts then differ by at most one, and the loads
+    by about one matrix's cost."""
+    cap, load, count = -(-len(costs) // ranks), [0] * ranks, [0] * ranks
+    owners = [0] * len(costs)
+    for m in sorted(range(len(costs)), key=lambda m: (-costs[m], m)):
+        owner = min((r for r in range(ranks) if count[r] < cap), key=lambda r: (load[r], r))
+        owners[m], load[owner], count[owner] = owner, load[owner] + costs[m], count[owner] + 1
+    return owners
+
+
+def plan_exchanges(params: list, replicated_over) -> list:
+    """The exchanges of one Muon group's matrices: one per set of ranks that shares some of
+    them (a DTensor's mesh, or DDP's replicas), and one for the matrices this rank keeps."""
+    kinds, exchanges = {}, []
+    for i, p in enumerate(params):
+        kind = sharing(p, replicated_over)
+        kinds.setdefault(kind, []).append(i)
+    for kind, indices in kinds.items():
+        local = kind[0] == "local"  # (its shapes: those of this rank's part, experts' stacks)
+        shapes = [local_part(params[i]).shape if local else params[i].shape for i in indices]
+        if kind[0] == "replicated":
+            exchanges.append(ReplicatedExchange(indices, shapes, replicated_over))
+        elif kind[0] == "sharded":
+            exchanges.append(ShardedExchange(indices, shapes, params[indices[0]].device_mesh))
+        else:
+            exchanges.append(Exchange(indices, shapes, gather=kind[0] == "gathered"))
+    return exchanges
+
+
+def sharing(p: torch.Tensor, replicated_over) -> tuple:
+    """How the ranks share p's matrices: ("local",) this rank's alone (or whole here: a stack of
+    experts split along E); ("replicated",) DDP's replicas; ("sharded", mesh ranks) pieces or
+    copies of each matrix on the ranks of a DTensor's mesh; ("gathered",) anything else (a stack
+    split along E and across its matrices too): gathered whole on every rank."""
+    if not isinstance(p, DTensor):
+        if replicated_over is None or dist.get_world_size(replicated_over) == 1:
+            return ("local",)
+        return ("replicated",)
+    matrix_dims, mesh = (p.dim() - 2, p.dim() - 1), p.device_mesh
+    # (Shard, and _StridedShard, FSDP's over TP's rows, have a dim; Replicate has none.)
+    placed = zip(p.placements, mesh.shape, strict=True)
+    shards = [q.dim for q, n in placed if hasattr(q, "dim") and n > 1]
+    across = any(d in matrix_dims for d in shards)  # a matrix's rows or columns split
+    along = any(d not in matrix_dims for d in shards)  # whole matrices split among ranks
+    if mesh.size() == 1 or (along and not across):
+        return ("local",)
+    if along:
+        return ("gathered",)
+    return ("sharded", tuple(mesh.mesh.flatten().tolist()))
+
+
+# -------------------------------------------------------------------------------------------------
+# The exchanges: where each update's pieces go, and its result comes back from
+
+
+class Exchange:
+    """Matrices this rank orthogonalises by itself: its own, or whole here (a stack of experts
+    split along E). With gather, DTensors cut both ways (none in the lessons today): each rank
+    gathers each whole update (full_tensor), orthogonalises it and keeps its part."""
+
+    def __init__(self, indices: list[int], shapes: list, gather: bool = False):
+        self.indices, self.shapes, self.gather = indices, shapes, gather
+        self.costs = [newton_schulz_flops(shape) for shape in shapes]
+        self.ranks, self.owners, self.me = 1, [0] * len(shapes), 0
+
+    def run(self, params: list, update, apply) -> None:
+        """apply(p, this rank's part of p's orthogonalised update(p)), for each p in params (the
+        exchange's matrices, in its order); every rank of the exchange runs it."""
+        if self.gather:
+            for p in params:  # this rank's part, as init_weights slices: src_data_rank=None
+                u = update(p)
+                whole = newton_schulz(u.full_tensor())  # an all-gather: every rank all of it
+                mine = distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None)
+                apply(p, mine.to_local())
+        elif batched(params[0]):
+            results = orthogonalize_all([local_part(update(p)) for p in params])
+            for p, result in zip(params, results, strict=True):
+                apply(p, result)
+        else:  # one matrix at a time: one update and one result in memory
+            for p in params:
+                apply(p, newton_schulz(local_part(update(p))))
+
+    def orthogonalised_here(self) -> int:
+        """How many matrices this rank orthogonalises in each step (each expert's counted)."""
+        owned = [k for k, owner in enumerate(self.owners) if owner == self.me]
+        return sum(math.prod(self.shapes[k][:-2]) for k in owned)
+
+    def describe(self) -> str:
+        counts = [sum(math.prod(self.shapes[k][:-2]) for k, o in enumerate(self.owners) if o == r)
+                  for r in range(self.ranks)]  # fmt: skip
+        loads = [sum(c for c, o in zip(self.costs, self.owners, strict=True) if o == r)
+                 for r in range(self.ranks)]  # fmt: skip
+        each = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+        where = "gathered whole on every rank" if self.gather else "on this rank alone"
+        where = f"over {self.ranks} ranks, {each} each" if self.ranks > 1 else where
+        return f"{sum(counts)} matrices {where}, {max(loads) / 1e12:.3g} TFLOP per rank per step"
+
+
+class ReplicatedExchange(Exchange):
+    """DDP's replicas: every rank holds every matrix's whole update (the gradients were
+    all-reduced). Each orthogonalises the matrices it owns, then broadcasts its results, one
+    broadcast per rank (nanochat's way): every rank receives the others' results, ~1/N each."""
+
+    def __init__(self, indices: list[int], shapes: list, group):
+        super().__init__(indices, shapes)
+        self.group, self.ranks, self.me = group, dist.get_world_size(group), dist.get_rank(group)
+        self.owners = assign_owners(self.costs, self.ranks)
+
+    def run(self, params: list, update, apply) -> None:
+        owned = [k for k, owner in enumerate(self.owners) if owner == self.me]
+        results = orthogonalize_all([update(params[k]) for k in owned])  # (only its own)
+        results = dict(zip(owned, results, strict=True))
+        device, dtype = params[0].device, newton_schulz_dtype(params[0])
+        buffers, works = [], []
+        for rank in range(self.ranks):  # in rank order on every rank: each rank's results
+            ks = [k for k, owner in enumerate(self.owners) if owner == rank]
+            if rank == self.me:
+                buffer = torch.cat([results[k].reshape(-1) for k in ks])
+            else:
+                numel = sum(params[k].numel() for k in ks)
+                buffer = torch.empty(numel, dtype=dtype, device=device)
+            if ks:  # (a rank may own nothing: more ranks than matrices)
+                work = dist.broadcast(buffer, group=self.group, group_src=rank, async_op=True)
+                works.append(work)
+            buffers.append((ks, buffer))
+        for work in works:
+            work.wait()
+        for ks, buffer in buffers:
+            pieces = buffer.split([params[k].numel() for k in ks])
+            for k, piece in zip(ks, pieces, strict=True):
+                apply(params[k], piece.view(params[k].shape))
+
+
+class ShardedExchange(Exchange):
+    """The ranks of a DTensor's mesh (FSDP, HSDP, CP, TP, TP + FSDP, a stage's dp ranks): each
+    holds a piece of every matrix, or a copy (HSDP's replicas). One all-to-all sends each piece
+    to its matrix's owner, once (one copy of each: from the replica in the owner's row), the
+    owner orthogonalises the whole matrix, and a second all-to-all sends each rank its piece of
+    the result. Each rank receives ~1/N of the matrices whole, then its pieces of the results."""
+
+    def __init__(self, indices: list[int], shapes: list, mesh):
+        super().__init__(indices, shapes)
+        self.mesh, self.ranks = mesh, mesh.size()
+        self.owners = assign_owners(self.costs, self.ranks)
+        self.group = None  # made at the first step, with the pieces' places (connect)
+
+    def connect(self, params: list[DTensor]) -> None:
+        """The mesh's ranks as one process group, and where each rank's piece of each matrix
+        lies (chunks[rank][k]: offsets and sizes, DCP's description of a DTensor's piece);
+        senders[k]: the ranks that send matrix k's pieces to its owner, one per distinct piece."""
+        self.group = mesh_group(self.mesh)
+        self.me = dist.get_rank(self.group)
+        mine = [p.__create_chunk_list__()[0] for p in params]
+        mine = [(tuple(c.offsets), tuple(c.sizes)) for c in mine]
+        self.chunks = [None] * self.ranks
+        dist.all_gather_object(self.chunks, mine, group=self.group)
+        self.senders = []
+        for k, owner in enumerate(self.owners):
+            holders = {}  # each distinct piece's holders, in rank order
+            for rank in range(self.ranks):
+                holders.setdefault(self.chunks[rank][k], []).append(rank)
+            # HSDP: the holder in the owner's replica row (rank // shard group size).
+            picked = [ranks[owner * len(ranks) // self.ranks] for ranks in holders.values()]
+            self.senders.append({r for r in picked if math.prod(self.chunks[r][k][1])})
+
+    def run(self, params: list[DTensor], update, apply) -> None:
+        if self.group is None:
+            self.connect(params)
+        me, chunks, ranks, K = self.me, self.chunks, range(self.ranks), len(params)
+        device, dtype = params[0].device, params[0].grad.dtype  # (the updates')
+        size = [[math.prod(chunks[r][k][1]) for k in range(K)] for r in ranks]
+        # 1. Each piece to its matrix's owner; each owner assembles its matrices whole.
+        to_owner = [[k for k in range(K) if self.owners[k] == r and me in self.senders[k]]
+                    for r in ranks]  # fmt: skip
+        from_rank = [[k for k in range(K) if self.owners[k] == me and r in self.senders[k]]
+                     for r in ranks]  # fmt: skip
+        sent = [[update(params[k]).to_local().reshape(-1) for k in ks] for ks in to_owner]
+        wanted = [[size[r][k] for k in from_rank[r]] for r in ranks]
+        got = all_to_all(sent, wanted, self.group, dtype, device)
+        wholes = self.assemble(from_rank, got)
+        del sent, got  # (the pieces: freed before the results travel)
+        owned = sorted(wholes)
+        results = dict(zip(owned, orthogonalize_all([wholes.pop(k) for k in owned]), strict=True))
+        # 2. Each rank its pieces of the results, from their owners.
+        sent = [[results[k][region(chunks[r][k])].reshape(-1) for k in owned] for r in ranks]
+        of_owner = [[k for k in range(K) if self.owners[k] == r] for r in ranks]
+        wanted = [[size[me][k] for k in ks] for ks in of_owner]
+        got = all_to_all(sent, wanted, self.group, newton_schulz_dtype(params[0]), device)
+        for r in ranks:
+            for k, piece in zip(of_owner[r], got[r], strict=True):
+                apply(params[k], piece.view(chunks[me][k][1]))
+
+    def assemble(self, from_rank: list[list[int]], got: list[list[torch.Tensor]]) -> dict:
+        """The whole updates of this rank's matrices, {k: matrix}, from the pieces it got:
+        got[r], flat, those of the matrices from_rank[r] in order."""
+        wholes = {}
+        for r, (ks, pieces) in enumerate(zip(from_rank, got, strict=True)):
+            for k, piece in zip(ks, pieces, strict=True):
+                if k not in wholes:
+                    wholes[k] = piece.new_empty(self.shapes[k])
+                wholes[k][region(self.chunks[r][k])] = piece.view(self.chunks[r][k][1])
+        return wholes
+
+
+def region(chunk: tuple) -> tuple[slice, ...]:
+    """The slices of a whole tensor that a piece (offsets, sizes) covers."""
+    return tuple(slice(o, o + n) for o, n in zip(*chunk, strict=True))
+
+
+def mesh_group(mesh):
+    """One process group of all the mesh's ranks: the group of its one dimension with more than
+    one rank, or else a new group of them all (made by those ranks alone, in the same order)."""
+    wide = [d for d, n in enumerate(mesh.shape) if n > 1]
+    if len(wide) == 1:
+        return mesh.get_group(wide[0])
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def all_to_all(parts: list[list[torch.Tensor]], sizes: list[list[int]], group, dtype, device):
+    """parts[r]: the flat tensors this rank sends rank r; sizes[r]: the sizes of those it
+    receives from rank r. One all_to_all_single; returns received[r]: a list of flat tensors."""
+    flat = [t.to(dtype) for ts in parts for t in ts]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    received = torch.empty(sum(map(sum, sizes)), dtype=dtype, device=device)
+    sent_splits = [sum(t.numel() for t in ts) for ts in parts]
+    received_splits = [sum(s) for s in sizes]
+    dist.all_to_all_single(received, send, received_splits, sent_splits, group=group)
+    return [list(r.split(s)) for r, s in zip(received.split(received_splits), sizes, strict=True)]
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# -------------------------------------------------------------------------------------------------
+# Newton-Schulz
+
+
+def newton_schulz_dtype(g: torch.Tensor) -> torch.dtype:
+    """bf16 on a GPU (torch.optim.Muon's choice: fast, and Muon is robust to it), fp32
+    elsewhere (a CPU's bf16 matmuls are slow, and the tests compare layouts closely)."""
+    return torch.bfloat16 if g.is_cuda else torch.float32
+
+
+def batched(t: torch.Tensor) -> bool:
+    """Whether an owner orthogonalises its same-shape matrices in one call (torch.stack): on a
+    GPU. On a CPU one call per matrix was faster (BENCHMARKS.md), and it keeps each matrix's
+    bits independent of which others its owner holds."""
+    return t.is_cuda
+
+
+def orthogonalize_all(updates: list[torch.Tensor], batch: bool | None = None) -> list:
+    """newton_schulz of each update: batched by shape if `batch` (None: batched(updates[0]))."""
+    if not updates or not (batched(updates[0]) if batch is None else batch):
+        return [newton_schulz(update) for update in updates]
+    by_shape, results = {}, [None] * len(updates)
+    for i, update in enumerate(updates):
+        by_shape.setdefault(tuple(update.shape), []).append(i)
+    for same in by_shape.values():
+        stacked = newton_schulz(torch.stack([updates[i] for i in same]))
+        for i, result in zip(same, stacked.unbind(), strict=True):
+            results[i] = result
+    return results
 
 
 def newton_schulz(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -104,9 +411,9 @@ def newton_schulz(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     torch.optim.Muon computes them (the same operations, addmm's fused multiply-adds included):
     the singular values pushed to about 1, the singular vectors kept. In bf16 on a GPU
     (torch.optim.Muon's choice: fast, and Muon is robust to it), in fp32 elsewhere (a CPU's bf16
-    matmuls are slow, and the tests compare layouts closely)."""
+    matmuls are slow, and the tests compare layouts closely): newton_schulz_dtype."""
     a, b, c = NS_COEFFICIENTS
-    x = g.to(dtype or (torch.bfloat16 if g.is_cuda else torch.float32))
+    x = g.to(dtype or newton_schulz_dtype(g))
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
