@@ -1,5 +1,5 @@
-"""Specification of --optimizer muon (lib/extras/muon.py): Muon for the decoder layers' matrices, AdamW for
-the rest, the same update in every lesson however the matrices are sharded.
+"""Specification of --optimizer muon (lib/extras/muon.py): Muon for the decoder layers' matrices,
+AdamW for the rest, the same update in every lesson however the matrices are sharded.
 
 Muon's update is torch.optim.Muon's, operation for operation (its Newton-Schulz in bf16 gives
 the same bits); a stack of experts is orthogonalised matrix by matrix. Every strategy trains with
