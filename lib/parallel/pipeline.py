@@ -168,8 +168,8 @@ def describe(layout: Layout) -> str:
     formula = "(p-1)/(v*m+p-1)" if layout.schedule == "interleaved" else "(p-1)/(m+p-1)"
     text = (
         f"{layout.schedule} schedule, {pp * v} stages on {pp} ranks ({v} per rank), layers per "
-        f"stage {layers}, m = {m} micro-batches of {rows} sequences per pipeline, bubble "
-        f"{formula} = {bubble:.1%}; "
+        f"stage {layers}, m = {m} micro-batches of {rows} sequences per pipeline, {layout.dp} "
+        f"data-parallel pipelines, bubble {formula} = {bubble:.1%}; "
     )
     return text + tensor_parallel.describe(layout)
 
