@@ -51,8 +51,9 @@ def _cached_datasets(args, tokenizer_path: str | None):
         tokenizer = data.get_tokenizer(train_docs, vocab, args.cache_dir, tokenizer_path, specials)
         tokenizer.corpus_sha256 = data.fingerprint(docs, args.cache_dir)  # for checkpoints
         # --num-proc tokenizes in parallel; packing stays in one process (data.PretrainingDataset)
-        train_ids = data.tokenize(train_docs, tokenizer, args.num_proc)
-        val_ids = data.tokenize(val_docs, tokenizer, args.num_proc)
+        num_proc = args.num_proc or tokenizing_processes(len(docs))
+        train_ids = data.tokenize(train_docs, tokenizer, num_proc)
+        val_ids = data.tokenize(val_docs, tokenizer, num_proc)
         window = (args.seq_length, args.data_mode, tokenizer.pad_id)
         train, val = (data.PretrainingDataset(ids, *window) for ids in (train_ids, val_ids))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -60,6 +61,20 @@ def _cached_datasets(args, tokenizer_path: str | None):
         val_size = (len(val_docs), data.count_tokens(val_ids), len(val))
         print(describe_data(args, train_size, val_size))
     return train, val, tokenizer
+
+
+# A corpus of at least this many documents is tokenized by as many processes as the node runs.
+NODE_TOKENIZING_DOCS = 100_000
+
+
+def tokenizing_processes(num_docs: int) -> int | None:
+    """The default of --num-proc: under torchrun, each node's local rank 0 tokenizes while the
+    node's other ranks wait (main_process_first), their cores idle; so a big corpus is tokenized
+    by LOCAL_WORLD_SIZE processes (at most one per core), the same tokens as one process makes
+    (datasets.map's num_proc). A small one, in one process: starting processes costs more."""
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes = min(node, os.cpu_count() or 1)
+    return processes if processes > 1 and num_docs >= NODE_TOKENIZING_DOCS else None
 
 
 def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) -> str:

@@ -1,0 +1,114 @@
+"""Specification of what a run on many nodes needs and gloo on one machine hides: how long ranks
+wait for each other (--dist-timeout, and the waits that are not collectives), a backend for each
+device, the one-line messages for a peer that is gone or late.
+"""
+
+import argparse
+import datetime
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import LAUNCH_TIMEOUT, REPO, cmd, describe, launch_env
+
+from lib import exits
+from lib.distributed import backend_for, group_options
+
+# -------------------------------------------------------------------------------------------------
+# The process group's options
+
+
+@pytest.mark.quick
+def test_cpu_offload_on_gpus_gives_the_cpu_a_backend_too():
+    # --cpu-offload keeps the gradients on the CPU: clip_grad_norm_ all-reduces them there, and
+    # NCCL has no CPU backend, so the group needs gloo for the CPU beside NCCL for the GPUs.
+    cuda = torch.device("cuda", 0)
+    assert backend_for(None, cuda, cpu_offload=True) == "cuda:nccl,cpu:gloo"
+    assert backend_for("nccl", cuda, cpu_offload=True) == "cuda:nccl,cpu:gloo"
+    assert backend_for(None, cuda) == "nccl"
+    assert backend_for(None, torch.device("cpu"), cpu_offload=True) == "gloo"
+
+
+@pytest.mark.quick
+def test_group_options_give_the_group_dist_timeout_and_the_offload_backend(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    args = argparse.Namespace(backend=None, dist_timeout=0.5, cpu_offload=True)
+    options = group_options(args, torch.device("cuda", 0))  # (no GPU used: only the device's type)
+    assert options["timeout"] == datetime.timedelta(seconds=30)
+    assert options["backend"] == "cuda:nccl,cpu:gloo"
+    assert group_options(argparse.Namespace(backend=None, dist_timeout=30), torch.device("cpu"))[
+        "backend"
+    ] == "gloo"  # fmt: skip
+
+
+@pytest.mark.quick
+def test_every_torchrun_lesson_takes_dist_timeout_with_a_default_of_30_minutes():
+    from lib.flags import build_parser
+
+    args = build_parser("x", distributed=True).parse_args([])
+    assert args.dist_timeout == 30
+    assert build_parser("x", distributed=True).parse_args(["--dist-timeout", "5"]).dist_timeout == 5
+    assert not hasattr(build_parser("x").parse_args([]), "dist_timeout")  # (train_dp.py's)
+
+
+# -------------------------------------------------------------------------------------------------
+# A peer gone or late: one line each, gloo's words and NCCL's
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:3",
+        "NCCL communicator was aborted on rank 1.",
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network "
+        "error, NCCL version 2.21.5",
+        "[Rank 0] Exception (either an error or timeout) detected by watchdog at work: 12",
+    ],
+)
+def test_a_peer_that_ended_is_said_in_one_line(text):
+    assert "another process of this run ended" in exits.peer_ended(RuntimeError(text))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+        "1800000ms for recv operation to complete",
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+        "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 "
+        "milliseconds before timing out.",
+    ],
+)
+def test_a_collective_that_timed_out_names_the_flag_to_raise(text):
+    line = exits.peer_ended(RuntimeError(text))
+    assert "raise --dist-timeout" in line and "\n" not in line
+
+
+@pytest.mark.quick
+def test_other_errors_are_no_peers_business():
+    assert exits.peer_ended(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert exits.peer_ended(ValueError("Connection closed by peer")) is None
+
+
+# -------------------------------------------------------------------------------------------------
+# Rank 0 working alone for longer than --dist-timeout
+
+
+def test_a_rank0_slower_than_dist_timeout_is_waited_for(corpus, tmp_path):
+    # Every part of rank 0's lone work (tokenizing, choosing the out-dir, completing a
+    # checkpoint, writing model.pt) takes 8 s more than it would, and --dist-timeout is 6 s:
+    # the others wait on a group made for waiting, so the run ends well, with its model.pt.
+    out, cache = tmp_path / "out", tmp_path / "cache"  # (a cache of its own: tokenized here)
+    argv = cmd(corpus, cache, out, max_steps=2, save_interval=100, dist_timeout=0.1)
+    program = [str(REPO / "tests" / "slow_rank0.py"), "8", str(REPO / "train_fsdp.py"), *argv]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         *program], cwd=REPO, env=launch_env(), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, describe(proc, "a slow rank 0 stopped the run")
+    assert (out / "model.pt").is_file()
