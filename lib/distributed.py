@@ -57,7 +57,8 @@ def group_options(args, device: torch.device) -> dict:
 def backend_for(flag: str | None, device: torch.device, cpu_offload: bool = False) -> str:
     """--backend, or the backend of the device: NCCL between GPUs, gloo for CPU tensors. With
     --cpu-offload on GPUs, a backend for each device ("cuda:nccl,cpu:gloo"): the gradients then
-    live on the CPU, and clip_grad_norm_'s all-reduce of them needs a CPU backend (NCCL has none)."""
+    live on the CPU, and clip_grad_norm_'s all-reduce of them needs a CPU backend (NCCL has
+    none)."""
     backend = flag or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")

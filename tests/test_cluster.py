@@ -5,14 +5,17 @@ device, the one-line messages for a peer that is gone or late.
 
 import argparse
 import datetime
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from harness import LAUNCH_TIMEOUT, REPO, cmd, describe, launch_env
+from harness import LAUNCH_TIMEOUT, REPO, cmd, describe, launch_env, run_script
 
 from lib import exits
+from lib.checkpoints import files, resuming, sharded
 from lib.distributed import backend_for, group_options
 
 # -------------------------------------------------------------------------------------------------
@@ -112,3 +115,56 @@ def test_a_rank0_slower_than_dist_timeout_is_waited_for(corpus, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, describe(proc, "a slow rank 0 stopped the run")
     assert (out / "model.pt").is_file()
+
+
+# -------------------------------------------------------------------------------------------------
+# Resuming: each rank checks its own share of the checkpoint's files
+
+
+def write_checked_files(folder: Path, names: list[str]) -> None:
+    """Files of a few bytes each, and the checksums of them all beside them (files.SUMS)."""
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_bytes(name.encode() * 100)
+    sums = {name: files.checksums(str(folder / name)) for name in names}
+    files.write_sums(sums, str(folder / files.SUMS))
+
+
+@pytest.mark.quick
+def test_each_rank_checks_the_shards_its_rank_wrote_and_rank0_the_rest(tmp_path):
+    # Written by 3 ranks, resumed on 2: rank 0 checks __0_ and __2_ and .metadata, rank 1 __1_.
+    names = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    write_checked_files(tmp_path / "ckpt", names)
+    assert [n for n in names if sharded.rank_share(n, 0, 2)] == [n for n in names if n != names[2]]
+    assert [n for n in names if sharded.rank_share(n, 1, 2)] == ["__1_0.distcp"]
+    (tmp_path / "ckpt" / "__1_0.distcp").write_bytes(b"damaged")
+    verify_sums = resuming.verify_sums
+    verify_sums(str(tmp_path / "ckpt" / files.SUMS), lambda n: sharded.rank_share(n, 0, 2))
+    with pytest.raises(ValueError, match=r"__1_0.distcp is damaged"):
+        verify_sums(str(tmp_path / "ckpt" / files.SUMS), lambda n: sharded.rank_share(n, 1, 2))
+
+
+@pytest.mark.parametrize("resume", ["auto", "explicit"])
+def test_a_damaged_shard_of_another_rank_is_found_by_that_rank(
+    trained, corpus, cache_dir, tmp_path, resume
+):
+    # Rank 1's shard of the newest checkpoint has a flipped bit, which only rank 1 reads: every
+    # rank learns of it (a gather on the waiting group), and as when rank 0 alone read every
+    # file, --resume auto goes back to the checkpoint before and a named one is refused.
+    run = trained("train_fsdp.py", world=2)
+    out = tmp_path / "out"
+    for step in (4, 8):
+        name = f"checkpoints/step_{step:07d}"
+        shutil.copytree(run / name, out / name)
+    shard = out / "checkpoints" / "step_0000008" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    if resume == "explicit":
+        argv = cmd(corpus, cache_dir, out, resume=str(shard.parent))
+        proc = run_script("train_fsdp.py", argv, world=2, expect_rc=2)
+        assert f"{shard} is damaged" in proc.stderr and "Traceback" not in proc.stderr
+        return
+    proc = run_script("train_fsdp.py", cmd(corpus, cache_dir, out), world=2)
+    assert f"warning: {shard} is damaged" in proc.stderr, proc.stderr
+    assert "step_0000004 at step 4" in proc.stdout, proc.stdout
