@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from harness import LAUNCH_TIMEOUT, REPO, cmd, describe, launch_env, run_script
 
 from lib import exits
-from lib.checkpoints import files, resuming, sharded
+from lib.checkpoints import files, resuming, safe_load, sharded
 from lib.distributed import backend_for, group_options
+from model import LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
 # The process group's options
@@ -168,3 +170,48 @@ def test_a_damaged_shard_of_another_rank_is_found_by_that_rank(
     proc = run_script("train_fsdp.py", cmd(corpus, cache_dir, out), world=2)
     assert f"warning: {shard} is damaged" in proc.stderr, proc.stderr
     assert "step_0000004 at step 4" in proc.stdout, proc.stdout
+
+
+# -------------------------------------------------------------------------------------------------
+# The end of a sharded run: model.pt from the last checkpoint, .metadata read once
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+
+
+@pytest.mark.quick
+def test_model_pt_from_a_dcp_checkpoint_reads_its_metadata_once(tmp_path, monkeypatch):
+    # On 1,024 ranks .metadata maps every piece of every tensor: read once per tensor, as before,
+    # it made the end of a 70b run take hours while every other rank waited.
+    config = tiny_config()
+    torch.manual_seed(0)
+    weights = LlamaForPretraining(config).state_dict()
+    dcp.save({"model": weights}, checkpoint_id=str(tmp_path / "step"), no_dist=True)
+    reads = []
+    load = safe_load.MetadataUnpickler.load
+    monkeypatch.setattr(
+        safe_load.MetadataUnpickler, "load", lambda self: reads.append(1) or load(self)
+    )
+    sharded.save_tensor_by_tensor(
+        config, sharded.tensor_reader(str(tmp_path / "step")), str(tmp_path / "model.pt")
+    )
+    assert len(reads) == 1
+    written = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert written.keys() == weights.keys()
+    assert all(torch.equal(written[k], weights[k]) for k in weights)
+
+
+@pytest.mark.quick
+def test_the_generate_command_after_a_sharded_run_says_where_the_model_fits():
+    args = argparse.Namespace(out_dir="out", sample_prompt="def ")
+    size = sum(t.numel() * 4 for t in LlamaForPretraining(tiny_config()).state_dict().values())
+    on_gpu = sharded.generate_command(args, tiny_config(), gpu_memory=10 * size)
+    assert on_gpu.startswith("python -m tools.generate --out-dir out --prompt 'def '; ")
+    assert "--device" not in on_gpu and "in fp32" in on_gpu
+    too_big = sharded.generate_command(args, tiny_config(), gpu_memory=size)
+    assert "--prompt 'def ' --device cpu;" in too_big and "too big for one GPU" in too_big
+    assert "--device" not in sharded.generate_command(args, tiny_config(), gpu_memory=0)  # a CPU

@@ -359,30 +359,60 @@ def finish_run(args, state: TrainingState, device) -> None:
     ever holds the whole model. The sample needs the whole model in one process: made where it
     was anyway (one process), else skipped with a word on how to get one. Like resuming, it
     needs --out-dir on a filesystem rank 0 can read."""
-    from lib.checkpoints.safe_load import safe_load  # (only to load)
-
     last = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[-1]
-
-    def read(name: str, meta: torch.Tensor) -> torch.Tensor:
-        value = torch.empty(meta.shape, dtype=meta.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            safe_load({"model": {name: value}}, last, no_dist=True)
-        return value
-
-    write = functools.partial(save_tensor_by_tensor, state.config, read)
+    write = functools.partial(save_tensor_by_tensor, state.config, tensor_reader(last))
     save_final_files(args, write, state.config, state.tokenizer, device)
     if not args.sample_tokens:
         return
     if dist.get_world_size() > 1:
-        print(f"sample: none (the model is sharded over {dist.get_world_size()} processes "
-              f"and none holds it whole): python -m tools.generate --out-dir {args.out_dir} "
-              f"--prompt {shlex.quote(args.sample_prompt)}")  # fmt: skip
+        sharded = f"the model is sharded over {dist.get_world_size()} processes"
+        print(f"sample: none ({sharded} and none holds it whole): "
+              f"{generate_command(args, state.config, gpu_memory(device))}")  # fmt: skip
         return
     from lib.checkpoints.finished_run import load_model  # the whole model, in this one process
     from lib.extras.sampling import print_sample
 
     print_sample(args, load_model(args.out_dir, device, torch.float32)[0], state.tokenizer)
+
+
+def tensor_reader(path: str):
+    """read(name, meta_tensor): the model's tensor `name` from the DCP checkpoint at `path`, read
+    whole into this process alone (dcp.load with no_dist), one at a time. Its `.metadata` (the
+    map of every piece of every tensor, large on many ranks) is read once for them all, by one
+    reader (safe_load's), not once per tensor."""
+    from lib.checkpoints.safe_load import safe_load_options  # (only to load)
+
+    options = safe_load_options(path)  # one reader and planner for every tensor
+
+    def read(name: str, meta: torch.Tensor) -> torch.Tensor:
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {name: value}}, **options, no_dist=True)
+        return value
+
+    return read
+
+
+def generate_command(args, config, gpu_memory: int) -> str:
+    """The command that samples from the finished run, and what it needs: tools.generate builds
+    the whole model on one device, in fp32 as model.pt holds it. gpu_memory: the bytes of this
+    run's GPU (0 on a CPU); where the model would not fit there, the command says --device cpu,
+    on a machine with that much memory."""
+    with torch.device("meta"):
+        size = sum(t.numel() * 4 for t in LlamaForPretraining(config).state_dict().values())
+    command = f"python -m tools.generate --out-dir {args.out_dir} "
+    command += f"--prompt {shlex.quote(args.sample_prompt)}"
+    whole = f"it builds the whole model in fp32 ({size / 2**30:,.1f} GiB) on one device"
+    if gpu_memory and size > 0.8 * gpu_memory:
+        too_big = "too big for one GPU: on the CPU of a machine with that much memory"
+        return f"{command} --device cpu; {whole}, {too_big}"
+    return f"{command}; {whole}"
+
+
+def gpu_memory(device: torch.device) -> int:
+    """The bytes of the GPU `device`; 0 for a CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
 def save_tensor_by_tensor(config, read, path: str) -> None:
