@@ -5,6 +5,7 @@ device, the one-line messages for a peer that is gone or late.
 
 import argparse
 import datetime
+import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from harness import LAUNCH_TIMEOUT, REPO, cmd, describe, launch_env, run_script
 
-from lib import exits
+from lib import exits, training
 from lib.checkpoints import files, resuming, safe_load, sharded
 from lib.distributed import backend_for, group_options
 from model import LlamaConfig, LlamaForPretraining
@@ -215,3 +217,49 @@ def test_the_generate_command_after_a_sharded_run_says_where_the_model_fits():
     too_big = sharded.generate_command(args, tiny_config(), gpu_memory=size)
     assert "--prompt 'def ' --device cpu;" in too_big and "too big for one GPU" in too_big
     assert "--device" not in sharded.generate_command(args, tiny_config(), gpu_memory=0)  # a CPU
+
+
+# -------------------------------------------------------------------------------------------------
+# Every rank the same tokenizer and corpus
+
+
+class FakeTokenizer:
+    def __init__(self, text: str, corpus: str):
+        self.text, self.corpus_sha256 = text, corpus
+
+    def to_str(self) -> str:
+        return self.text
+
+
+def digests_checked(rank: int, corpora: list[str], store_path: str, errors) -> None:
+    """Rank `rank` of len(corpora) in a gloo group: same_data_on_every_rank's error, if any."""
+    dist.init_process_group("gloo", rank=rank, world_size=len(corpora),
+                            store=dist.FileStore(store_path, len(corpora)))  # fmt: skip
+    try:
+        training.same_data_on_every_rank(FakeTokenizer("{}", corpora[rank]))
+        errors[rank] = None
+    except ValueError as e:
+        errors[rank] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_with_another_corpus_is_named_on_every_rank(tmp_path):
+    # Two nodes whose disks hold other versions of --data: every rank stops, naming the rank.
+    context = multiprocessing.get_context("spawn")
+    errors = context.Manager().dict()
+    corpora = ["a" * 64, "b" * 64]
+    ranks = [context.Process(target=digests_checked, args=(r, corpora, str(tmp_path / "s"), errors))
+             for r in range(2)]  # fmt: skip
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert errors[0] == errors[1] and errors[0].startswith("rank 1 has another corpus (sha256 bbb")
+
+
+@pytest.mark.quick
+def test_the_same_digests_on_every_rank_are_no_error():
+    digests = [("t" * 64, "c" * 64)] * 4
+    assert training.data_mismatch(digests) is None
+    assert "rank 2 has another tokenizer" in training.data_mismatch([*digests[:2], ("x", "c" * 64)])
