@@ -72,8 +72,10 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         if (memory := out_of_memory(e)) is not None:
             smaller = "a smaller --micro-batch-size or model needs less"
             say_once(f"error: out of memory: {memory} ({smaller})", is_main)
-        elif (why := peer_ended(e)) is not None:
+        elif (why := peer_ended(e)) is not None and (is_main or not timed_out(e)):
             say_once(f"error: {why}", is_main)
+        elif why is not None:  # a timeout: rank 0 may be the late one, and never meet it
+            print(f"rank {rank}: error: {why}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         code = 1
@@ -105,9 +107,16 @@ PEER_ENDED = (
     "Some NCCL operations have failed",
 )
 # ... and for a collective that waited longer than the group's timeout: gloo's ("Timed out
-# waiting 1800000ms for recv operation"), NCCL's watchdog ("WorkNCCL(...) ran for 600000
-# milliseconds before timing out"), the store's ("wait timeout after 30000ms").
-TIMED_OUT = ("Timed out waiting", "before timing out", "Watchdog caught collective", "wait timeout")
+# waiting 1800000ms for recv operation", "Application timeout caused pair closure"), NCCL's
+# watchdog ("WorkNCCL(...) ran for 600000 milliseconds before timing out"), the store's ("wait
+# timeout after 30000ms").
+TIMED_OUT = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "before timing out",
+    "Watchdog caught collective",
+    "wait timeout",
+)
 
 
 def peer_ended(e: BaseException) -> str | None:
@@ -117,7 +126,7 @@ def peer_ended(e: BaseException) -> str | None:
         return None
     resume = "the checkpoints are intact: run the same command to resume"
     text = str(e)
-    if any(s in text for s in TIMED_OUT):
+    if timed_out(e):
         waited = "a collective waited longer than --dist-timeout for another process of this run"
         hung = "if that one is alive but slow, raise --dist-timeout"
         return f"{waited} (slow, hung or gone: see its own output); {hung}; {resume}"
@@ -125,6 +134,11 @@ def peer_ended(e: BaseException) -> str | None:
         ended = "another process of this run ended (killed, or failed: see its own output)"
         return f"{ended}, so this one cannot go on; {resume}"
     return None
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether a collective (or the store) gave up waiting for the other ranks."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in TIMED_OUT)
 
 
 failure_store: list[dist.Store] = []  # the store of distributed.rendezvous_store (torchrun)

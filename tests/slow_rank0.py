@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node=2 tests/slow_rank0.py 8 train_fsdp.py \\
         --dist-timeout 0.1 [flags]     # every rank-0 part takes 8 s more: longer than 6 s
+    ... tests/slow_rank0.py step=8 train_fsdp.py ...   # rank 0's first step instead
 
 While one rank works alone (each node's local rank 0 tokenizing, in main_process_first; global
 rank 0 choosing, completing or finishing a checkpoint, in from_rank0), the others wait. They must
@@ -22,7 +23,6 @@ REPO = Path(__file__).resolve().parent.parent
 def slow_down(seconds: float) -> None:
     """Make data.tokenize on each node's local rank 0, and every from_rank0 part, take
     `seconds` more."""
-    sys.path.insert(0, str(REPO))
     import data
     from lib import distributed
 
@@ -43,8 +43,28 @@ def slow_down(seconds: float) -> None:
     data.tokenize, distributed.from_rank0 = slow_tokenize, slow_from_rank0
 
 
+def slow_step(seconds: float) -> None:
+    """Make rank 0's first step take `seconds` more (its first optimizer.zero_grad(), which
+    every loop calls once after its step): the others then wait in the next step's collectives,
+    which time out if that is longer than --dist-timeout."""
+    import torch
+
+    zero_grad, slept = torch.optim.Optimizer.zero_grad, []
+
+    def slow_zero_grad(self, *args, **kwargs):
+        if os.environ.get("RANK", "0") == "0" and not slept:
+            slept.append(time.sleep(seconds))
+        return zero_grad(self, *args, **kwargs)
+
+    torch.optim.Optimizer.zero_grad = slow_zero_grad
+
+
 if __name__ == "__main__":
     seconds, script, *argv = sys.argv[1:]
-    slow_down(float(seconds))
+    sys.path.insert(0, str(REPO))
+    if seconds.startswith("step="):
+        slow_step(float(seconds.removeprefix("step=")))
+    else:
+        slow_down(float(seconds))
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")

@@ -85,6 +85,7 @@ def test_a_peer_that_ended_is_said_in_one_line(text):
     [
         "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
         "1800000ms for recv operation to complete",
+        "Application timeout caused pair closure",
         "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
         "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 "
         "milliseconds before timing out.",
@@ -105,20 +106,38 @@ def test_other_errors_are_no_peers_business():
 # Rank 0 working alone for longer than --dist-timeout
 
 
+def run_slow_rank0(slow: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """train_fsdp.py on 2 ranks under tests/slow_rank0.py `slow` ("8": its lone work 8 s
+    slower; "step=8": its first step)."""
+    program = [str(REPO / "tests" / "slow_rank0.py"), slow, str(REPO / "train_fsdp.py"), *argv]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         *program], cwd=REPO, env=launch_env(), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+
+
 def test_a_rank0_slower_than_dist_timeout_is_waited_for(corpus, tmp_path):
     # Every part of rank 0's lone work (tokenizing, choosing the out-dir, completing a
     # checkpoint, writing model.pt) takes 8 s more than it would, and --dist-timeout is 6 s:
     # the others wait on a group made for waiting, so the run ends well, with its model.pt.
     out, cache = tmp_path / "out", tmp_path / "cache"  # (a cache of its own: tokenized here)
     argv = cmd(corpus, cache, out, max_steps=2, save_interval=100, dist_timeout=0.1)
-    program = [str(REPO / "tests" / "slow_rank0.py"), "8", str(REPO / "train_fsdp.py"), *argv]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         *program], cwd=REPO, env=launch_env(), capture_output=True, text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )  # fmt: skip
+    proc = run_slow_rank0("8", argv)
     assert proc.returncode == 0, describe(proc, "a slow rank 0 stopped the run")
     assert (out / "model.pt").is_file()
+
+
+def test_a_step_slower_than_dist_timeout_stops_the_run_naming_the_flag(corpus, cache_dir, tmp_path):
+    # Inside a step's collectives, the timeout holds: the rank that waited says so, and which
+    # flag to raise (rank 0, the late one, only finds its peer gone).
+    argv = cmd(corpus, cache_dir, tmp_path / "out", max_steps=3, dist_timeout=0.05)
+    proc = run_slow_rank0("step=12", argv)
+    assert proc.returncode != 0
+    assert "rank 1: error: a collective waited longer than --dist-timeout" in proc.stderr, (
+        proc.stderr
+    )
+    assert "raise --dist-timeout" in proc.stderr
 
 
 # -------------------------------------------------------------------------------------------------
