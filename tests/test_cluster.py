@@ -284,3 +284,19 @@ def test_the_same_digests_on_every_rank_are_no_error():
     digests = [("t" * 64, "c" * 64)] * 4
     assert training.data_mismatch(digests) is None
     assert "rank 2 has another tokenizer" in training.data_mismatch([*digests[:2], ("x", "c" * 64)])
+
+
+# -------------------------------------------------------------------------------------------------
+# Tokenizing: a node's processes share a big corpus (the same tokens: tests/test_data.py)
+
+
+@pytest.mark.quick
+def test_a_big_corpus_is_tokenized_by_as_many_processes_as_the_node_runs(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert training.tokenizing_processes(training.NODE_TOKENIZING_DOCS) == 8
+    assert training.tokenizing_processes(1000) is None  # small: starting processes costs more
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert training.tokenizing_processes(10**7) == 4  # at most one per core
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert training.tokenizing_processes(10**7) is None  # one process: nobody waits
