@@ -138,7 +138,7 @@ def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
 # of the step. (A rank that dies meanwhile closes its connections: the others learn of it at once.)
 
 LONG_WAIT = datetime.timedelta(hours=24)
-_waiting_group: list[dist.ProcessGroup] = []  # made once, by waiting_group()
+_waiting_group: list = []  # (the run's group, its waiting group), made by waiting_group()
 
 
 def waiting_group() -> dist.ProcessGroup | None:
@@ -147,9 +147,9 @@ def waiting_group() -> dist.ProcessGroup | None:
     every caller of this calls it on every rank). None in a process of its own."""
     if dist.get_world_size() == 1:
         return None
-    if not _waiting_group:
-        _waiting_group.append(dist.new_group(backend="gloo", timeout=LONG_WAIT))
-    return _waiting_group[0]
+    if not _waiting_group or _waiting_group[0] is not dist.group.WORLD:  # (a group made anew)
+        _waiting_group[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=LONG_WAIT)]
+    return _waiting_group[1]
 
 
 def from_rank0(fn, is_main: bool, *args):
