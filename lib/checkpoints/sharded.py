@@ -72,7 +72,9 @@ class Checkpoints:
 
     def prepare_out_dir(self) -> str | None:
         """prepare_out_dir on rank 0: the checkpoint directory to resume from (None: start
-        fresh), which every rank learns. A collective: every rank calls it."""
+        fresh), which every rank learns, once each rank has checked the checksums of its own
+        share of its files (check_directory): a damaged one is refused, or with --resume auto
+        the one before is chosen. A collective: every rank calls it."""
         if self.args.async_save:  # a group of its own for the background save (a collective)
             self.group = dist.new_group(backend="gloo")
         rank = dist.get_rank()
