@@ -7,6 +7,7 @@ rules every rank keeps; and at the end, the one place for the torch APIs newer t
 """
 
 import contextlib
+import datetime
 import inspect
 import os
 import signal
@@ -42,20 +43,27 @@ def torchrun_rank() -> tuple[int, int, int, torch.device]:
 
 def group_options(args, device: torch.device) -> dict:
     """The options of init_process_group other than rank and world size: the backend, the store
-    where the ranks meet (rendezvous_store) and, on a GPU, the device (NCCL then binds the group
-    to it at once)."""
+    where the ranks meet (rendezvous_store), how long a collective may wait for the other ranks
+    (--dist-timeout) and, on a GPU, the device (NCCL then binds the group to it at once)."""
+    offload = getattr(args, "cpu_offload", False)  # (train_fsdp.py and later)
     return {
-        "backend": backend_for(args.backend, device),
+        "backend": backend_for(args.backend, device, offload),
         "store": rendezvous_store(),
+        "timeout": datetime.timedelta(minutes=args.dist_timeout),
         "device_id": device if device.type == "cuda" else None,
     }
 
 
-def backend_for(flag: str | None, device: torch.device) -> str:
-    """--backend, or the backend of the device: NCCL between GPUs, gloo for CPU tensors."""
+def backend_for(flag: str | None, device: torch.device, cpu_offload: bool = False) -> str:
+    """--backend, or the backend of the device: NCCL between GPUs, gloo for CPU tensors. With
+    --cpu-offload on GPUs, a backend for each device ("cuda:nccl,cpu:gloo"): the gradients then
+    live on the CPU, and clip_grad_norm_'s all-reduce of them needs a CPU backend (NCCL has
+    none)."""
     backend = flag or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    if backend == "nccl" and cpu_offload:
+        return "cuda:nccl,cpu:gloo"
     return backend
 
 
@@ -122,11 +130,35 @@ def divide_ranks(world_size: int, flag: str, size: int, grid: str) -> int:
     return world_size // size
 
 
+# -------------------------------------------------------------------------------------------------
+# Waiting while one rank works alone. A collective of the run's group gives up after --dist-timeout
+# (NCCL's watchdog then aborts the whole job): long enough for a step, far too short for what one
+# rank may do alone while the others wait: tokenize a corpus of 100 GB, write model.pt at 70b. So
+# the others wait on a gloo group of its own, whose timeout is LONG_WAIT: a wait, not a collective
+# of the step. (A rank that dies meanwhile closes its connections: the others learn of it at once.)
+
+LONG_WAIT = datetime.timedelta(hours=24)
+_waiting_group: list = []  # (the run's group, its waiting group), made by waiting_group()
+
+
+def waiting_group() -> dist.ProcessGroup | None:
+    """The gloo group, with the timeout LONG_WAIT, on which ranks wait for one rank's long work;
+    made the first time it is needed, by every rank at the same point (new_group is a collective:
+    every caller of this calls it on every rank). None in a process of its own."""
+    if dist.get_world_size() == 1:
+        return None
+    if not _waiting_group or _waiting_group[0] is not dist.group.WORLD:  # (a group made anew)
+        _waiting_group[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=LONG_WAIT)]
+    return _waiting_group[1]
+
+
 def from_rank0(fn, is_main: bool, *args):
     """Run fn(*args) on global rank 0 alone; every rank gets its result or raises its error (a
     ValueError or TrainingError). For what only the writing rank may do (create --out-dir, choose
-    or save a checkpoint): else the others would learn of its failure by waiting forever."""
+    or save a checkpoint): else the others would learn of its failure by waiting forever. The
+    others wait on waiting_group(), however long fn takes (model.pt at the end of a run)."""
     box = [None, None]  # [result, error]
+    group = waiting_group()  # (before fn: every rank makes it at the same point)
     if is_main:
         try:
             box[0] = fn(*args)
@@ -135,9 +167,10 @@ def from_rank0(fn, is_main: bool, *args):
         except BaseException as e:  # anything else (a bug, Ctrl-C): rank 0 raises it itself,
             # and the others stop with its first line rather than wait for it forever.
             reason = (str(e).strip() or type(e).__name__).splitlines()[0]
-            dist.broadcast_object_list([None, TrainingError(f"rank 0 failed: {reason}")], src=0)
+            failed = [None, TrainingError(f"rank 0 failed: {reason}")]
+            dist.broadcast_object_list(failed, src=0, group=group)
             raise
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if box[1] is not None:
         raise box[1]
     return box[0]
@@ -146,20 +179,22 @@ def from_rank0(fn, is_main: bool, *args):
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
     """Run the body on each node's LOCAL_RANK 0 first (it fills the caches), then on the other
-    ranks (they find them filled). A collective: every rank enters it."""
+    ranks (they find them filled). A collective: every rank enters it. The others wait on
+    waiting_group(), however long the first take (tokenizing a big corpus)."""
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
     # LOCAL_RANK, not the global rank: the cache on the local disk of each node needs a first.
     is_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    group = waiting_group()
     if not is_first:
-        dist.barrier()  # wait until the first processes are done
+        dist.barrier(group=group)  # wait until the first processes are done
     try:
         yield
     finally:
         # Even if the body raised: the others then meet the same error, not a barrier forever.
         if is_first:
-            dist.barrier()
+            dist.barrier(group=group)
 
 
 # -------------------------------------------------------------------------------------------------

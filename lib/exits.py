@@ -72,10 +72,10 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
         if (memory := out_of_memory(e)) is not None:
             smaller = "a smaller --micro-batch-size or model needs less"
             say_once(f"error: out of memory: {memory} ({smaller})", is_main)
-        elif peer_ended(e):
-            ended = "another process of this run ended (killed, or failed: see its own output)"
-            resume = "the checkpoints are intact: run the same command to resume"
-            say_once(f"error: {ended}, so this one cannot go on; {resume}", is_main)
+        elif (why := peer_ended(e)) is not None and (is_main or not timed_out(e)):
+            say_once(f"error: {why}", is_main)
+        elif why is not None:  # a timeout: rank 0 may be the late one, and never meet it
+            print(f"rank {rank}: error: {why}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         code = 1
@@ -94,19 +94,51 @@ def out_of_memory(e: BaseException) -> str | None:
     return details.split(". Error code")[0] if found and isinstance(e, RuntimeError) else None
 
 
-# The errors of gloo and NCCL for a connection that the other side closed.
+# The errors of gloo and NCCL for a connection that the other side closed, or a process that
+# NCCL's watchdog ended (ProcessGroupNCCL aborts the communicator once one collective fails).
 PEER_ENDED = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "NCCL communicator was aborted",
     "remote process exited",
+    "NCCL error",
+    "detected by watchdog",
+    "Some NCCL operations have failed",
+)
+# ... and for a collective that waited longer than the group's timeout: gloo's ("Timed out
+# waiting 1800000ms for recv operation", "Application timeout caused pair closure"), NCCL's
+# watchdog ("WorkNCCL(...) ran for 600000 milliseconds before timing out"), the store's ("wait
+# timeout after 30000ms").
+TIMED_OUT = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "before timing out",
+    "Watchdog caught collective",
+    "wait timeout",
 )
 
 
-def peer_ended(e: BaseException) -> bool:
-    """Whether a collective failed because another process of the run is gone."""
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_ENDED)
+def peer_ended(e: BaseException) -> str | None:
+    """Why a collective failed, in one line, where another process of the run is gone or did
+    not come in time (--dist-timeout); None for any other error."""
+    if not isinstance(e, RuntimeError):  # (torch.distributed.DistError is one)
+        return None
+    resume = "the checkpoints are intact: run the same command to resume"
+    text = str(e)
+    if timed_out(e):
+        waited = "a collective waited longer than --dist-timeout for another process of this run"
+        hung = "if that one is alive but slow, raise --dist-timeout"
+        return f"{waited} (slow, hung or gone: see its own output); {hung}; {resume}"
+    if any(s in text for s in PEER_ENDED):
+        ended = "another process of this run ended (killed, or failed: see its own output)"
+        return f"{ended}, so this one cannot go on; {resume}"
+    return None
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether a collective (or the store) gave up waiting for the other ranks."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in TIMED_OUT)
 
 
 failure_store: list[dist.Store] = []  # the store of distributed.rendezvous_store (torchrun)

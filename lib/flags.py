@@ -66,6 +66,13 @@ def build_parser(
     if distributed or sharded:
         backend_help = "process group backend (default: nccl on GPU, gloo on CPU)"
         p.add_argument("--backend", choices=["nccl", "gloo"], default=None, help=backend_help)
+        timeout_help = (
+            "how long a collective waits for the other ranks before the run stops: long enough "
+            "for a step's collectives (a rank's long work alone, such as tokenizing or writing "
+            "model.pt, is waited for on a group of its own, not in a collective)"
+        )
+        p.add_argument("--dist-timeout", type=number_arg(float, 0, low_open=True), default=30.0,
+                       metavar="MINUTES", help=timeout_help)  # fmt: skip
     add_data_flags(p.add_argument_group("data"))
     add_model_flags(p.add_argument_group("model and batch"))
     add_optimization_flags(p.add_argument_group("optimization"))
@@ -109,7 +116,8 @@ def add_data_flags(g) -> None:
                    "worker processes (default: 0 on a CPU, 1 on a GPU); with --streaming, steps "
                    "read ahead in one thread")
     g.add_argument("--num-proc", type=number_arg(int, 1), default=None, help="processes that "
-                   "tokenize the corpus (default: one); the tokens are the same for any value")
+                   "tokenize the corpus (default: one; under torchrun, for 100,000 documents or "
+                   "more, one per process of the node); the tokens are the same for any value")
     g.add_argument("--streaming", action="store_true", help="read the corpus as a stream, each "
                    "data-parallel rank its own shard (docs/data.md)")
 

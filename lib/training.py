@@ -14,12 +14,13 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 from torch.utils.data import DataLoader, Subset
 
 import data
 from lib import model_config
-from lib.distributed import main_process_first
+from lib.distributed import main_process_first, waiting_group
 from model import IGNORE_INDEX, LlamaForPretraining, initial_weight, reset_buffers
 
 # -------------------------------------------------------------------------------------------------
@@ -38,8 +39,38 @@ def build_datasets(args, tokenizer_path: str | None):
     else:
         train, val, tokenizer = _cached_datasets(args, tokenizer_path)
     steps_per_epoch(train, args)  # ValueError now if not even one batch
+    same_data_on_every_rank(tokenizer)
     held_out = range(min(len(val), args.eval_batches * args.batch_size))
     return train, ValidationSet(val, held_out, tokenizer.token_bytes()), tokenizer
+
+
+def same_data_on_every_rank(tokenizer) -> None:
+    """ValueError, on every rank, unless every rank has the tokenizer and the corpus that rank 0
+    has: each node made or read its own from --data and --cache-dir, and a node that sees other
+    files (another version on its disk, a cache half-copied) would train on other tokens
+    without a word. Gathered on the waiting group: a node's first rank may end its tokenizing
+    long after another node's."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    digests = [None] * dist.get_world_size()
+    mine = (data.tokenizer_digest(tokenizer), data.corpus_digest(tokenizer))
+    dist.all_gather_object(digests, mine, group=waiting_group())
+    if (error := data_mismatch(digests)) is not None:
+        raise ValueError(error)
+
+
+def data_mismatch(digests: list[tuple[str, str | None]]) -> str | None:
+    """The one-line error for the first rank whose (tokenizer, corpus) digests differ from rank
+    0's; None if every rank's are the same."""
+    names = ("tokenizer", "corpus")
+    for rank, mine in enumerate(digests):
+        differ = [f"{name} (sha256 {str(mine[i])[:12]}, rank 0's {str(digests[0][i])[:12]})"
+                  for i, name in enumerate(names) if mine[i] != digests[0][i]]  # fmt: skip
+        if differ:
+            same = "every node must read the same --data and --tokenizer"
+            where = "one shared --cache-dir, or the same files on each node's disk"
+            return f"rank {rank} has another {' and '.join(differ)} than rank 0: {same} ({where})"
+    return None
 
 
 def _cached_datasets(args, tokenizer_path: str | None):
@@ -51,8 +82,9 @@ def _cached_datasets(args, tokenizer_path: str | None):
         tokenizer = data.get_tokenizer(train_docs, vocab, args.cache_dir, tokenizer_path, specials)
         tokenizer.corpus_sha256 = data.fingerprint(docs, args.cache_dir)  # for checkpoints
         # --num-proc tokenizes in parallel; packing stays in one process (data.PretrainingDataset)
-        train_ids = data.tokenize(train_docs, tokenizer, args.num_proc)
-        val_ids = data.tokenize(val_docs, tokenizer, args.num_proc)
+        num_proc = args.num_proc or tokenizing_processes(len(docs))
+        train_ids = data.tokenize(train_docs, tokenizer, num_proc)
+        val_ids = data.tokenize(val_docs, tokenizer, num_proc)
         window = (args.seq_length, args.data_mode, tokenizer.pad_id)
         train, val = (data.PretrainingDataset(ids, *window) for ids in (train_ids, val_ids))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -60,6 +92,20 @@ def _cached_datasets(args, tokenizer_path: str | None):
         val_size = (len(val_docs), data.count_tokens(val_ids), len(val))
         print(describe_data(args, train_size, val_size))
     return train, val, tokenizer
+
+
+# A corpus of at least this many documents is tokenized by as many processes as the node runs.
+NODE_TOKENIZING_DOCS = 100_000
+
+
+def tokenizing_processes(num_docs: int) -> int | None:
+    """The default of --num-proc: under torchrun, each node's local rank 0 tokenizes while the
+    node's other ranks wait (main_process_first), their cores idle; so a big corpus is tokenized
+    by LOCAL_WORLD_SIZE processes (at most one per core), the same tokens as one process makes
+    (datasets.map's num_proc). A small one, in one process: starting processes costs more."""
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes = min(node, os.cpu_count() or 1)
+    return processes if processes > 1 and num_docs >= NODE_TOKENIZING_DOCS else None
 
 
 def describe_data(args, train: tuple[int, int, int], val: tuple[int, int, int]) -> str:

@@ -69,10 +69,22 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     The rest (reading the tensors, storage_data, resharding) is FileSystemReader's. Unlike its
     read_metadata, this one takes no rank: DCP then never falls back to per-rank
-    `__<rank>.metadata` files, which these scripts do not write.
+    `__<rank>.metadata` files, which these scripts do not write. It reads `.metadata` once, and
+    hands every later dcp.load through it the same (the end of a run loads one tensor at a time:
+    on many ranks `.metadata` maps every piece of every tensor, and is large).
     """
 
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._metadata = None  # read_metadata's, once read
+
     def read_metadata(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        self._metadata.storage_meta.load_id = self.load_id  # (this load's, as DCP's reader sets)
+        return self._metadata
+
+    def _read_metadata(self) -> Metadata:
         path = os.path.join(self.path, ".metadata")  # DCP's file name for it
         try:
             with open(path, "rb") as f:
@@ -84,7 +96,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         # What FileSystemReader.read_metadata does after unpickling, kept as it is.
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import mmap
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -37,7 +38,7 @@ from lib.checkpoints.out_dir import (
     save_failed,
     save_final_files,
 )
-from lib.distributed import from_rank0
+from lib.distributed import from_rank0, waiting_group
 from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
@@ -71,10 +72,21 @@ class Checkpoints:
 
     def prepare_out_dir(self) -> str | None:
         """prepare_out_dir on rank 0: the checkpoint directory to resume from (None: start
-        fresh), which every rank learns. A collective: every rank calls it."""
+        fresh), which every rank learns, once each rank has checked the checksums of its own
+        share of its files (check_directory): a damaged one is refused, or with --resume auto
+        the one before is chosen. A collective: every rank calls it."""
         if self.args.async_save:  # a group of its own for the background save (a collective)
             self.group = dist.new_group(backend="gloo")
-        return from_rank0(prepare_out_dir, dist.get_rank() == 0, self.args)
+        rank = dist.get_rank()
+        resume = from_rank0(prepare_out_dir, rank == 0, self.args)
+        # Rank 0 checked its share of the files; every other rank checks its own now, at once.
+        while resume is not None and (damage := damage_found(resume)) is not None:
+            if self.args.resume != "auto":  # a checkpoint named on the command line: refused
+                raise ValueError(damage)
+            if rank == 0:  # --resume auto: as newest_readable does, the one before
+                print(f"warning: {damage}; trying an older checkpoint", file=sys.stderr)
+            resume = from_rank0(older_intact, rank == 0, self.args, resume)
+        return resume
 
     def resume(self, path: str | None, state: TrainingState) -> tuple[int, list[dict] | None]:
         """(step, data position) to go on from: (0, None) for path None; else the checkpoint's,
@@ -252,14 +264,60 @@ def prepare_out_dir(args, script: str | None = None) -> str | None:
     return resuming.start_from(args.out_dir, resume)
 
 
-def check_directory(path: str) -> None:
-    """ValueError unless the checkpoint directory is intact: every file as its checksums say
-    (where it has them: files.SUMS), and its train state loads."""
+def check_directory(path: str, rank: int = 0, world_size: int | None = None) -> None:
+    """ValueError unless the checkpoint directory is intact: every file of this rank's share as
+    its checksums say (where it has them: files.SUMS; rank_share), and, on rank 0, its train
+    state loads. world_size: the run's number of ranks (default: the process group's)."""
     from lib.checkpoints.resuming import load_checkpoint, verify_sums
 
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
     if os.path.isfile(sums := os.path.join(path, files.SUMS)):
-        verify_sums(sums)
-    load_checkpoint(os.path.join(path, TRAIN_STATE))
+        verify_sums(sums, functools.partial(rank_share, rank=rank, world_size=world_size))
+    if rank == 0:
+        load_checkpoint(os.path.join(path, TRAIN_STATE))
+
+
+def rank_share(name: str, rank: int, world_size: int) -> bool:
+    """Whether the rank checks the checkpoint file `name` at resume: the shards that rank N of
+    the run that wrote them saved (__N_0.distcp) go to rank N mod world_size, the rest
+    (.metadata, the train state) to rank 0. So each rank reads about its 1/world_size of the
+    checkpoint, at the same time, where rank 0 alone would read it all while the others wait."""
+    writer = CHECKPOINT_SHARD_RE.fullmatch(name)
+    return (int(writer.group(1)) if writer else 0) % world_size == rank
+
+
+CHECKPOINT_SHARD_RE = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's name for rank N's file
+
+
+def damage_found(path: str) -> str | None:
+    """The damage that the ranks other than 0 find in their shares of the checkpoint
+    (check_directory), the same on every rank: the first rank's message, or None if intact. A
+    collective, on the waiting group: a rank's share may take long to read."""
+    if dist.get_world_size() == 1:
+        return None
+    rank, found = dist.get_rank(), [None] * dist.get_world_size()
+    damage = None
+    if rank != 0:  # (rank 0's share was checked as it chose)
+        try:
+            check_directory(path, rank)
+        except ValueError as e:
+            damage = str(e)
+    dist.all_gather_object(found, damage, group=waiting_group())
+    return next((d for d in found if d is not None), None)
+
+
+def older_intact(args, damaged: str) -> str:
+    """The newest checkpoint older than `damaged` whose rank-0 share is intact (--resume auto,
+    once another rank found `damaged` damaged), on rank 0; ValueError if there is none."""
+    from lib.checkpoints.resuming import newest_readable
+
+    found = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
+    older = found[: found.index(damaged)]
+    if not older:
+        raise ValueError(f"none of the {len(found)} checkpoints in {os.path.dirname(damaged)} "
+                         f"can be read; move them aside to start at step 0")  # fmt: skip
+    return newest_readable(older, check_directory)
 
 
 def complete(args, path: str, tmp: str, train_state: dict, sums: list[dict]) -> None:
@@ -303,30 +361,60 @@ def finish_run(args, state: TrainingState, device) -> None:
     ever holds the whole model. The sample needs the whole model in one process: made where it
     was anyway (one process), else skipped with a word on how to get one. Like resuming, it
     needs --out-dir on a filesystem rank 0 can read."""
-    from lib.checkpoints.safe_load import safe_load  # (only to load)
-
     last = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)[-1]
-
-    def read(name: str, meta: torch.Tensor) -> torch.Tensor:
-        value = torch.empty(meta.shape, dtype=meta.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            safe_load({"model": {name: value}}, last, no_dist=True)
-        return value
-
-    write = functools.partial(save_tensor_by_tensor, state.config, read)
+    write = functools.partial(save_tensor_by_tensor, state.config, tensor_reader(last))
     save_final_files(args, write, state.config, state.tokenizer, device)
     if not args.sample_tokens:
         return
     if dist.get_world_size() > 1:
-        print(f"sample: none (the model is sharded over {dist.get_world_size()} processes "
-              f"and none holds it whole): python -m tools.generate --out-dir {args.out_dir} "
-              f"--prompt {shlex.quote(args.sample_prompt)}")  # fmt: skip
+        sharded = f"the model is sharded over {dist.get_world_size()} processes"
+        print(f"sample: none ({sharded} and none holds it whole): "
+              f"{generate_command(args, state.config, gpu_memory(device))}")  # fmt: skip
         return
     from lib.checkpoints.finished_run import load_model  # the whole model, in this one process
     from lib.extras.sampling import print_sample
 
     print_sample(args, load_model(args.out_dir, device, torch.float32)[0], state.tokenizer)
+
+
+def tensor_reader(path: str):
+    """read(name, meta_tensor): the model's tensor `name` from the DCP checkpoint at `path`, read
+    whole into this process alone (dcp.load with no_dist), one at a time. Its `.metadata` (the
+    map of every piece of every tensor, large on many ranks) is read once for them all, by one
+    reader (safe_load's), not once per tensor."""
+    from lib.checkpoints.safe_load import safe_load_options  # (only to load)
+
+    options = safe_load_options(path)  # one reader and planner for every tensor
+
+    def read(name: str, meta: torch.Tensor) -> torch.Tensor:
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {name: value}}, **options, no_dist=True)
+        return value
+
+    return read
+
+
+def generate_command(args, config, gpu_memory: int) -> str:
+    """The command that samples from the finished run, and what it needs: tools.generate builds
+    the whole model on one device, in fp32 as model.pt holds it. gpu_memory: the bytes of this
+    run's GPU (0 on a CPU); where the model would not fit there, the command says --device cpu,
+    on a machine with that much memory."""
+    with torch.device("meta"):
+        size = sum(t.numel() * 4 for t in LlamaForPretraining(config).state_dict().values())
+    command = f"python -m tools.generate --out-dir {args.out_dir} "
+    command += f"--prompt {shlex.quote(args.sample_prompt)}"
+    whole = f"it builds the whole model in fp32 ({size / 2**30:,.1f} GiB) on one device"
+    if gpu_memory and size > 0.8 * gpu_memory:
+        too_big = "too big for one GPU: on the CPU of a machine with that much memory"
+        return f"{command} --device cpu; {whole}, {too_big}"
+    return f"{command}; {whole}"
+
+
+def gpu_memory(device: torch.device) -> int:
+    """The bytes of the GPU `device`; 0 for a CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
 def save_tensor_by_tensor(config, read, path: str) -> None:
