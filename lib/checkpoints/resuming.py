@@ -27,26 +27,33 @@ from model import MOE_FIELDS, LlamaConfig
 # (a larger one extends even a finished run: resume_schedule; one below the checkpoint's is
 # refused). Not listed: the model's flags and --data: check_resumable compares what they make
 # (the config; the documents, corpus_sha256), not how they were spelled.
-RESUME_MUST_MATCH = (
-    "text_column", "txt_split", "data_mode", "val_fraction", "seq_length", "batch_size", "seed",
-    "lr", "min_lr_ratio", "warmup_steps", "bot_token", "eot_token", "pad_token", "streaming",
-    "document_mask", "optimizer",
-)  # fmt: skip
+RESUME_MUST_MATCH = tuple(
+    "text_column txt_split data_mode val_fraction seq_length batch_size seed lr min_lr_ratio "
+    "warmup_steps bot_token eot_token pad_token streaming document_mask optimizer".split()
+)
 # Flags newer than some checkpoints, and the value those checkpoints were made with.
 ADDED_SINCE = {
-    "txt_split": "auto", "bot_token": None, "eot_token": None, "pad_token": None,
-    "streaming": False, "document_mask": False, "optimizer": "adamw", "muon_lr": 0.02,
-}  # fmt: skip
+    "txt_split": "auto",
+    "bot_token": None,
+    "eot_token": None,
+    "pad_token": None,
+    "streaming": False,
+    "document_mask": False,
+    "optimizer": "adamw",
+    "muon_lr": 0.02,
+}
 
 
 def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
     """ValueError if the checkpoint belongs to another run (model, tokenizer, data, data order,
     schedule) or is past --max-steps; on every rank, before anything is loaded."""
     if ckpt["step"] > args.max_steps:
-        raise ValueError(f"the checkpoint is at step {ckpt['step']}, past --max-steps "
-                         f"{args.max_steps}: a run cannot be shortened below what it has trained; "
-                         f"give --max-steps {ckpt['step']} or more, or start a new run in another "
-                         f"--out-dir")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint is at step {ckpt['step']}, past --max-steps "
+            f"{args.max_steps}: a run cannot be shortened below what it has trained; "
+            f"give --max-steps {ckpt['step']} or more, or start a new run in another "
+            f"--out-dir"
+        )
     recorded = {**ADDED_SINCE, **ckpt["args"]}
     # A stream's validation is its first documents, as many as --eval-batches x --batch-size
     # sequences need: another --eval-batches holds out others (say which flag changed them).
@@ -58,11 +65,14 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         if recorded.get(name) != getattr(args, name)
     ]
     if changed:
-        raise ValueError(f"the checkpoint was made with {', '.join(changed)}; resume with the "
-                         f"same values, or start a new run in another --out-dir")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint was made with {', '.join(changed)}; resume with the "
+            f"same values, or start a new run in another --out-dir"
+        )
     # Fields newer than some checkpoints, or that a dense model leaves out: missing, the default.
     absent = {"rope_scaling": None, "tokenizer_sha256": None} | {
-        name: getattr(LlamaConfig, name) for name in MOE_FIELDS}  # fmt: skip
+        name: getattr(LlamaConfig, name) for name in MOE_FIELDS
+    }
     saved, now = ckpt["config"], config.to_dict()
     changed = [
         f"{name} {saved.get(name, absent.get(name))} (now {now.get(name, absent.get(name))})"
@@ -70,21 +80,27 @@ def check_resumable(ckpt: dict, config, args, tokenizer) -> None:
         if saved.get(name, absent.get(name)) != now.get(name, absent.get(name))
     ]
     if changed:
-        raise ValueError(f"the checkpoint holds a model with config {', '.join(changed)}; resume "
-                         f"with that run's --model, shape flags (--num-layers, ...), expert flags "
-                         f"(--num-experts, ...) and --vocab-size or --tokenizer, or start a new "
-                         f"run in another --out-dir")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint holds a model with config {', '.join(changed)}; resume "
+            f"with that run's --model, shape flags (--num-layers, ...), expert flags "
+            f"(--num-experts, ...) and --vocab-size or --tokenizer, or start a new "
+            f"run in another --out-dir"
+        )
     # The data before the tokenizer, which changes with it when trained: the data is the news.
     check_same_data(ckpt, args, tokenizer)
     if ckpt["tokenizer_sha256"] != tokenizer_digest(tokenizer):
-        raise ValueError("the checkpoint was trained with a different tokenizer than this run's; "
-                         "use the same --data, --vocab-size and --tokenizer as that run, or "
-                         "another --out-dir")  # fmt: skip
+        raise ValueError(
+            "the checkpoint was trained with a different tokenizer than this run's; "
+            "use the same --data, --vocab-size and --tokenizer as that run, or "
+            "another --out-dir"
+        )
     if args.init_from is not None and int(os.environ.get("RANK", "0")) == 0:
         # Not refused: a run started with --init-from and restarted with the same command must
         # resume, not start over.
-        print(f"note: --init-from {args.init_from} is not used: the run resumes from its own "
-              f"checkpoint (at step {ckpt['step']}), which holds its weights")  # fmt: skip
+        print(
+            f"note: --init-from {args.init_from} is not used: the run resumes from its own "
+            f"checkpoint (at step {ckpt['step']}), which holds its weights"
+        )
 
 
 def check_same_data(ckpt: dict, args, tokenizer) -> None:
@@ -97,16 +113,20 @@ def check_same_data(ckpt: dict, args, tokenizer) -> None:
             what = "its documents"
             if args.streaming:
                 what = "its first documents (held out for validation) or its files' sizes"
-            raise ValueError(f"--data {args.data} is not the data the checkpoint was trained on: "
-                             f"{what} differ (fingerprint {saved[:12]}, now {now[:12]}); resume "
-                             f"with that data as it was, or start a new run in another "
-                             f"--out-dir")  # fmt: skip
+            raise ValueError(
+                f"--data {args.data} is not the data the checkpoint was trained on: "
+                f"{what} differ (fingerprint {saved[:12]}, now {now[:12]}); resume "
+                f"with that data as it was, or start a new run in another "
+                f"--out-dir"
+            )
         return
     recorded = ckpt["args"].get("data")
     if recorded is not None and _normalised_spec(recorded) != _normalised_spec(args.data):
-        raise ValueError(f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); "
-                         f"resume with the same data, or start a new run in another "
-                         f"--out-dir")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint was made with --data {recorded!r} (now {args.data!r}); "
+            f"resume with the same data, or start a new run in another "
+            f"--out-dir"
+        )
 
 
 def _normalised_spec(spec: str) -> str:
@@ -151,8 +171,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def resume_never_error(out_dir: str) -> ValueError:
-    return ValueError(f"--resume never, but {out_dir} has checkpoints (nothing was overwritten): "
-                      f"--resume auto goes on, or choose another --out-dir")  # fmt: skip
+    return ValueError(
+        f"--resume never, but {out_dir} has checkpoints (nothing was overwritten): "
+        f"--resume auto goes on, or choose another --out-dir"
+    )
 
 
 def newest_readable(paths: list[str], check=None) -> str | None:
@@ -166,8 +188,10 @@ def newest_readable(paths: list[str], check=None) -> str | None:
         except ValueError as e:
             print(f"warning: {e}; trying an older checkpoint", file=sys.stderr)
     if paths:  # starting over would prune them: they may be readable again (a disk, a mount)
-        raise ValueError(f"none of the {len(paths)} checkpoints in {os.path.dirname(paths[0])} "
-                         f"can be read; move them aside to start at step 0")  # fmt: skip
+        raise ValueError(
+            f"none of the {len(paths)} checkpoints in {os.path.dirname(paths[0])} "
+            f"can be read; move them aside to start at step 0"
+        )
     return None
 
 
@@ -180,10 +204,12 @@ def refuse_other_checkpoints(out_dir: str, sharded: bool) -> None:
         pattern = CHECKPOINT_DIR_RE
         writers = "train_fsdp.py/train_tp.py/train_pp.py/train_cp.py/train_ep.py (directories)"
     if list_checkpoints(out_dir, pattern):
-        raise ValueError(f"{out_dir} holds checkpoints of {writers}, which "
-                         f"{os.path.basename(sys.argv[0])} can neither resume nor write beside; "
-                         f"choose another --out-dir (a finished run's out-dir starts any script "
-                         f"with --init-from)")  # fmt: skip
+        raise ValueError(
+            f"{out_dir} holds checkpoints of {writers}, which "
+            f"{os.path.basename(sys.argv[0])} can neither resume nor write beside; "
+            f"choose another --out-dir (a finished run's out-dir starts any script "
+            f"with --init-from)"
+        )
 
 
 def start_from(out_dir: str, resume: str | None) -> str | None:
@@ -257,8 +283,9 @@ def verify_sums(path: str, share=None) -> None:
             continue
         where = os.path.join(folder, name)
         if not os.path.isfile(where) or checksums(where, chunk) != expected:
-            raise ValueError(f"{where} is damaged: its bytes are not those written (checksums "
-                             f"{path})")  # fmt: skip
+            raise ValueError(
+                f"{where} is damaged: its bytes are not those written (checksums {path})"
+            )
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -273,8 +300,10 @@ def read_metrics(path: str) -> list[dict]:
                 except json.JSONDecodeError:
                     continue  # the torn last line of a killed run
                 if not isinstance(record, dict) or type(record.get("step")) is not int:
-                    raise ValueError(f"{path} line {n} is not a step's record ({line.strip()[:40]}"
-                                     f"): correct or delete that line")  # fmt: skip
+                    raise ValueError(
+                        f"{path} line {n} is not a step's record ({line.strip()[:40]}"
+                        f"): correct or delete that line"
+                    )
                 records.append(record)
     except FileNotFoundError:
         return []

@@ -230,8 +230,10 @@ def prepare_out_dir(args, script: str | None = None) -> str | None:
     script = script or os.path.basename(sys.argv[0])
     # (checked before the out-dir is made: a refused run leaves none behind)
     if args.resume not in ("never", "auto") and os.path.basename(args.resume) == TRAIN_STATE:
-        raise ValueError(f"--resume names a checkpoint by its directory: --resume "
-                         f"{os.path.dirname(args.resume) or '.'}")  # fmt: skip
+        raise ValueError(
+            f"--resume names a checkpoint by its directory: --resume "
+            f"{os.path.dirname(args.resume) or '.'}"
+        )
     if args.resume not in ("never", "auto") and not os.path.isfile(
         os.path.join(args.resume, TRAIN_STATE)
     ):
@@ -315,8 +317,10 @@ def older_intact(args, damaged: str) -> str:
     found = list_checkpoints(args.out_dir, CHECKPOINT_DIR_RE)
     older = found[: found.index(damaged)]
     if not older:
-        raise ValueError(f"none of the {len(found)} checkpoints in {os.path.dirname(damaged)} "
-                         f"can be read; move them aside to start at step 0")  # fmt: skip
+        raise ValueError(
+            f"none of the {len(found)} checkpoints in {os.path.dirname(damaged)} "
+            f"can be read; move them aside to start at step 0"
+        )
     return newest_readable(older, check_directory)
 
 
@@ -368,8 +372,10 @@ def finish_run(args, state: TrainingState, device) -> None:
         return
     if dist.get_world_size() > 1:
         sharded = f"the model is sharded over {dist.get_world_size()} processes"
-        print(f"sample: none ({sharded} and none holds it whole): "
-              f"{generate_command(args, state.config, gpu_memory(device))}")  # fmt: skip
+        print(
+            f"sample: none ({sharded} and none holds it whole): "
+            f"{generate_command(args, state.config, gpu_memory(device))}"
+        )
         return
     from lib.checkpoints.finished_run import load_model  # the whole model, in this one process
     from lib.extras.sampling import print_sample
