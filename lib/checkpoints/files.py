@@ -28,7 +28,7 @@ def atomic_save(obj, path: str, write=torch.save, sums: bool = False) -> None:
         if sums:
             write_sums({os.path.basename(path): checksums(tmp)}, f"{path}{SUMS}")
         os.replace(tmp, path)
-    except Exception as e:
+    except BaseException as e:  # (a second Ctrl-C too: KeyboardInterrupt)
         # A full disk, say: remove the partial file (its space is needed); `path` is untouched.
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -43,17 +43,42 @@ class TrainingState:
 
 def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -> TrainingError:
     """The error for a checkpoint (or `what` else) that could not be written."""
-    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    # (an error may have no message at all: DCP's, wrapping another, has none of its own)
+    reason = getattr(error, "strerror", None) or first_line(error)
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
     remedy = {errno.EACCES: "give this user permission to write there",
               errno.EPERM: "give this user permission to write there",
               errno.EROFS: "the filesystem is read-only: choose another --out-dir",
-              errno.EDQUOT: "raise the disk quota or make room"}.get(
-                  getattr(error, "errno", None), "if the disk is full, make room")  # fmt: skip
+              errno.EDQUOT: "raise the disk quota or make room",
+              errno.EFBIG: file_size_limit() or "the file is larger than this filesystem allows"}.get(
+                  getattr(error, "errno", None), None)  # fmt: skip
+    if remedy is None:  # no errno (DCP's errors, sent between ranks, lose it): what it may be
+        remedy = "if the disk is full, make room"
+        if limit := file_size_limit():
+            remedy = f"{limit}; or, {remedy}"
     return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it "
                          f"are intact: {remedy}, then run the same command again to "
                          f"resume")  # fmt: skip
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name where it has none."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
+def file_size_limit() -> str | None:
+    """What to say of this process's file-size limit (`ulimit -f`; EFBIG past it), if one is set."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    return (f"this process may write files of at most {limit} bytes (a file-size limit: "
+            f"`ulimit -f`): raise it")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------

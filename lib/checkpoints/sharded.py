@@ -38,6 +38,7 @@ from lib.checkpoints.out_dir import (
     save_final_files,
 )
 from lib.distributed import from_rank0
+from lib.exits import interrupted
 from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
@@ -195,6 +196,8 @@ class Checkpoints:
         # failures: {rank: (error, traceback)}. Sent between ranks without its context, a full
         # disk shows as torch.save's RuntimeError ("unexpected pos"), not as the OSError.
         cause = next(iter(e.failures.values()))[0]
+        if interrupted(e):  # a second Ctrl-C during the write: stop at once (exits.run)
+            raise KeyboardInterrupt from e
         raise save_failed(path, cause) from e
 
     def finish(self, state: TrainingState, device) -> None:
