@@ -51,7 +51,7 @@ def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -
               errno.EPERM: "give this user permission to write there",
               errno.EROFS: "the filesystem is read-only: choose another --out-dir",
               errno.EDQUOT: "raise the disk quota or make room",
-              errno.EFBIG: file_size_limit() or "the file is larger than this filesystem allows"}.get(
+              errno.EFBIG: file_size_limit() or "the file is too large for this filesystem"}.get(
                   getattr(error, "errno", None), None)  # fmt: skip
     if remedy is None:  # no errno (DCP's errors, sent between ranks, lose it): what it may be
         remedy = "if the disk is full, make room"
