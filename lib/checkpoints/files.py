@@ -71,6 +71,15 @@ def checksums(path: str, chunk: int = CHUNK) -> list[int]:
         os.close(fd)
 
 
+FINAL_SUMS = "final.sums"  # the checksums of a run's final files, beside them in its --out-dir
+
+
+def write_sums_of(folder: str, names: list[str], sums_name: str = FINAL_SUMS) -> None:
+    """The checksums of the files `names` in `folder`, into folder/sums_name."""
+    sums = {name: checksums(os.path.join(folder, name)) for name in names}
+    write_sums(sums, os.path.join(folder, sums_name))
+
+
 def write_sums(sums: dict[str, list[int]], path: str) -> None:
     """`sums` ({file name: its checksums}) into `path`, a JSON file beside those files."""
     atomic_write_text(path, json.dumps({"chunk": CHUNK, "crc32": sums}))

@@ -101,9 +101,14 @@ def rng_state() -> dict:
 def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
     """model.pt (`model`'s state_dict, or written by `model`, a function of its path: a sharded
     lesson's, one tensor at a time), config.json, tokenizer.json (all tools/generate.py needs) and
-    tokenizer_config.json, naming the special tokens as Hugging Face does."""
+    tokenizer_config.json, naming the special tokens as Hugging Face does; then final.sums, their
+    checksums, which whatever reads them checks first (finished_run.verify_final)."""
     path = os.path.join(out_dir, "model.pt")
     config = dataclasses.replace(config, tokenizer_sha256=tokenizer_digest(tokenizer))
+    # The checksums of the files below go last (files.FINAL_SUMS): those of an earlier end of
+    # this run go first, so that a kill in between leaves files unverifiable, never "damaged".
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, files.FINAL_SUMS))
     if isinstance(model, torch.nn.Module):
         atomic_save(model.state_dict(), path)
     else:
@@ -112,6 +117,10 @@ def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)
     atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
+    files.write_sums_of(out_dir, list(FINAL_FILES))  # read from the page cache the writes filled
+
+
+FINAL_FILES = ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> None:
