@@ -717,3 +717,22 @@ def test_run_ddp_sh_leaves_the_master_port_to_the_master_node(tmp_path, held_por
     assert proc.returncode == 0, proc.stderr
     started = (tmp_path / "bin" / "torchrun-ran").read_text()
     assert f"--rdzv-endpoint=127.0.0.1:{held_port}" in started, started
+
+
+# -------------------------------------------------------------------------------------------------
+# A flag that only matters with another, given without it
+
+
+@pytest.mark.parametrize(
+    "flags, expect",
+    [(["--muon-lr", "0.1"], "--muon-lr applies only with --optimizer muon"),
+     (["--sample-tokens", "0", "--sample-prompt", "x"],
+      "--sample-prompt applies only with --sample-tokens above 0")],
+    ids=["muon_lr", "sample_prompt"],
+)  # fmt: skip
+def test_a_flag_without_the_flag_it_needs_is_refused(
+    existing_run, corpus, cache_dir, flags, expect
+):
+    # Once: --muon-lr with the default --optimizer adamw was silently ignored.
+    argv = cmd(corpus, cache_dir, existing_run) + flags
+    assert_refused(DP, argv, expect, existing_run, cache_dir)
