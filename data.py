@@ -350,7 +350,10 @@ class PretrainingDataset(torch.utils.data.Dataset):
     pack: one token stream cut into windows of seq_length + 1 at a stride of seq_length (each
     token after the first a target once); pad: a document per row, clipped or right-padded."""
 
-    def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None):
+    def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None, what=None):
+        """what: (what the dataset is, what else would give it more tokens), for the error of
+        one too small: default ("the tokenized dataset", "use more data")."""
+        what, more = what or ("the tokenized dataset", "use more data")
         if mode not in ("pack", "pad"):
             raise ValueError(f"unknown mode {mode!r}; expected 'pack' or 'pad'")
         if seq_length < 1:
@@ -360,7 +363,7 @@ class PretrainingDataset(torch.utils.data.Dataset):
         self.seq_length, self.mode, self.pad_id = seq_length, mode, pad_id
         if mode == "pad":
             if len(dataset) == 0:
-                raise ValueError("the tokenized dataset has no documents")
+                raise ValueError(f"{what} has no documents; {more}")
             # The numpy format turns each row into an int64 array, with no Python lists between.
             self.rows = dataset.with_format("numpy", columns=["input_ids"])
             return
@@ -381,9 +384,9 @@ class PretrainingDataset(torch.utils.data.Dataset):
         if len(windows) == 0:
             n_tokens = sum(len(ids) for ids in dataset["input_ids"])
             raise ValueError(
-                f"the tokenized dataset has {n_tokens} tokens, too few for one window: pack mode "
+                f"{what} has {n_tokens} tokens, too few for one window: pack mode "
                 f"needs at least {window} (seq_length + 1) tokens within one batch of "
-                f"{PACK_BATCH_DOCS} documents; use more data, a smaller --seq-length or "
+                f"{PACK_BATCH_DOCS} documents; {more}, a smaller --seq-length or "
                 "--data-mode pad"
             )
         self.rows = windows.with_format("numpy")

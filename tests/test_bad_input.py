@@ -736,3 +736,12 @@ def test_a_flag_without_the_flag_it_needs_is_refused(
     # Once: --muon-lr with the default --optimizer adamw was silently ignored.
     argv = cmd(corpus, cache_dir, existing_run) + flags
     assert_refused(DP, argv, expect, existing_run, cache_dir)
+
+
+def test_a_validation_split_too_small_for_one_window_names_val_fraction(corpus, cache_dir):
+    # Once: "the tokenized dataset has N tokens ... use more data", of a large training file.
+    args, _ = build_args(corpus, cache_dir, val_fraction=0.01, seq_length=1024)
+    with pytest.raises(ValueError) as error:
+        training.build_datasets(args, None)
+    said = str(error.value)
+    assert said.startswith("the validation split has") and "raise --val-fraction (0.01" in said
