@@ -109,15 +109,18 @@ def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
     # this run go first, so that a kill in between leaves files unverifiable, never "damaged".
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(out_dir, files.FINAL_SUMS))
-    if isinstance(model, torch.nn.Module):
-        atomic_save(model.state_dict(), path)
+    sums = {}
+    if isinstance(model, torch.nn.Module):  # (summed while the disk syncs it: no time)
+        sums["model.pt"] = atomic_save(model.state_dict(), path, sums=True, beside=False)
     else:
         model(path)
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)
     atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
-    files.write_sums_of(out_dir, list(FINAL_FILES))  # read from the page cache the writes filled
+    for name in FINAL_FILES:  # (the rest read back from the memory the writes filled)
+        sums[name] = sums.get(name) or files.checksums(os.path.join(out_dir, name))
+    files.write_sums(sums, os.path.join(out_dir, files.FINAL_SUMS))
 
 
 FINAL_FILES = ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
