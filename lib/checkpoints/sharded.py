@@ -60,7 +60,8 @@ class Checkpoints:
     rank's weights and AdamW state, 12 bytes per parameter of its shards, in host memory until
     written) and returns; a thread writes them while training goes on, with its collectives on a
     gloo group of its own (`group`), never mixed with training's. The checkpoint is renamed into
-    place only once written: before the next one starts, and before the run's end. A kill
+    place only once written: before the next one starts, before the run's end, and before a
+    non-finite stop (files.finish_in_flight: it holds the last good state). A kill
     meanwhile leaves step_NNNNNNN.tmp, removed at the next start, and the checkpoint before it
     complete: resuming from it is bit for bit the same."""
 
