@@ -376,3 +376,11 @@ def test_an_out_dir_without_checksums_is_used_with_a_one_line_warning(out_dir, t
     load_model(str(out))
     err = capsys.readouterr().err
     assert err.startswith(f"warning: {out} has no final.sums") and err.count("\n") == 1, err
+
+
+def test_an_out_dir_copied_without_one_of_its_final_files_names_the_missing_one(out_dir, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(out_dir, out)
+    (out / "tokenizer_config.json").unlink()  # (once: "... is damaged: its bytes are not ...")
+    with pytest.raises(ValueError, match=f"{out} has no tokenizer_config.json, which final.sums"):
+        load_model(str(out))

@@ -7,6 +7,7 @@ from an out-dir (model.pt, config.json, tokenizer.json, which every train script
 The train scripts import this only for --init-from (init_from_config, check_init_from).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -114,12 +115,20 @@ def verify_final(out_dir: str) -> None:
         return
     from lib.checkpoints.resuming import verify_sums
 
+    listed = {}  # (an unreadable final.sums: verify_sums says so)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(sums) as f:
+            listed = dict(json.load(f)["crc32"])
+    if missing := [n for n in listed if not os.path.isfile(os.path.join(out_dir, n))]:
+        raise ValueError(f"{out_dir} has no {', '.join(missing)}, which {FINAL_SUMS} lists: "
+                         f"copy every final file of the run (model.pt, config.json, "
+                         f"tokenizer.json, tokenizer_config.json, {FINAL_SUMS})")  # fmt: skip
     try:
         verify_sums(sums)
-        _verified.add(seen)
     except ValueError as e:
         raise ValueError(f"{e}; it was changed since its run wrote it: put back the run's own "
                          f"file, or train again") from e  # fmt: skip
+    _verified.add(seen)
 
 
 def unfinished(out_dir: str, missing: list[str]) -> str | None:
