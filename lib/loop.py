@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, finish_in_flight, list_checkpoints
 from lib.checkpoints.out_dir import TrainingState, record_run
 from lib.exits import STOP_SIGNALS, Stopped, TrainingError
 from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
@@ -191,6 +191,9 @@ class NonFiniteGuard:
 
     def check(self, out_dir: str) -> None:
         if step := int(self.first_bad_step):
+            # A save in flight (--async-save) holds the state before the bad step: complete it
+            # (every rank meets this check alike), else the run may end with no checkpoint.
+            finish_in_flight()
             saved = list_checkpoints(out_dir) + list_checkpoints(out_dir, CHECKPOINT_DIR_RE)
             kept = (
                 f"the checkpoints in {out_dir} are the last good ones"

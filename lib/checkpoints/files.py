@@ -53,6 +53,20 @@ def atomic_write_text(path: str, text: str) -> None:
     atomic_save(text.encode(), path, lambda data, f: f.write(data))
 
 
+# The saves still being written when a step ends (an --async-save in flight: sharded.py's
+# Checkpoints registers the function that completes it). A run that stops on a failure every
+# rank meets alike (the non-finite guard) completes them first: they were started from a good
+# state, and are often the only checkpoint of it.
+in_flight: list = []
+
+
+def finish_in_flight() -> None:
+    """Complete every save still being written (a collective where the save's is: every rank
+    calls it, at the same point)."""
+    while in_flight:
+        in_flight.pop(0)()
+
+
 def list_checkpoints(out_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
     """Checkpoints in --out-dir, oldest first: the names in checkpoints/ that `pattern` matches
     whole, its first group the step."""

@@ -163,11 +163,15 @@ class Checkpoints:
             self._failed(e)
         if self.job is None:
             self._complete()  # written: complete it now
+        elif self._complete not in files.in_flight:  # completed by whatever stops the run
+            files.in_flight.append(self._complete)
 
     def _complete(self) -> None:
         """Complete the checkpoint being written, if any: wait for the async save in flight (a
         failure raises on every rank), then rank 0 adds the train state and renames the
         directory into place, and every rank learns whether it could (from_rank0)."""
+        with contextlib.suppress(ValueError):  # (no longer the run's to complete)
+            files.in_flight.remove(self._complete)
         if self._pending is None:
             return
         if self.job is not None:
