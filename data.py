@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lib.checkpoints import files
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
 
 if TYPE_CHECKING:  # `datasets` takes 1.7 s to import: only where documents are read (below)
@@ -169,15 +171,38 @@ def get_tokenizer(train_texts, vocab_size=4096, cache_dir=".cache", path=None, s
     key = hashlib.sha256(f"vocab_size={vocab_size}\n".encode())
     hash_texts(key, texts)
     cached = os.path.join(cache_dir, "tokenizers", key.hexdigest(), "tokenizer.json")
-    if not os.path.exists(cached):
+    found = read_cached_tokenizer(cached) if os.path.exists(cached) else None
+    if found is None:
         writable_cache_dir(cache_dir, "tokenizers")  # before training, not after: ValueError
         tokenizer = _train_tokenizer(texts, vocab_size)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
-        # Written then renamed: a kill, or two nodes training at once, leave no half a file.
+        # Written then renamed: a kill, or two nodes training at once, leave no half a file;
+        # its checksums beside it (files.py's), written first, prove it whole when read.
         tmp = f"{cached}.{os.getpid()}.tmp"
         tokenizer.save(tmp)
+        files.write_sums({"tokenizer.json": files.checksums(tmp)}, f"{cached}{files.SUMS}")
         os.replace(tmp, cached)
-    return DocumentTokenizer(Tokenizer.from_file(cached), {"bot": BOT, "eot": EOT, "pad": PAD})
+        found = Tokenizer.from_file(cached)
+    return DocumentTokenizer(found, {"bot": BOT, "eot": EOT, "pad": PAD})
+
+
+def read_cached_tokenizer(cached: str) -> Tokenizer | None:
+    """The trained tokenizer cached at `cached`, or None, with a one-line warning, if it is
+    damaged (its bytes are not those its checksums record, or it does not parse): a cache
+    entry, trained again."""
+    sums = f"{cached}{files.SUMS}"
+    try:
+        if os.path.isfile(sums):  # (a cache from before them: parsed, and so checked, alone)
+            with open(sums) as f:
+                expected = json.load(f)["crc32"]["tokenizer.json"]
+            if files.checksums(cached) != expected:
+                raise ValueError("its bytes are not those written")
+        return Tokenizer.from_file(cached)
+    except Exception as e:  # noqa: BLE001 - unreadable in any way: trained again
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+        print(f"warning: the cached tokenizer {cached} is damaged ({reason}): training it "
+              f"again", file=sys.stderr)  # fmt: skip
+        return None
 
 
 def _tokenizer_training_texts(ds: datasets.Dataset) -> list[str]:
@@ -325,7 +350,10 @@ class PretrainingDataset(torch.utils.data.Dataset):
     pack: one token stream cut into windows of seq_length + 1 at a stride of seq_length (each
     token after the first a target once); pad: a document per row, clipped or right-padded."""
 
-    def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None):
+    def __init__(self, dataset, seq_length: int, mode="pack", pad_id=0, num_proc=None, what=None):
+        """what: (what the dataset is, what else would give it more tokens), for the error of
+        one too small: default ("the tokenized dataset", "use more data")."""
+        what, more = what or ("the tokenized dataset", "use more data")
         if mode not in ("pack", "pad"):
             raise ValueError(f"unknown mode {mode!r}; expected 'pack' or 'pad'")
         if seq_length < 1:
@@ -335,7 +363,7 @@ class PretrainingDataset(torch.utils.data.Dataset):
         self.seq_length, self.mode, self.pad_id = seq_length, mode, pad_id
         if mode == "pad":
             if len(dataset) == 0:
-                raise ValueError("the tokenized dataset has no documents")
+                raise ValueError(f"{what} has no documents; {more}")
             # The numpy format turns each row into an int64 array, with no Python lists between.
             self.rows = dataset.with_format("numpy", columns=["input_ids"])
             return
@@ -356,9 +384,9 @@ class PretrainingDataset(torch.utils.data.Dataset):
         if len(windows) == 0:
             n_tokens = sum(len(ids) for ids in dataset["input_ids"])
             raise ValueError(
-                f"the tokenized dataset has {n_tokens} tokens, too few for one window: pack mode "
+                f"{what} has {n_tokens} tokens, too few for one window: pack mode "
                 f"needs at least {window} (seq_length + 1) tokens within one batch of "
-                f"{PACK_BATCH_DOCS} documents; use more data, a smaller --seq-length or "
+                f"{PACK_BATCH_DOCS} documents; {more}, a smaller --seq-length or "
                 "--data-mode pad"
             )
         self.rows = windows.with_format("numpy")

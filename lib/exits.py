@@ -56,11 +56,6 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
     except (ValueError, TrainingError) as e:
         say_once(f"error: {e}", is_main)
         code = 2 if isinstance(e, ValueError) else 1
-    except KeyboardInterrupt:  # a Ctrl-C before training, or a second one: stopped at once
-        if is_main:
-            intact = "what was written is intact (a training run: the same command resumes it)"
-            print(f"interrupted: stopped at once, without saving; {intact}", file=sys.stderr)
-        code = 128 + signal.SIGINT
     except SystemExit:
         raise  # argparse's usage errors (exit code 2), ...
     except BrokenPipeError:  # whatever read the output stopped (`| head`): as SIGPIPE would end it
@@ -69,7 +64,13 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
     except BaseException as e:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
         # Caught rather than left to the interpreter, so that under torchrun this process too
         # ends with end_process. Out of memory is no bug: one line, with what to change.
-        if (memory := out_of_memory(e)) is not None:
+        if interrupted(e):  # a Ctrl-C before training, or a second one: stopped at once
+            # (said through say_once: a rank waiting on this one in a collective fails as this
+            # one ends, and would otherwise wait FAILURE_WAIT s for rank 0's word)
+            intact = "what was written is intact (a training run: the same command resumes it)"
+            say_once(f"interrupted: stopped at once, without saving; {intact}", is_main)
+            code = 128 + signal.SIGINT
+        elif (memory := out_of_memory(e)) is not None:
             smaller = "a smaller --micro-batch-size or model needs less"
             say_once(f"error: out of memory: {memory} ({smaller})", is_main)
         elif (why := peer_ended(e)) is not None and (is_main or not timed_out(e)):
@@ -78,11 +79,22 @@ def run(main: Callable[[], None], os_exit: bool = False) -> None:
             print(f"rank {rank}: error: {why}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
-        code = 1
+        code = code or 1
     if os_exit:
         end_process(code)
     if code:
         sys.exit(code)
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether `e` is a Ctrl-C: KeyboardInterrupt, or DCP's CheckpointException wrapping one
+    (dcp.save raises it, with no message, for a KeyboardInterrupt during its write)."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    failures = getattr(e, "failures", None)
+    return isinstance(failures, dict) and any(
+        isinstance(f[0], KeyboardInterrupt) for f in failures.values() if isinstance(f, tuple)
+    )
 
 
 def out_of_memory(e: BaseException) -> str | None:

@@ -379,6 +379,27 @@ def check_optional_flags(parser, args, device: torch.device) -> None:
         from lib.extras import auto_batch
 
         auto_batch.check_device(parser)
+    check_companions(parser, args)
+
+
+# A flag that only matters with another, given without it, is refused rather than ignored:
+# (its name, whether the run uses it, the flag it needs). Others of the class are refused where
+# their feature is checked (--attention flex in masks.py, --val-fraction in streaming.py).
+COMPANIONS = (
+    ("muon_lr", lambda args: args.optimizer == "muon", "--optimizer muon"),
+    ("sample_prompt", lambda args: args.sample_tokens > 0, "--sample-tokens above 0"),
+)
+
+
+def check_companions(parser, args) -> None:
+    """parser.error for a flag set away from its default that this run would ignore."""
+    for name, used, needs in COMPANIONS:
+        if name not in vars(args):  # (a tool's flags: not every one)
+            continue
+        if getattr(args, name) != parser.get_default(name) and not used(args):
+            flag = f"--{name.replace('_', '-')}"
+            parser.error(f"{flag} applies only with {needs}, which this run does not have: "
+                         f"add that, or leave out {flag}")  # fmt: skip
 
 
 def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.device) -> str:
@@ -400,6 +421,8 @@ def describe_run(args, run: RunSettings, config: LlamaConfig, device: torch.devi
     batch += f" = {tokens_per_step:,} tokens per step = {split} accumulation steps"
     tokens = f"{args.max_steps * tokens_per_step / 1e6:.1f}M tokens"
     lr = f"lr {args.lr} (warmup {args.warmup_steps}, cosine to {args.lr * args.min_lr_ratio:g})"
+    if args.optimizer == "muon":  # two learning rates, one schedule
+        lr = f"AdamW {lr}; Muon lr {args.muon_lr} (the same schedule)"
     return "\n".join([model, hardware, batch, f"schedule: {args.max_steps} steps = {tokens}, {lr}"])
 
 

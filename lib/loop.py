@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, finish_in_flight, list_checkpoints
 from lib.checkpoints.out_dir import TrainingState, record_run
 from lib.exits import STOP_SIGNALS, Stopped, TrainingError
 from lib.flags import MAX_SKIPPED_IN_A_ROW, describe_run
@@ -67,7 +67,9 @@ class TrainingLoop:
 
                 layout = layout or Layout(world_size=devices, dp=devices)
                 print(memory.estimate_for_run(args, settings, config, layout))
-        self.guard = NonFiniteGuard(device, skip=args.skip_nonfinite)
+        # The learning rates to name if the loss goes NaN: Muon's first, when it runs.
+        rates = "--muon-lr or --lr" if getattr(args, "optimizer", None) == "muon" else "--lr"
+        self.guard = NonFiniteGuard(device, skip=args.skip_nonfinite, rates=rates)
         self.throughput = Throughput(config, args, device, devices)  # tokens/s, MFU, ...
         self.stop_request = StopRequest(device)  # Ctrl-C, SIGTERM, ...: stop cleanly (see there)
         self.bar = tqdm(
@@ -77,11 +79,14 @@ class TrainingLoop:
             desc="train",
             disable=not self.is_main,
         )
-        self.lr, self.stopping = 0.0, False
+        self.lr, self.muon_lr, self.stopping = 0.0, None, False
 
     def __iter__(self):
         for step in self.bar:
-            self.lr = self.optimizer.param_groups[0]["lr"]  # this step's, logged after it
+            groups = self.optimizer.param_groups
+            self.lr = groups[0]["lr"]  # this step's, logged after it
+            # --optimizer muon: the groups Muon steps (lib/extras/muon.py) have their own lr
+            self.muon_lr = next((g["lr"] for g in groups if g.get("muon")), None)
             yield step
         self.stop_request.finish()
 
@@ -119,6 +124,7 @@ class TrainingLoop:
                 step=done,
                 loss=value,
                 lr=self.lr,
+                **({} if self.muon_lr is None else {"muon_lr": self.muon_lr}),
                 **figures,
                 grad_norm=grad_norm.item(),
                 **router_figures(self.model),
@@ -151,8 +157,9 @@ class NonFiniteGuard:
 
     MAX_SKIPPED_IN_A_ROW = MAX_SKIPPED_IN_A_ROW  # (lib/flags.py: --skip-nonfinite's help)
 
-    def __init__(self, device: torch.device, skip: bool):
-        self.skip = skip
+    def __init__(self, device: torch.device, skip: bool, rates: str = "--lr"):
+        """rates: the learning-rate flags a message suggests lowering."""
+        self.skip, self.rates = skip, rates
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
         self.skipped_in_a_row = 0
 
@@ -173,7 +180,7 @@ class NonFiniteGuard:
                     f"({step - self.skipped_in_a_row + 1} to {step}): the run is "
                     f"not recovering, so it stopped (--skip-nonfinite skipped "
                     f"their updates, so nothing saved holds NaN/inf). Try a lower "
-                    f"--lr or --grad-clip."
+                    f"{self.rates} or --grad-clip."
                 )
             print(
                 f"warning: step {step} has a non-finite loss or gradient; its update is skipped",
@@ -186,6 +193,9 @@ class NonFiniteGuard:
 
     def check(self, out_dir: str) -> None:
         if step := int(self.first_bad_step):
+            # A save in flight (--async-save) holds the state before the bad step: complete it
+            # (every rank meets this check alike), else the run may end with no checkpoint.
+            finish_in_flight()
             saved = list_checkpoints(out_dir) + list_checkpoints(out_dir, CHECKPOINT_DIR_RE)
             kept = (
                 f"the checkpoints in {out_dir} are the last good ones"
@@ -195,7 +205,7 @@ class NonFiniteGuard:
             raise TrainingError(
                 f"the loss or the gradient became NaN/infinite at step {step}; "
                 f"stopped before saving anything from that state ({kept}). Try "
-                f"a lower --lr, --grad-clip, or --skip-nonfinite to skip such "
+                f"a lower {self.rates}, --grad-clip, or --skip-nonfinite to skip such "
                 f"steps."
             )
 

@@ -86,7 +86,14 @@ def _cached_datasets(args, tokenizer_path: str | None):
         train_ids = data.tokenize(train_docs, tokenizer, num_proc)
         val_ids = data.tokenize(val_docs, tokenizer, num_proc)
         window = (args.seq_length, args.data_mode, tokenizer.pad_id)
-        train, val = (data.PretrainingDataset(ids, *window) for ids in (train_ids, val_ids))
+        # An error names the split too small, and what gives it more (not "more data" for a
+        # validation split that only --val-fraction made small).
+        val_fraction = f"raise --val-fraction ({args.val_fraction}: its share of the documents)"
+        what = ("the training split", "use more data"), ("the validation split", val_fraction)
+        train, val = (
+            data.PretrainingDataset(ids, *window, what=named)
+            for ids, named in zip((train_ids, val_ids), what, strict=True)
+        )
     if int(os.environ.get("RANK", "0")) == 0:
         train_size = (len(train_docs), data.count_tokens(train_ids), len(train))
         val_size = (len(val_docs), data.count_tokens(val_ids), len(val))

@@ -717,3 +717,31 @@ def test_run_ddp_sh_leaves_the_master_port_to_the_master_node(tmp_path, held_por
     assert proc.returncode == 0, proc.stderr
     started = (tmp_path / "bin" / "torchrun-ran").read_text()
     assert f"--rdzv-endpoint=127.0.0.1:{held_port}" in started, started
+
+
+# -------------------------------------------------------------------------------------------------
+# A flag that only matters with another, given without it
+
+
+@pytest.mark.parametrize(
+    "flags, expect",
+    [(["--muon-lr", "0.1"], "--muon-lr applies only with --optimizer muon"),
+     (["--sample-tokens", "0", "--sample-prompt", "x"],
+      "--sample-prompt applies only with --sample-tokens above 0")],
+    ids=["muon_lr", "sample_prompt"],
+)  # fmt: skip
+def test_a_flag_without_the_flag_it_needs_is_refused(
+    existing_run, corpus, cache_dir, flags, expect
+):
+    # Once: --muon-lr with the default --optimizer adamw was silently ignored.
+    argv = cmd(corpus, cache_dir, existing_run) + flags
+    assert_refused(DP, argv, expect, existing_run, cache_dir)
+
+
+def test_a_validation_split_too_small_for_one_window_names_val_fraction(corpus, cache_dir):
+    # Once: "the tokenized dataset has N tokens ... use more data", of a large training file.
+    args, _ = build_args(corpus, cache_dir, val_fraction=0.01, seq_length=1024)
+    with pytest.raises(ValueError) as error:
+        training.build_datasets(args, None)
+    said = str(error.value)
+    assert said.startswith("the validation split has") and "raise --val-fraction (0.01" in said

@@ -204,6 +204,22 @@ def test_async_save_trains_like_a_synchronous_save(sync_run, corpus, cache_dir, 
     assert kept == sorted(os.listdir(runs["sync"] / "checkpoints")) and kept
 
 
+def test_a_nonfinite_step_while_an_async_save_is_written_keeps_that_checkpoint(
+    corpus, cache_dir, tmp_path
+):
+    # Step 1's save is in flight when step 2 goes NaN: the guard stops the run, but the save was
+    # started from the good state of step 1 (once: abandoned as .tmp, "no checkpoint had been
+    # saved yet").
+    out = tmp_path / "out"
+    argv = cmd(corpus, cache_dir, out, **{**ASYNC, "max_steps": 4})
+    proc = run_script(FSDP, argv, world=2, expect_rc=None, nonfinite="2")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NaN/infinite at step 2" in output, output[-4000:]
+    assert "are the last good ones" in output, output[-4000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_0000001"]
+    assert (out / "checkpoints" / "step_0000001" / ".sums").is_file()
+
+
 def test_a_run_killed_while_an_async_save_is_written_resumes_bit_for_bit(
     sync_run, corpus, cache_dir, tmp_path
 ):

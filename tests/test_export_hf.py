@@ -352,7 +352,8 @@ def test_no_direction_writes_into_a_folder_with_files_or_over_a_file(
         assert code == 0, err
         assert {p.name for p in dst.iterdir()} == (
             HF_FILES if direction == "export" else {
-                "model.pt", "config.json", "tokenizer.json", "tokenizer_config.json"})  # fmt: skip
+                "model.pt", "config.json", "tokenizer.json", "tokenizer_config.json",
+                "final.sums"})  # fmt: skip
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
 
 

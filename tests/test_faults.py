@@ -481,3 +481,18 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(trained, corpus, cache_d
     assert "--nnodes=2" in output
     # Same ranks, same shards, same collectives as one node with two processes.
     assert_state_dicts_close(load_weights(out), load_weights(trained(DDP, world=2)))
+
+
+def test_a_muon_run_logs_muons_learning_rate_and_names_muon_lr_when_it_goes_nonfinite(
+    corpus, cache_dir, tmp_path
+):
+    # Once: the summary, metrics.jsonl and the plot had AdamW's lr only, and a NaN said "try a
+    # lower --lr" where --muon-lr (the lr of most of the weights) is as likely the culprit.
+    out = tmp_path / "out"
+    argv = cmd(corpus, cache_dir, out, **{**NAN_RUN, "log_interval": 1}) + [
+        "--optimizer", "muon", "--muon-lr", "0.05"]  # fmt: skip
+    proc = run_script(DP, argv, expect_rc=1, nonfinite="2")
+    assert "Muon lr 0.05 (the same schedule)" in proc.stdout, proc.stdout[-3000:]
+    assert "Try a lower --muon-lr or --lr, --grad-clip" in proc.stderr, proc.stderr[-3000:]
+    [record] = read_metrics(out)[0]
+    assert record["step"] == 1 and record["muon_lr"] > record["lr"] > 0, record

@@ -5,6 +5,7 @@ what the training scripts write); only two tests launch the script itself (~4 s 
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from lib import exits
-from lib.checkpoints.finished_run import load_model
+from lib.checkpoints import files
+from lib.checkpoints.finished_run import init_from_config, load_model
+from lib.checkpoints.out_dir import FINAL_FILES
 from lib.extras import sampling
 from lib.extras.sampling import generate_ids, generate_text
 from tools import generate
@@ -145,6 +148,12 @@ def test_load_model_refuses_what_is_not_an_out_dir(out_dir, tmp_path):
     (tmp_path / "model.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="model.pt"):
         load_model(str(tmp_path))
+
+
+def reseal(out: Path) -> None:
+    """final.sums for out's files as they are now: the checksums their run would have written."""
+    names = [n for n in FINAL_FILES if (out / n).exists()]
+    files.write_sums_of(str(out), names)
 
 
 def copy_out_dir(source: Path, out: Path) -> Path:
@@ -302,6 +311,7 @@ def test_cli_refuses_a_model_with_nan_weights_in_one_line(
     weights = torch.load(out / "model.pt", weights_only=True)
     weights["norm.weight"] = torch.full_like(weights["norm.weight"], float("nan"))
     torch.save(weights, out / "model.pt")
+    reseal(out)  # (as a run whose weights went NaN wrote them)
     code, stdout, stderr = run_main(monkeypatch, capsys, "--out-dir", str(out), "--temperature",
                                     temperature, "--device", "cpu")  # fmt: skip
     assert code == 2 and stdout == "", stdout
@@ -323,10 +333,12 @@ def test_a_replaced_tokenizer_is_refused_by_generate_export_and_init_from(out_di
     a, b = sorted(vocab, key=vocab.get)[-2:]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (copy / "tokenizer.json").write_text(json.dumps(spec))
+    # (copied without final.sums, as from a run older than them: the fingerprint still holds)
     said = f"{copy}/tokenizer.json is not the tokenizer this model was trained with"
     proc = run_generate("--out-dir", str(copy), "--prompt", PROMPT)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
-    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"warning: {copy} has no final.sums"), proc.stderr
+    assert proc.stderr.count("\n") == 2, proc.stderr
     hf = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "tools.export_hf", str(copy), str(hf)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -337,3 +349,38 @@ def test_a_replaced_tokenizer_is_refused_by_generate_export_and_init_from(out_di
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["model.pt", "config.json", "tokenizer_config.json"])
+def test_a_final_file_changed_since_its_run_wrote_it_is_refused_naming_it(out_dir, tmp_path, name):
+    # A flipped byte in model.pt, an edited rope_theta: once used silently by generate, export_hf
+    # and --init-from (only tokenizer.json was checked, by its fingerprint).
+    out = tmp_path / "out"
+    shutil.copytree(out_dir, out)
+    path = out / name
+    if name == "config.json":
+        path.write_text(path.read_text().replace('"rope_theta": 500000.0', '"rope_theta": 5.0'))
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{path} is damaged") as refusal:
+        load_model(str(out))
+    assert "\n" not in str(refusal.value)
+    with pytest.raises(ValueError, match=f"{path} is damaged"):
+        init_from_config(str(out))
+
+
+def test_an_out_dir_without_checksums_is_used_with_a_one_line_warning(out_dir, tmp_path, capsys):
+    out = copy_out_dir(out_dir, tmp_path / "out")  # (no final.sums: a run older than them)
+    load_model(str(out))
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {out} has no final.sums") and err.count("\n") == 1, err
+
+
+def test_an_out_dir_copied_without_one_of_its_final_files_names_the_missing_one(out_dir, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(out_dir, out)
+    (out / "tokenizer_config.json").unlink()  # (once: "... is damaged: its bytes are not ...")
+    with pytest.raises(ValueError, match=f"{out} has no tokenizer_config.json, which final.sums"):
+        load_model(str(out))

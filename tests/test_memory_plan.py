@@ -482,3 +482,12 @@ def test_cli_plans_a_mixture_of_experts_over_expert_parallel_gpus(monkeypatch, c
     assert f"{count_parameters(config) / 1e9:.3g}B parameters" in out
     assert "2 EP groups x ep 8: each GPU holds 1/8 of the experts" in out
     assert "parameters active per token; each GPU holds" in out and "all-to-alls send" in out
+
+
+def test_a_figure_under_the_table_has_a_unit_of_its_own(monkeypatch, capsys):
+    # A billion layers put the table in PB; the largest parameter (the embedding) is a GB or
+    # so, and was said as "(0.00 PB)".
+    code, out, _ = run_main(monkeypatch, capsys, "--model", "70b", "--num-layers", "1000000000")
+    assert code == 0 and "PB" in out
+    assert "the largest parameter whole for an instant (1.05 GB)" in out, out
+    assert memory.amount(0.5) == "500.00 MB" and memory.amount(2.5e6) == "2.50 PB"

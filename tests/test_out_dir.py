@@ -222,3 +222,19 @@ def test_a_resume_path_that_holds_no_checkpoint_leaves_no_out_dir_behind(tmp_pat
         else:
             sharded.prepare_out_dir(args, script)
     assert not out.exists()
+
+
+def test_a_write_past_a_file_size_limit_names_the_limit_not_a_full_disk(monkeypatch):
+    # `ulimit -f`: writes fail with EFBIG (Python ignores SIGXFSZ), or, from DCP's writer on
+    # another rank, as a RuntimeError with no errno ("unexpected pos ..."): the disk is not full.
+    import errno
+    import resource
+
+    from lib.checkpoints.out_dir import save_failed
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (4096, resource.RLIM_INFINITY))
+    efbig = OSError(errno.EFBIG, "File too large")
+    said = str(save_failed("out/checkpoints/step_0000001.pt", efbig))
+    assert "at most 4096 bytes" in said and "ulimit -f" in said and "disk is full" not in said
+    said = str(save_failed("out/checkpoints/step_0000001", RuntimeError("unexpected pos 704")))
+    assert "ulimit -f" in said, said

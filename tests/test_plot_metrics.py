@@ -185,3 +185,22 @@ def test_a_failed_write_keeps_the_earlier_plot(tmp_path, monkeypatch):
 
 def test_an_unknown_flag_is_one_line_without_the_usage_block(tmp_path):
     assert_one_line_error(run_cli(str(tmp_path), "--out-dir", "x"), "unrecognized arguments")
+
+
+def test_a_muon_runs_learning_rate_is_plotted_beside_adamws(tmp_path, monkeypatch):
+    # Once: only "lr" (AdamW's) was drawn; --optimizer muon logs Muon's as muon_lr.
+    pytest.importorskip("matplotlib")
+    out = write_metrics(tmp_path / "muon")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "lr" in record:
+            record["muon_lr"] = 0.02
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: drawn.append(k.get("label")) or real(self, *a, **k))  # fmt: skip
+    plot_metrics.plot({"muon": plot_metrics.read_metrics(str(out))}, str(tmp_path / "p.png"))
+    assert "muon Muon" in drawn, drawn

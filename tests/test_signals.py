@@ -263,3 +263,57 @@ def test_a_rank_whose_peer_was_killed_says_so_in_one_line_and_saves_nothing(
 
 def checkpoints_in(out) -> list[str]:
     return sorted(os.listdir(out / "checkpoints")) if (out / "checkpoints").exists() else []
+
+
+# A second Ctrl-C while a checkpoint is written: stopped at once, whatever is being written.
+
+
+def test_a_second_ctrl_c_inside_dcp_save_ends_in_one_line_with_exit_130(capsys):
+    # dcp.save wraps the KeyboardInterrupt of its write in a CheckpointException with an empty
+    # message (once: an IndexError in save_failed, a traceback).
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def main():
+        raise CheckpointException("", {0: (KeyboardInterrupt(), None)})
+
+    with pytest.raises(SystemExit) as exit_:
+        exits.run(main)
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: stopped at once") and "Traceback" not in err, err
+
+
+def test_a_write_that_fails_without_a_message_is_said_in_one_line():
+    from lib.checkpoints.out_dir import save_failed
+
+    error = save_failed("out/checkpoints/step_0000001", RuntimeError(""))
+    assert "could not save the checkpoint out/checkpoints/step_0000001: RuntimeError" in str(error)
+
+
+def test_a_second_ctrl_c_on_rank_0_tells_the_waiting_ranks_at_once(monkeypatch, capsys):
+    # A rank blocked in a collective with rank 0 fails as rank 0 ends, and waits for its word
+    # (say_once) before saying anything itself: rank 0 must give it (once: ~30 s, then SIGKILL).
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(exits, "failure_store", [store])
+    monkeypatch.setenv("RANK", "0")
+
+    def main():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        exits.run(main)
+    assert exit_.value.code == 130
+    assert store.check(["failure_said"])
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_during_a_write_leaves_no_temporary_file(tmp_path):
+    from lib.checkpoints.files import atomic_save
+
+    def write(obj, f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save(None, str(tmp_path / "model.pt"), write)
+    assert os.listdir(tmp_path) == []

@@ -83,3 +83,24 @@ def test_an_out_dir_keeps_its_special_tokens_for_generate_and_init_from(tmp_path
     _, loaded = load_model(str(tmp_path / "out"))
     assert loaded.specials == flagged.specials  # from out/tokenizer_config.json
     assert loaded.eot_id == tokenizer.token_to_id("<|eot_id|>")
+
+
+@pytest.mark.parametrize("damage", ["unparsable", "flipped_byte"])
+def test_a_damaged_cached_tokenizer_is_trained_again_with_a_warning(tmp_path, capsys, damage):
+    # Once: "Exception: key must be a string at line 331 column 5", a traceback; and a flipped
+    # byte that still parses (a setting changed) was used as it was.
+    texts = datasets.Dataset.from_dict({"text": ["def f(x):\n    return x + 1\n"] * 20})
+    first = data.get_tokenizer(texts, 300, str(tmp_path))
+    [cached] = (tmp_path / "tokenizers").glob("*/tokenizer.json")
+    text = cached.read_text()
+    if damage == "unparsable":
+        cached.write_text(text.replace('"vocab": {', '"vocab": {3: 1, ', 1))
+    else:
+        cached.write_text(text.replace('"fuse_unk": false', '"fuse_unk": true', 1))
+    again = data.get_tokenizer(texts, 300, str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: the cached tokenizer {cached} is damaged"), err
+    assert err.count("\n") == 1, err
+    assert again.to_str() == first.to_str() and cached.read_text() == text
+    data.get_tokenizer(texts, 300, str(tmp_path))
+    assert capsys.readouterr().err == ""  # (trained again, and whole)

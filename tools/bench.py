@@ -338,6 +338,12 @@ def command_line() -> str:
     return shlex.join(["torchrun", *nodes, f"--nproc_per_node={nproc}", *script])
 
 
+def starving(report: dict) -> str:
+    """What waits for data when the DataLoader lags: the GPU, or on a CPU run the steps (whose
+    compute shares the cores with the loader's workers)."""
+    return "GPU" if report.get("device_type", "cuda") == "cuda" else "CPU's training steps"
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -402,7 +408,7 @@ def format_report(report: dict) -> str:
     if d["ratio"] < AHEAD:
         lines.append(
             f"warning: the DataLoader is only {d['ratio']:.1f}x ahead of the step (< {AHEAD}x): "
-            f"the GPU would starve; raise --num-workers"
+            f"the {starving(report)} would starve; raise --num-workers"
         )
     return "\n".join(lines)
 
@@ -485,6 +491,7 @@ def main():
         "command": command_line(),
         "torch": torch.__version__,
         "device": device_name(device),
+        "device_type": device.type,
         "world_size": world_size,
         "settings": dict(
             model=model_config.model_name(args, args.model),

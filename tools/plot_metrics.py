@@ -56,7 +56,8 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
-PLOTTED = ("loss", "val_loss", "val_bpb", "lr", "tokens_per_sec", "mfu")  # each a number, or null
+# each a number, or null
+PLOTTED = ("loss", "val_loss", "val_bpb", "lr", "muon_lr", "tokens_per_sec", "mfu")
 
 
 def record_problem(record) -> str | None:
@@ -131,6 +132,8 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
         ax_loss.plot(*series(evals, "val_loss"), "o--", color=color, label=f"{label} val")
         ax_bpb.plot(*series(evals, "val_bpb"), "s:", color=color, alpha=0.6)
         ax_lr.plot(*series(train, "lr"), color=color, label=label)
+        if steps := series(train, "muon_lr")[0]:  # --optimizer muon: Muon's, dashed
+            ax_lr.plot(steps, series(train, "muon_lr")[1], "--", color=color, label=f"{label} Muon")
         ax_speed.plot(*series(train, "tokens_per_sec"), color=color, label=label)
         steps, mfu = series(train, "mfu", scale=100)
         if steps:

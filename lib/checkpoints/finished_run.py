@@ -7,16 +7,18 @@ from an out-dir (model.pt, config.json, tokenizer.json, which every train script
 The train scripts import this only for --init-from (init_from_config, check_init_from).
 """
 
+import contextlib
 import json
 import math
 import os
 import pickle
+import sys
 import zipfile
 
 import torch
 
 from data import DocumentTokenizer, load_tokenizer, tokenizer_digest
-from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, FINAL_SUMS, list_checkpoints
 from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # out_dir.save_final's
@@ -92,6 +94,43 @@ def check_tokenizer(config: LlamaConfig, tokenizer, where: str) -> None:
                          f"own tokenizer.json")  # fmt: skip
 
 
+_verified: set[tuple] = set()  # the out-dirs verify_final checked in this process, as they were
+
+
+def verify_final(out_dir: str) -> None:
+    """ValueError naming the first of out_dir's final files (model.pt, config.json, ...) whose
+    bytes are not those its run wrote, by the checksums beside them (files.FINAL_SUMS). An
+    out-dir without them (written before they were) is used with a warning: it cannot be
+    verified. The files of an out-dir are read only after this."""
+    sums = os.path.join(out_dir, FINAL_SUMS)
+    stats = [(n, os.stat(p).st_mtime_ns, os.stat(p).st_size) for n in sorted(os.listdir(out_dir))
+             if os.path.isfile(p := os.path.join(out_dir, n))]  # fmt: skip
+    seen = (os.path.realpath(out_dir), tuple(stats))  # (checked once, unless a file changed)
+    if seen in _verified:
+        return
+    if not os.path.isfile(sums):
+        print(f"warning: {out_dir} has no {FINAL_SUMS} (its run is older than them): its files "
+              f"cannot be verified, and are used as they are", file=sys.stderr)  # fmt: skip
+        _verified.add(seen)
+        return
+    from lib.checkpoints.resuming import verify_sums
+
+    listed = {}  # (an unreadable final.sums: verify_sums says so)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(sums) as f:
+            listed = dict(json.load(f)["crc32"])
+    if missing := [n for n in listed if not os.path.isfile(os.path.join(out_dir, n))]:
+        raise ValueError(f"{out_dir} has no {', '.join(missing)}, which {FINAL_SUMS} lists: "
+                         f"copy every final file of the run (model.pt, config.json, "
+                         f"tokenizer.json, tokenizer_config.json, {FINAL_SUMS})")  # fmt: skip
+    try:
+        verify_sums(sums)
+    except ValueError as e:
+        raise ValueError(f"{e}; it was changed since its run wrote it: put back the run's own "
+                         f"file, or train again") from e  # fmt: skip
+    _verified.add(seen)
+
+
 def unfinished(out_dir: str, missing: list[str]) -> str | None:
     """The message for a run's out-dir whose run has not finished (checkpoints, no model.pt)."""
     if not (list_checkpoints(out_dir) or list_checkpoints(out_dir, CHECKPOINT_DIR_RE)):
@@ -109,6 +148,7 @@ def init_from_config(init_from: str) -> LlamaConfig:
             f"--init-from {init_from}: no {', '.join(missing)} there; point it at the "
             f"--out-dir of a finished run (or of `python -m tools.export_hf --from-hf HF_DIR "
             f"OUT_DIR`)"))  # fmt: skip
+    verify_final(init_from)  # (once: open_weights, reading them later, does not again)
     return load_config(init_from)
 
 
@@ -143,7 +183,8 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
     """(model.pt's state_dict, config, tokenizer) of a training run's --out-dir, its tensors
     mapped from the file (torch.load's mmap): a tensor is read when it is used, and a slice of
     it reads only its own pages, so a sharded lesson's --init-from reads just its shards. The
-    names and shapes are checked against the config's model (ValueError, with what to do).
+    names and shapes are checked against the config's model (ValueError, with what to do),
+    after every file's checksums (verify_final).
     """
     if not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} is not a directory: give a training run's --out-dir")
@@ -153,6 +194,7 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
             f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
             f"config.json and tokenizer.json at the end of its run (or run "
             f"`python -m tools.export_hf --from-hf HF_DIR {out_dir}`)"))  # fmt: skip
+    verify_final(out_dir)
     config = load_config(out_dir)
     config_path = os.path.join(out_dir, "config.json")
     tokenizer = load_tokenizer(os.path.join(out_dir, "tokenizer.json"))

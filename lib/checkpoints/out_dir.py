@@ -43,17 +43,42 @@ class TrainingState:
 
 def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -> TrainingError:
     """The error for a checkpoint (or `what` else) that could not be written."""
-    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    # (an error may have no message at all: DCP's, wrapping another, has none of its own)
+    reason = getattr(error, "strerror", None) or first_line(error)
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
     remedy = {errno.EACCES: "give this user permission to write there",
               errno.EPERM: "give this user permission to write there",
               errno.EROFS: "the filesystem is read-only: choose another --out-dir",
-              errno.EDQUOT: "raise the disk quota or make room"}.get(
-                  getattr(error, "errno", None), "if the disk is full, make room")  # fmt: skip
+              errno.EDQUOT: "raise the disk quota or make room",
+              errno.EFBIG: file_size_limit() or "the file is too large for this filesystem"}.get(
+                  getattr(error, "errno", None), None)  # fmt: skip
+    if remedy is None:  # no errno (DCP's errors, sent between ranks, lose it): what it may be
+        remedy = "if the disk is full, make room"
+        if limit := file_size_limit():
+            remedy = f"{limit}; or, {remedy}"
     return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it "
                          f"are intact: {remedy}, then run the same command again to "
                          f"resume")  # fmt: skip
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name where it has none."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
+def file_size_limit() -> str | None:
+    """What to say of this process's file-size limit (`ulimit -f`; EFBIG past it), if one is set."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    return (f"this process may write files of at most {limit} bytes (a file-size limit: "
+            f"`ulimit -f`): raise it")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------
@@ -76,17 +101,29 @@ def rng_state() -> dict:
 def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
     """model.pt (`model`'s state_dict, or written by `model`, a function of its path: a sharded
     lesson's, one tensor at a time), config.json, tokenizer.json (all tools/generate.py needs) and
-    tokenizer_config.json, naming the special tokens as Hugging Face does."""
+    tokenizer_config.json, naming the special tokens as Hugging Face does; then final.sums, their
+    checksums, which whatever reads them checks first (finished_run.verify_final)."""
     path = os.path.join(out_dir, "model.pt")
     config = dataclasses.replace(config, tokenizer_sha256=tokenizer_digest(tokenizer))
-    if isinstance(model, torch.nn.Module):
-        atomic_save(model.state_dict(), path)
+    # The checksums of the files below go last (files.FINAL_SUMS): those of an earlier end of
+    # this run go first, so that a kill in between leaves files unverifiable, never "damaged".
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, files.FINAL_SUMS))
+    sums = {}
+    if isinstance(model, torch.nn.Module):  # (summed while the disk syncs it: no time)
+        sums["model.pt"] = atomic_save(model.state_dict(), path, sums=True, beside=False)
     else:
         model(path)
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
     atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
     special = json.dumps(tokenizer.config(), indent=2)
     atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
+    for name in FINAL_FILES:  # (the rest read back from the memory the writes filled)
+        sums[name] = sums.get(name) or files.checksums(os.path.join(out_dir, name))
+    files.write_sums(sums, os.path.join(out_dir, files.FINAL_SUMS))
+
+
+FINAL_FILES = ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> None:

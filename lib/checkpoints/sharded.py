@@ -39,6 +39,7 @@ from lib.checkpoints.out_dir import (
     save_final_files,
 )
 from lib.distributed import from_rank0, waiting_group
+from lib.exits import interrupted
 from model import LlamaForPretraining
 
 TRAIN_STATE = "train_state.pt"
@@ -60,7 +61,8 @@ class Checkpoints:
     rank's weights and AdamW state, 12 bytes per parameter of its shards, in host memory until
     written) and returns; a thread writes them while training goes on, with its collectives on a
     gloo group of its own (`group`), never mixed with training's. The checkpoint is renamed into
-    place only once written: before the next one starts, and before the run's end. A kill
+    place only once written: before the next one starts, before the run's end, and before a
+    non-finite stop (files.finish_in_flight: it holds the last good state). A kill
     meanwhile leaves step_NNNNNNN.tmp, removed at the next start, and the checkpoint before it
     complete: resuming from it is bit for bit the same."""
 
@@ -173,11 +175,15 @@ class Checkpoints:
             self._failed(e)
         if self.job is None:
             self._complete()  # written: complete it now
+        elif self._complete not in files.in_flight:  # completed by whatever stops the run
+            files.in_flight.append(self._complete)
 
     def _complete(self) -> None:
         """Complete the checkpoint being written, if any: wait for the async save in flight (a
         failure raises on every rank), then rank 0 adds the train state and renames the
         directory into place, and every rank learns whether it could (from_rank0)."""
+        with contextlib.suppress(ValueError):  # (no longer the run's to complete)
+            files.in_flight.remove(self._complete)
         if self._pending is None:
             return
         if self.job is not None:
@@ -207,6 +213,8 @@ class Checkpoints:
         # failures: {rank: (error, traceback)}. Sent between ranks without its context, a full
         # disk shows as torch.save's RuntimeError ("unexpected pos"), not as the OSError.
         cause = next(iter(e.failures.values()))[0]
+        if interrupted(e):  # a second Ctrl-C during the write: stop at once (exits.run)
+            raise KeyboardInterrupt from e
         raise save_failed(path, cause) from e
 
     def finish(self, state: TrainingState, device) -> None:

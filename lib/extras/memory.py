@@ -358,8 +358,8 @@ def format_plan(p: dict) -> str:
     shown = {n: r for n, r in p["strategies"].items() if p["ep"] == 1 or n not in ("ddp", "zero1")}
     lines = [plan_title(p), table_header(unit)]
     lines += [strategy_line(name, row, gb) for name, row in shown.items()]
-    lines += traffic_notes(p, gb, unit)
-    lines += fit_notes(p, shown, gb, unit)
+    lines += traffic_notes(p)
+    lines += fit_notes(p, shown)
     lines.append("(estimates: leave 1-3 GB for the CUDA context and fragmentation)")
     return "\n".join(lines)
 
@@ -423,15 +423,15 @@ def strategy_line(name: str, r: dict, gb) -> str:
     )
 
 
-def traffic_notes(p: dict, gb, unit: str) -> list[str]:
+def traffic_notes(p: dict) -> list[str]:
     """The lines under the table on traffic: tensor, pipeline and context parallelism's, the
     experts' all-to-alls, and what HSDP sends between its replica groups."""
     lines = []
     if p["tp"] > 1 or p["pp"] > 1 or p["cp"] > 1:
         lines.append(
-            f"model-parallel traffic per GPU per step: tensor parallel {gb(p['tp_comm_gb'])} "
-            f"{unit}, pipeline {gb(p['pp_comm_gb'])} {unit}, context parallel "
-            f"{gb(p['cp_comm_gb'])} {unit}"
+            f"model-parallel traffic per GPU per step: tensor parallel "
+            f"{amount(p['tp_comm_gb'])}, pipeline {amount(p['pp_comm_gb'])}, context parallel "
+            f"{amount(p['cp_comm_gb'])}"
         )
     if p["active_params"] is not None:
         lines.append(
@@ -439,19 +439,19 @@ def traffic_notes(p: dict, gb, unit: str) -> list[str]:
             f"{parameter_count(p['num_params'])} parameters active per token; each GPU holds "
             f"{parameter_count(p['expert_params_per_gpu'])} of the experts' (1/{p['ep']} of them,"
             f" then sharded as each row says); expert parallelism's all-to-alls send "
-            f"{gb(p['ep_comm_gb'])} {unit} per GPU per step"
+            f"{amount(p['ep_comm_gb'])} per GPU per step"
         )
     if p["replicate"] > 1:
         lines.append(
-            f"hsdp: {gb(p['hsdp_across_groups_gb'])} {unit} of its dp comm crosses between "
+            f"hsdp: {amount(p['hsdp_across_groups_gb'])} of its dp comm crosses between "
             f"the replica groups (one all-reduce of the gradient shards), the rest stays within "
             f"a group; zero3's rings span every GPU, so all its "
-            f"{gb(p['strategies']['zero3']['dp_comm_gb'])} {unit} cross nodes"
+            f"{amount(p['strategies']['zero3']['dp_comm_gb'])} cross nodes"
         )
     return lines
 
 
-def fit_notes(p: dict, shown: dict, gb, unit: str) -> list[str]:
+def fit_notes(p: dict, shown: dict) -> list[str]:
     """The lines under the table on memory: which strategies fit the GPU's, and what a GPU holds
     at build."""
     lines = []
@@ -470,7 +470,7 @@ def fit_notes(p: dict, shown: dict, gb, unit: str) -> list[str]:
         lines.append(
             f"at build (on the meta device, then one parameter at a time): each GPU holds its "
             f"params, and the largest parameter whole for an instant "
-            f"({gb(p['largest_param_gb'])} {unit})"
+            f"({amount(p['largest_param_gb'])})"
         )
     return lines
 
@@ -484,6 +484,15 @@ def figure(gb: float | None, scale: float) -> str:
     for exponent in (".2e", ".1e"):  # beyond that, as 1.23e+07 (8 characters at most)
         text = text if len(text) <= 8 else f"{gb * scale:{exponent}}"
     return text
+
+
+def amount(gb: float | None) -> str:
+    """One figure of a line under the table, in a unit of its own (the table's suits its
+    largest figure, and would show a small one in a line as 0.00): "0.50 GB", "12.3 PB"."""
+    if gb is None:
+        return "n/a"
+    name, scale = next(((n, s) for n, s in reversed(UNITS) if gb * s >= 1), UNITS[0])
+    return f"{figure(gb, scale)} {name}"
 
 
 def table_unit(p: dict) -> tuple[float, str]:
