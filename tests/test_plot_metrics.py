@@ -200,7 +200,11 @@ def test_a_muon_runs_learning_rate_is_plotted_beside_adamws(tmp_path, monkeypatc
     import matplotlib.axes
 
     real = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
-                        lambda self, *a, **k: drawn.append(k.get("label")) or real(self, *a, **k))  # fmt: skip
+
+    def plot(self, *args, **kwargs):  # matplotlib's, recording each line's label
+        drawn.append(kwargs.get("label"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
     plot_metrics.plot({"muon": plot_metrics.read_metrics(str(out))}, str(tmp_path / "p.png"))
     assert "muon Muon" in drawn, drawn

@@ -89,9 +89,11 @@ def check_tokenizer(config: LlamaConfig, tokenizer, where: str) -> None:
     """ValueError unless `tokenizer` is the one the model was trained with, by the fingerprint
     its config.json records (an out-dir from before fingerprints has none: not checked)."""
     if config.tokenizer_sha256 not in (None, tokenizer_digest(tokenizer)):
-        raise ValueError(f"{where}/tokenizer.json is not the tokenizer this model was trained "
-                         f"with (config.json records another one's sha256): put back the run's "
-                         f"own tokenizer.json")  # fmt: skip
+        raise ValueError(
+            f"{where}/tokenizer.json is not the tokenizer this model was trained "
+            f"with (config.json records another one's sha256): put back the run's "
+            f"own tokenizer.json"
+        )
 
 
 _verified: set[tuple] = set()  # the out-dirs verify_final checked in this process, as they were
@@ -103,14 +105,20 @@ def verify_final(out_dir: str) -> None:
     out-dir without them (written before they were) is used with a warning: it cannot be
     verified. The files of an out-dir are read only after this."""
     sums = os.path.join(out_dir, FINAL_SUMS)
-    stats = [(n, os.stat(p).st_mtime_ns, os.stat(p).st_size) for n in sorted(os.listdir(out_dir))
-             if os.path.isfile(p := os.path.join(out_dir, n))]  # fmt: skip
+    stats = [
+        (n, os.stat(p).st_mtime_ns, os.stat(p).st_size)
+        for n in sorted(os.listdir(out_dir))
+        if os.path.isfile(p := os.path.join(out_dir, n))
+    ]
     seen = (os.path.realpath(out_dir), tuple(stats))  # (checked once, unless a file changed)
     if seen in _verified:
         return
     if not os.path.isfile(sums):
-        print(f"warning: {out_dir} has no {FINAL_SUMS} (its run is older than them): its files "
-              f"cannot be verified, and are used as they are", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {out_dir} has no {FINAL_SUMS} (its run is older than them): its files "
+            f"cannot be verified, and are used as they are",
+            file=sys.stderr,
+        )
         _verified.add(seen)
         return
     from lib.checkpoints.resuming import verify_sums
@@ -120,14 +128,18 @@ def verify_final(out_dir: str) -> None:
         with open(sums) as f:
             listed = dict(json.load(f)["crc32"])
     if missing := [n for n in listed if not os.path.isfile(os.path.join(out_dir, n))]:
-        raise ValueError(f"{out_dir} has no {', '.join(missing)}, which {FINAL_SUMS} lists: "
-                         f"copy every final file of the run (model.pt, config.json, "
-                         f"tokenizer.json, tokenizer_config.json, {FINAL_SUMS})")  # fmt: skip
+        raise ValueError(
+            f"{out_dir} has no {', '.join(missing)}, which {FINAL_SUMS} lists: "
+            f"copy every final file of the run (model.pt, config.json, "
+            f"tokenizer.json, tokenizer_config.json, {FINAL_SUMS})"
+        )
     try:
         verify_sums(sums)
     except ValueError as e:
-        raise ValueError(f"{e}; it was changed since its run wrote it: put back the run's own "
-                         f"file, or train again") from e  # fmt: skip
+        raise ValueError(
+            f"{e}; it was changed since its run wrote it: put back the run's own "
+            f"file, or train again"
+        ) from e
     _verified.add(seen)
 
 
@@ -135,19 +147,25 @@ def unfinished(out_dir: str, missing: list[str]) -> str | None:
     """The message for a run's out-dir whose run has not finished (checkpoints, no model.pt)."""
     if not (list_checkpoints(out_dir) or list_checkpoints(out_dir, CHECKPOINT_DIR_RE)):
         return None
-    return (f"{out_dir} holds a run that has not finished: checkpoints, but no "
-            f"{', '.join(missing)}, which a run writes at its end. Run its training command again "
-            f"to resume and finish it (its args.jsonl has the command)")  # fmt: skip
+    return (
+        f"{out_dir} holds a run that has not finished: checkpoints, but no "
+        f"{', '.join(missing)}, which a run writes at its end. Run its training command again "
+        f"to resume and finish it (its args.jsonl has the command)"
+    )
 
 
 def init_from_config(init_from: str) -> LlamaConfig:
     """--init-from's architecture, its config.json; ValueError unless it is a finished run's."""
     missing = [n for n in OUT_DIR_FILES if not os.path.isfile(os.path.join(init_from, n))]
     if missing:
-        raise ValueError(unfinished(init_from, missing) or (
-            f"--init-from {init_from}: no {', '.join(missing)} there; point it at the "
-            f"--out-dir of a finished run (or of `python -m tools.export_hf --from-hf HF_DIR "
-            f"OUT_DIR`)"))  # fmt: skip
+        raise ValueError(
+            unfinished(init_from, missing)
+            or (
+                f"--init-from {init_from}: no {', '.join(missing)} there; point it at the "
+                f"--out-dir of a finished run (or of `python -m tools.export_hf --from-hf HF_DIR "
+                f"OUT_DIR`)"
+            )
+        )
     verify_final(init_from)  # (once: open_weights, reading them later, does not again)
     return load_config(init_from)
 
@@ -190,10 +208,14 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
         raise ValueError(f"{out_dir} is not a directory: give a training run's --out-dir")
     missing = [name for name in OUT_DIR_FILES if not os.path.isfile(os.path.join(out_dir, name))]
     if missing:
-        raise ValueError(unfinished(out_dir, missing) or (
-            f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
-            f"config.json and tokenizer.json at the end of its run (or run "
-            f"`python -m tools.export_hf --from-hf HF_DIR {out_dir}`)"))  # fmt: skip
+        raise ValueError(
+            unfinished(out_dir, missing)
+            or (
+                f"{out_dir} has no {', '.join(missing)}; a training script writes model.pt, "
+                f"config.json and tokenizer.json at the end of its run (or run "
+                f"`python -m tools.export_hf --from-hf HF_DIR {out_dir}`)"
+            )
+        )
     verify_final(out_dir)
     config = load_config(out_dir)
     config_path = os.path.join(out_dir, "config.json")
@@ -217,8 +239,10 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
             reason = "not a file torch.save wrote, or a damaged one"
         raise ValueError(f"could not read {model_path} as a model state_dict ({reason})") from e
     if isinstance(state_dict, dict) and {"model", "optimizer"} <= state_dict.keys():
-        raise ValueError(f"{model_path} is a training checkpoint, not the model.pt a run writes at "
-                         f"its end: resume the run to its end, or copy that model.pt")  # fmt: skip
+        raise ValueError(
+            f"{model_path} is a training checkpoint, not the model.pt a run writes at "
+            f"its end: resume the run to its end, or copy that model.pt"
+        )
     try:
         with torch.device("meta"):  # the names and shapes the config gives, with no storage
             expected = LlamaForPretraining(config).state_dict()
@@ -233,9 +257,11 @@ def open_weights(out_dir: str) -> tuple[dict, LlamaConfig, DocumentTokenizer]:
             for k, v in expected.items()
             if k in state_dict and getattr(state_dict[k], "shape", None) != v.shape
         ]
-        wrong = ([f"missing {', '.join(missing[:3])}"] * bool(missing)
-                 + [f"unexpected {', '.join(unexpected[:3])}"] * bool(unexpected)
-                 + shapes[:3])  # fmt: skip
+        wrong = (
+            [f"missing {', '.join(missing[:3])}"] * bool(missing)
+            + [f"unexpected {', '.join(unexpected[:3])}"] * bool(unexpected)
+            + shapes[:3]
+        )
     if wrong:
         raise ValueError(f"{model_path} does not fit {config_path} ({'; '.join(wrong)})")
     return state_dict, config, tokenizer

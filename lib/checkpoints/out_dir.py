@@ -47,19 +47,22 @@ def save_failed(path: str, error: BaseException, what: str = "the checkpoint") -
     reason = getattr(error, "strerror", None) or first_line(error)
     with contextlib.suppress(OSError):  # how full the disk is (DCP's errors do not say)
         reason += f" ({shutil.disk_usage(os.path.dirname(path)).free / 1e9:.2f} GB free there)"
-    remedy = {errno.EACCES: "give this user permission to write there",
-              errno.EPERM: "give this user permission to write there",
-              errno.EROFS: "the filesystem is read-only: choose another --out-dir",
-              errno.EDQUOT: "raise the disk quota or make room",
-              errno.EFBIG: file_size_limit() or "the file is too large for this filesystem"}.get(
-                  getattr(error, "errno", None), None)  # fmt: skip
+    remedy = {
+        errno.EACCES: "give this user permission to write there",
+        errno.EPERM: "give this user permission to write there",
+        errno.EROFS: "the filesystem is read-only: choose another --out-dir",
+        errno.EDQUOT: "raise the disk quota or make room",
+        errno.EFBIG: file_size_limit() or "the file is too large for this filesystem",
+    }.get(getattr(error, "errno", None), None)
     if remedy is None:  # no errno (DCP's errors, sent between ranks, lose it): what it may be
         remedy = "if the disk is full, make room"
         if limit := file_size_limit():
             remedy = f"{limit}; or, {remedy}"
-    return TrainingError(f"could not save {what} {path}: {reason}. The checkpoints before it "
-                         f"are intact: {remedy}, then run the same command again to "
-                         f"resume")  # fmt: skip
+    return TrainingError(
+        f"could not save {what} {path}: {reason}. The checkpoints before it "
+        f"are intact: {remedy}, then run the same command again to "
+        f"resume"
+    )
 
 
 def first_line(error: BaseException) -> str:
@@ -77,8 +80,10 @@ def file_size_limit() -> str | None:
         return None
     if limit == resource.RLIM_INFINITY:
         return None
-    return (f"this process may write files of at most {limit} bytes (a file-size limit: "
-            f"`ulimit -f`): raise it")  # fmt: skip
+    return (
+        f"this process may write files of at most {limit} bytes (a file-size limit: "
+        f"`ulimit -f`): raise it"
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -164,21 +169,30 @@ def lock_out_dir(out_dir: str) -> None:
         holder = f.read()
         f.close()
         if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
-            print(f"warning: cannot lock {path} ({e.strerror}): nothing keeps a second run out "
-                  f"of this --out-dir", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: cannot lock {path} ({e.strerror}): nothing keeps a second run out "
+                f"of this --out-dir",
+                file=sys.stderr,
+            )
             return
         try:
             h = json.loads(holder)
             who = f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
         except (ValueError, KeyError, TypeError):
             who = "it is starting"
-        raise ValueError(f"--out-dir {out_dir} is in use by another run ({who}); wait for it to "
-                         f"end or stop it, or choose another --out-dir") from None  # fmt: skip
+        raise ValueError(
+            f"--out-dir {out_dir} is in use by another run ({who}); wait for it to "
+            f"end or stop it, or choose another --out-dir"
+        ) from None
     f.seek(0)
     f.truncate()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started,
-          "command": shlex.join(sys.argv)}  # fmt: skip
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": started,
+        "command": shlex.join(sys.argv),
+    }
     f.write(json.dumps(me) + "\n")
     f.flush()
     if not _held_locks:
@@ -229,11 +243,14 @@ def record_run(args, settings, start_step: int) -> None:
     flags, flags.RunSettings, the command and start step; written atomically once checks pass."""
     path = os.path.join(args.out_dir, "args.jsonl")
     record = {
-        "script": os.path.basename(sys.argv[0]), "command": shlex.join(sys.argv),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world_size_from_env(),
-        "start_step": start_step, "args": vars(args),
+        "script": os.path.basename(sys.argv[0]),
+        "command": shlex.join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "world_size": world_size_from_env(),
+        "start_step": start_step,
+        "args": vars(args),
         "plan": dataclasses.asdict(settings),  # flags.RunSettings
-    }  # fmt: skip
+    }
     try:
         previous = Path(path).read_text() if os.path.exists(path) else ""
         if previous and not previous.endswith("\n"):
