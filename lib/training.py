@@ -237,10 +237,10 @@ def prepare_layers(model: LlamaForPretraining, args, loss: bool = True) -> None:
     if args.activation_checkpointing or args.compile:
         from lib.extras import speed
 
+        if args.compile:  # first: the checkpoint then recomputes the compiled forward
+            speed.compile_layers(model, loss)
         if args.activation_checkpointing:
             speed.apply_activation_checkpointing(model)
-        if args.compile:
-            speed.compile_layers(model, loss)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.parallel.replicate
+from harness import cmd, run_script
 
 from lib import training
 from model import LlamaConfig, LlamaForPretraining
@@ -104,3 +105,12 @@ def test_a_data_parallel_replica_computes_with_its_own_weights(flags, monkeypatc
     expected_sum, expected_count = expected(x, y)
     assert count == expected_count
     torch.testing.assert_close(loss_sum, expected_sum, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_train_tp_runs_with_both_flags(corpus, cache_dir, tmp_path):
+    # TP's hooks hand DTensors to the layers: compiled with the checkpoint inside the graph, the
+    # backward failed (torch 2.13); the checkpoint outside the compiled forward runs.
+    argv = cmd(corpus, cache_dir, tmp_path / "out", max_steps=2, tp=2, compile=True,
+               activation_checkpointing=True)  # fmt: skip
+    run_script("train_tp.py", argv, 2)

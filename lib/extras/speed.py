@@ -4,12 +4,13 @@
     speed.compile_layers(model)                  # torch.compile each layer, and the loss
 
 lib/training.py's prepare_layers imports this file only when one of the two flags is given. Both
-change how a layer runs (its class), never its parameters or their names, so checkpoints and
-model.pt are the same with them or without."""
+change how a layer runs, never its parameters or their names, so checkpoints and model.pt are
+the same with them or without."""
 
 import functools
 import os
 import shutil
+import types
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -18,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 def compile_layers(model: torch.nn.Module, loss: bool = True) -> None:
     """Compile each decoder layer's forward (one graph, reused; the names unchanged) and, with
     loss, model.loss too: the upcast of the logits and the log-softmax fused into one kernel (not
-    for the vocabulary shards of TP, nor for PP, whose last stage computes the loss itself)."""
+    for the vocabulary shards of TP, nor for PP, whose last stage computes the loss itself).
+    Before apply_activation_checkpointing, which then recomputes the compiled forward: compiled
+    inside the checkpoint, under TP's DTensors it fails (torch 2.13)."""
     # model.layers: the nn.ModuleList of a model, or the nn.ModuleDict of a pipeline stage;
     # children() reads either in order.
     for layer in model.layers.children():
@@ -39,7 +42,8 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 # instance's attributes, so the replica on cuda:1 would run the original layer, with cuda:0's
 # weights. A method of the class binds to whichever replica calls it. The instance keeps its
 # parameters and their names (state_dict unchanged); fully_shard, applied after, subclasses
-# again in the same way, and parallelize_module only adds hooks.
+# again in the same way, and parallelize_module only adds hooks (which run outside the compiled
+# forward).
 @functools.cache
 def subclass(cls: type, prefix: str, name: str, wrap) -> type:
     """cls with its method `name` replaced by wrap(cls.`name`): one class per (cls, wrapper)."""
@@ -53,14 +57,16 @@ def checkpointed(forward):
 
     @functools.wraps(forward)
     def run(self, *args, **kwargs):
-        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+        # Bound here, at the call, to the module (or replica) called: not stored anywhere. (The
+        # module itself as an argument of checkpoint breaks under compile with TP's DTensors.)
+        return checkpoint(types.MethodType(forward, self), *args, use_reentrant=False, **kwargs)
 
     return run
 
 
 def compiled(method):
-    """method compiled once for the class: every layer (and replica) passes itself in as `self`,
-    its parameters inputs of the one graph."""
+    """method compiled once for the class: each caller passes itself in as `self`, its
+    parameters inputs of the one graph."""
     graph = torch.compile(method)
 
     @functools.wraps(method)
