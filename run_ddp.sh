@@ -12,7 +12,8 @@
 # Environment (defaults in brackets): NPROC_PER_NODE [GPUs on this node, or 2 without GPUs],
 # NNODES [1], NODE_RANK [0], MASTER_ADDR [127.0.0.1], MASTER_PORT [29500], MAX_RESTARTS [3],
 # RDZV_ID [llama] (the same on every node of one job), SCRIPT [train_ddp.py], SHUTDOWN_TIMEOUT
-# [120] (seconds torchrun gives its workers to stop on a signal, see below).
+# [120] (seconds torchrun gives its workers to stop on a signal, see below), GLOO_SOCKET_IFNAME
+# and NCCL_SOCKET_IFNAME [lo on one node; gloo's on several: see below].
 #
 # Two jobs on one machine need two MASTER_PORTs: a port another job holds is refused before
 # torchrun starts.
@@ -88,6 +89,41 @@ if [[ "$NNODES" == 1 ]]; then
   loopback=lo; [[ "$(uname)" == Darwin ]] && loopback=lo0
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$loopback}
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$loopback}
+else
+  # Several nodes: gloo (CPU tensors, and --async-save's own group even with NCCL) otherwise
+  # binds the address this node's host name resolves to, which on a cluster may be an interface
+  # the other nodes cannot reach (a management network, a container bridge, 127.0.1.1): its
+  # connections then hang. It takes NCCL_SOCKET_IFNAME when that names one interface (not a
+  # prefix or a ^exclusion, which gloo cannot read), else the interface this node reaches
+  # MASTER_ADDR through; NCCL keeps its own choice unless NCCL_SOCKET_IFNAME is set. Set
+  # GLOO_SOCKET_IFNAME to choose it yourself.
+  if [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+    GLOO_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}
+    if ! [[ -e "/sys/class/net/$GLOO_SOCKET_IFNAME" && "$GLOO_SOCKET_IFNAME" =~ ^[^,^=]+$ ]]; then
+      GLOO_SOCKET_IFNAME=$(python -c '
+import fcntl, socket, struct, sys
+# The address this node sends from to reach MASTER_ADDR (a UDP "connection" sends nothing),
+# then the interface that holds it (SIOCGIFADDR, Linux).
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect((sys.argv[1], 9))
+    address = s.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        except OSError:  # no IPv4 address
+            continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            print(name)
+            break
+' "$MASTER_ADDR" 2>/dev/null || true)
+    fi
+    if [[ -z "$GLOO_SOCKET_IFNAME" ]]; then
+      echo "error: no network interface of this node reaches MASTER_ADDR $MASTER_ADDR; set" \
+        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the one the nodes talk over" >&2
+      exit 2
+    fi
+  fi
+  export GLOO_SOCKET_IFNAME
 fi
 
 # Check the flags once, first: torchrun restarts the workers whatever made them fail, so a typo

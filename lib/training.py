@@ -247,8 +247,9 @@ def is_dtensor(t) -> bool:
 def init_weights(model: torch.nn.Module, config, args, device) -> None:
     """The initial values (and buffers) of a model built on the meta device and given storage
     (whole, sharded or a stage): each parameter drawn whole (--seed and its name) or read from
-    the model.pt of --init-from (memory-mapped). This rank keeps its slice: the weights are
-    those of one process, however the model is split."""
+    the model.pt of --init-from (memory-mapped: each rank reads and moves to its device only its
+    own slice). This rank keeps its slice: the weights are those of one process, however the
+    model is split."""
     reset_buffers(model, config)
     source = None
     if getattr(args, "init_from", None) is not None:
@@ -257,9 +258,10 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
         source, *_ = open_weights(args.init_from)
     for name, param in model.named_parameters():
         if source is not None:
-            full = source[name].to(device)
-        else:
-            full = initial_weight(config, name, param.shape, args.seed, device)
+            local = param.to_local() if is_dtensor(param) else param
+            local.copy_(own_slice(source[name], param).to(device))
+            continue
+        full = initial_weight(config, name, param.shape, args.seed, device)
         if is_dtensor(param):  # this rank's slice: as the DTensor holds it, no traffic
             from torch.distributed.tensor import distribute_tensor  # (see is_dtensor)
 
@@ -269,6 +271,18 @@ def init_weights(model: torch.nn.Module, config, args, device) -> None:
             param.copy_(full)
 
 
+def own_slice(full: torch.Tensor, param) -> torch.Tensor:
+    """The part of `full` (a whole tensor, memory-mapped on the CPU) that `param` holds on this
+    rank: all of it for a plain tensor; for a DTensor, the block at the offsets of its local
+    shard, as DCP reads it (DTensor.__create_chunk_list__; FSDP's shards of TP's shards are one
+    block too). A view: nothing is read until it is copied, and then only its own pages.
+    (distribute_tensor would first move the whole tensor to the mesh's device.)"""
+    if not is_dtensor(param):
+        return full
+    [chunk] = param.__create_chunk_list__()  # one local shard per rank
+    return full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))]
+
+
 def prepare_layers(model: LlamaForPretraining, args, loss: bool = True) -> None:
     """--activation-checkpointing and --compile, applied to each decoder layer in place (the
     parameter names unchanged) by lib/extras/speed.py, which only these flags import; with loss,
@@ -276,10 +290,10 @@ def prepare_layers(model: LlamaForPretraining, args, loss: bool = True) -> None:
     if args.activation_checkpointing or args.compile:
         from lib.extras import speed
 
+        if args.compile:  # first: the checkpoint then recomputes the compiled forward
+            speed.compile_layers(model, loss)
         if args.activation_checkpointing:
             speed.apply_activation_checkpointing(model)
-        if args.compile:
-            speed.compile_layers(model, loss)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -114,3 +114,21 @@ def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_holds_an_inf(
         "rank 0: skipped True",
         "rank 1: skipped True",
     ], proc.stdout
+
+
+def test_init_from_moves_only_each_ranks_own_slices_of_model_pt(tmp_path):
+    # tests/init_from_slices.py: train_tp.py's 2-D layout on 4 ranks (FSDP's shards of TP's
+    # shards). Before: every rank moved every whole tensor to its device, then sliced it.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    proc = subprocess.run(
+        [*argv, str(REPO / "tests" / "init_from_slices.py"), str(tmp_path)],
+        cwd=REPO, env=launch_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(
+        r"rank \d: moved (\d+), holds (\d+), whole (\d+), same (True|False)", proc.stdout
+    )
+    assert len(lines) == 4, proc.stdout
+    for moved, holds, whole, same in lines:
+        assert same == "True" and moved == holds and int(holds) < int(whole) / 2, lines

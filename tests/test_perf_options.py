@@ -10,12 +10,14 @@ flex_attention path in test_model.py.)
 """
 
 import os
+import re
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import DDP, DP, cmd, run_script
+from harness import DDP, DP, LAUNCH_TIMEOUT, REPO, cmd, launch_env, run_script
 
 import masks
 from lib import exits, flags, training
@@ -336,3 +338,35 @@ def test_profile_step_refuses_compile_without_a_cpp_compiler(tmp_path, monkeypat
         exits.run(profile_step.main)
     assert stopped.value.code == 2
     assert "--compile on a CPU needs a C++ compiler" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------------
+# --micro-batch-size auto under torchrun: every rank agrees before any runs a size
+
+
+def test_a_size_is_reserved_before_it_is_probed_and_the_reservation_predicted():
+    reserved = []
+
+    def reserve(n, predicted):
+        reserved.append((n, predicted))
+        return True
+
+    probe = Probe(base=10, per_sequence=10)  # 1: 20, 2: 30, 4: 50
+    best, _ = auto_batch.search_micro_batch_size(4, probe, 100, reserve, baseline=10)
+    assert best == 4 and probe.probed == [1, 2, 4]
+    # None for one sequence; 2 from 1's probe and the baseline; 4 from the last two probes.
+    assert reserved == [(2, 30), (4, 50)]
+
+
+def test_a_size_one_rank_cannot_reserve_is_run_by_no_rank_and_both_choose_the_same():
+    # tests/agree_on_a_size.py: rank 1 cannot reserve 4 sequences; under 2 gloo ranks.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*argv, str(REPO / "tests" / "agree_on_a_size.py")],
+        cwd=REPO, env=launch_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(re.findall(r"rank \d: best \w+, probed \[[^]]*\], peaks \{[^}]*\}", proc.stdout))
+    peaks = "{1: 20.0, 2: 30.0, 4: None}"
+    assert lines == [f"rank {r}: best 2, probed [1, 2], peaks {peaks}" for r in (0, 1)], lines

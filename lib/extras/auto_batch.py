@@ -16,38 +16,76 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from lib.exits import TrainingError
 from lib.training import autocast
 
 # The share of the GPU's memory a micro-batch may fill, with the optimizer state still to come:
 # the rest is headroom for fragmentation, NCCL buffers and evaluation.
 AUTO_MEMORY_FRACTION = 0.9
+# Under torchrun, what each rank allocates before a probe, over the peak the earlier probes
+# predict: the probe's own fragmentation, which a prediction cannot see.
+RESERVE_MARGIN = 0.1
 
 
 def search_micro_batch_size(
-    per_device: int, peak_bytes: Callable[[int], float], budget: float
-) -> tuple[int | None, dict[int, float]]:
+    per_device: int,
+    peak_bytes: Callable[[int], float],
+    budget: float,
+    reserve: Callable[[int, float], bool] | None = None,
+    baseline: float = 0.0,
+) -> tuple[int | None, dict[int, float | None]]:
     """The largest divisor n of per_device with peak_bytes(n) <= budget (None: not even 1), and
-    the peaks measured, {n: bytes}.
+    the peaks measured, {n: bytes} (None: a size not every rank could reserve).
 
     Divisors, so that accumulation then makes up the batch exactly. They are tried from small to
     large, stopping at the first that does not fit: memory grows with n, and small probes are
     cheap. A size that the last two measurements (activations grow linearly with n) predict to
-    be over budget is not tried at all: running out of memory is slow, fragments the allocator's
-    cache and, under torchrun, a rank that runs out alone leaves the others waiting in a
-    collective of the forward or backward pass.
+    be over budget is not tried at all: running out of memory is slow and fragments the
+    allocator's cache.
+
+    reserve(n, predicted), under torchrun: whether every rank could set aside the peak predicted
+    for size n (from the last two probes; the first from one probe and `baseline`, the peak of
+    none) before any rank runs it. A size some rank cannot reserve is not run, by any rank: a
+    rank that ran out of memory alone inside a probe would leave the others waiting in a
+    collective of the forward or backward pass (FSDP's all-gathers, CP's and EP's exchanges).
     """
     best, peaks = None, {}
     for n in (d for d in range(1, per_device + 1) if per_device % d == 0):
-        if len(peaks) >= 2:
-            (n1, p1), (n2, p2) = list(peaks.items())[-2:]
-            if p2 + (p2 - p1) / (n2 - n1) * (n - n2) > budget:
+        measured = list(peaks.items())[-2:]
+        if len(measured) == 2:
+            (n1, p1), (n2, p2) = measured
+            predicted = p2 + (p2 - p1) / (n2 - n1) * (n - n2)
+            if predicted > budget:
                 break
+        elif measured:  # one probe: the line through it and the peak of no sequence at all
+            ((n1, p1),) = measured
+            predicted = baseline + (p1 - baseline) * n / n1
+        else:  # the first size: one sequence, without which nothing trains (nothing reserved)
+            predicted = None
+        if reserve is not None and predicted is not None and not reserve(n, predicted):
+            peaks[n] = None
+            break
         peak = peak_bytes(n)
         if peak > budget:
             peaks[n] = peak
             break
         best, peaks[n] = n, peak
     return best, peaks
+
+
+def every_rank(ok: bool, device) -> bool:
+    """Whether ok holds on every rank: an all-reduce of the minimum, which every rank calls at
+    the same point of the search, outside any forward."""
+    flag = torch.tensor(int(ok), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def largest_of_every_rank(value: float, device) -> float:
+    """The largest of every rank's value: all choose the same size."""
+    value = torch.tensor(float(value), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
 
 
 def optimizer_state_to_come(optimizer) -> int:
@@ -93,9 +131,14 @@ def auto_micro_batch_size(
     optimizer state still to come stays within AUTO_MEMORY_FRACTION of the GPU. replicas: the
     GPUs nn.DataParallel splits each forward over (n sequences for each). Under torchrun every
     rank probes the same sizes and takes the largest peak of all, so all choose the same size.
-    DDP probes under no_sync(): no collective, so a rank that runs out of memory alone cannot
-    leave the others waiting. FSDP's forward and backward are collectives themselves; the
-    search's prediction avoids most out-of-memory probes (see search_micro_batch_size).
+    Before each size (after the first), every rank allocates the peak the earlier probes predict
+    for it, plus RESERVE_MARGIN, frees it, and the ranks agree (one all-reduce) whether all
+    could: only then does any rank run it. Out of memory in a probe all the same (the
+    prediction missed by more than the margin) is not caught under torchrun: that rank ends the
+    run in one line (TrainingError) naming the size to give instead, and its peers, waiting in
+    the probe's collectives, are stopped by torchrun once it exits (or else fail at the
+    process group's timeout), rather than pairing the wrong collectives. One process alone
+    (DataParallel included) catches it: the search ends at the size before.
     """
     from torch.distributed.tensor import DTensor
 
@@ -117,23 +160,51 @@ def auto_micro_batch_size(
                 loss_sum, _ = model(x, y, attn_mask(x))
             loss_sum.sum().backward()  # .sum(): DataParallel returns one per replica
 
+    ranks = dist.is_initialized() and dist.get_world_size() > 1
+
+    def not_on_the_gpu(n: int) -> float:  # what a peak counts but no probe allocates
+        return state + (unsharded_grads if n < per_device else 0)
+
     def peak_bytes(n: int) -> float:
         torch.cuda.empty_cache()  # release what earlier probes cached, then measure from here
         torch.cuda.reset_peak_memory_stats(device)
         try:
             forward_backward(n)  # its tensors are freed when it returns (or raises)
-            peak = torch.cuda.max_memory_reserved(device) + state
-            peak += unsharded_grads if n < per_device else 0
+            peak = torch.cuda.max_memory_reserved(device) + not_on_the_gpu(n)
         except torch.OutOfMemoryError:
+            if ranks:  # its peers wait inside the probe's collectives: not one more collective
+                fits = max((m for m, p in peaks_so_far.items() if p is not None), default=None)
+                raise TrainingError(
+                    f"--micro-batch-size auto: rank {dist.get_rank()} ran out of memory probing "
+                    f"{n} sequences, although every rank had reserved its predicted peak first; "
+                    f"give --micro-batch-size {fits or 1} (or less)"
+                ) from None
             peak = math.inf
         optimizer.zero_grad(set_to_none=True)  # the probe's gradients; no weight has changed
         torch.cuda.empty_cache()
-        peak = torch.tensor(float(peak), device=device)
-        if dist.is_initialized():  # the same decision on every rank: the largest peak of all
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return peak.item()
+        peaks_so_far[n] = peak
+        return largest_of_every_rank(peak, device) if ranks else peak
 
-    best, peaks = search_micro_batch_size(per_device, peak_bytes, budget)
+    def reserve(n: int, predicted: float) -> bool:
+        """Whether every rank could allocate the peak predicted for n (and the margin)."""
+        torch.cuda.empty_cache()
+        need = (predicted - not_on_the_gpu(n)) * (1 + RESERVE_MARGIN)
+        try:
+            block = torch.empty(max(0, int(need - torch.cuda.memory_reserved(device))),
+                                dtype=torch.uint8, device=device)  # fmt: skip
+            del block
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        torch.cuda.empty_cache()  # given back before the probe, which measures from here
+        return every_rank(ok, device)
+
+    peaks_so_far = {}
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved(device) + state if ranks else 0.0  # peak of nothing
+    best, peaks = search_micro_batch_size(
+        per_device, peak_bytes, budget, reserve if ranks else None, baseline
+    )
     from lib.extras.moe import router_stats
 
     router_stats(model)  # a mixture of experts counted the probes' routing: not training's
@@ -141,10 +212,7 @@ def auto_micro_batch_size(
         # The probes compiled the layers for several batch sizes, so the kernels kept are
         # dynamic-shape ones; recompiling once for the chosen size gives static, faster ones.
         torch.compiler.reset()
-    tried = ", ".join(
-        f"{n}: " + ("out of memory" if math.isinf(p) else f"{p / 1e9:.1f} GB")
-        for n, p in peaks.items()
-    )
+    tried = ", ".join(f"{n}: {described(p)}" for n, p in peaks.items())
     if best is None:
         raise ValueError(
             f"--micro-batch-size auto: not even 1 sequence of {args.seq_length} tokens fits in "
@@ -157,3 +225,10 @@ def auto_micro_batch_size(
             f"come: {tried}; budget {budget / 1e9:.1f} GB)"
         )
     return replace(plan, micro_batch_size=best, accumulation=per_device // best)
+
+
+def described(peak: float | None) -> str:
+    """A probe's peak as the summary line gives it."""
+    if peak is None:
+        return "not reserved on every rank"
+    return "out of memory" if math.isinf(peak) else f"{peak / 1e9:.1f} GB"
