@@ -130,15 +130,10 @@ def auto_micro_batch_size(
     measures the peak memory the caching allocator reserved; a size fits if that peak plus the
     optimizer state still to come stays within AUTO_MEMORY_FRACTION of the GPU. replicas: the
     GPUs nn.DataParallel splits each forward over (n sequences for each). Under torchrun every
-    rank probes the same sizes and takes the largest peak of all, so all choose the same size.
-    Before each size (after the first), every rank allocates the peak the earlier probes predict
-    for it, plus RESERVE_MARGIN, frees it, and the ranks agree (one all-reduce) whether all
-    could: only then does any rank run it. Out of memory in a probe all the same (the
-    prediction missed by more than the margin) is not caught under torchrun: that rank ends the
-    run in one line (TrainingError) naming the size to give instead, and its peers, waiting in
-    the probe's collectives, are stopped by torchrun once it exits (or else fail at the
-    process group's timeout), rather than pairing the wrong collectives. One process alone
-    (DataParallel included) catches it: the search ends at the size before.
+    rank probes the same sizes, takes the largest peak of all, and runs a size only once every
+    rank could reserve its predicted peak (reserve, below; docs/speed.md): out of memory inside
+    a probe all the same ends the run in one line on that rank (its peers wait in the probe's
+    collectives: no further collective may be issued), where one process just stops the search.
     """
     from torch.distributed.tensor import DTensor
 
@@ -190,8 +185,8 @@ def auto_micro_batch_size(
         torch.cuda.empty_cache()
         need = (predicted - not_on_the_gpu(n)) * (1 + RESERVE_MARGIN)
         try:
-            block = torch.empty(max(0, int(need - torch.cuda.memory_reserved(device))),
-                                dtype=torch.uint8, device=device)  # fmt: skip
+            size = max(0, int(need - torch.cuda.memory_reserved(device)))
+            block = torch.empty(size, dtype=torch.uint8, device=device)
             del block
             ok = True
         except torch.OutOfMemoryError:
@@ -205,6 +200,13 @@ def auto_micro_batch_size(
     best, peaks = search_micro_batch_size(
         per_device, peak_bytes, budget, reserve if ranks else None, baseline
     )
+    return chosen(args, plan, model, best, peaks, budget, per_device)
+
+
+def chosen(args, plan, model, best, peaks: dict, budget: float, per_device: int):
+    """The plan with the size the search chose (ValueError if not even 1 fits), said on rank 0,
+    and what the probes left behind undone: a mixture of experts' routing counts, the kernels
+    compiled for several sizes."""
     from lib.extras.moe import router_stats
 
     router_stats(model)  # a mixture of experts counted the probes' routing: not training's
