@@ -123,18 +123,16 @@ def auto_micro_batch_size(
     args, plan, model, attn_mask, optimizer, vocab_size: int, device, replicas: int = 1
 ):
     """--micro-batch-size auto: the plan with the largest micro-batch that fits on this GPU, and
-    the gradient accumulation steps that keep the global batch --batch-size.
-
-    model: the wrapped model, as the training loop calls it. Each probe runs its forward (with
-    the run's attention mask and precision) and backward on random tokens of --seq-length, and
-    measures the peak memory the caching allocator reserved; a size fits if that peak plus the
-    optimizer state still to come stays within AUTO_MEMORY_FRACTION of the GPU. replicas: the
-    GPUs nn.DataParallel splits each forward over (n sequences for each). Under torchrun every
-    rank probes the same sizes, takes the largest peak of all, and runs a size only once every
-    rank could reserve its predicted peak (reserve, below; docs/speed.md): out of memory inside
-    a probe all the same ends the run in one line on that rank (its peers wait in the probe's
-    collectives: no further collective may be issued), where one process just stops the search.
-    """
+    the gradient accumulation steps that keep the global batch. model: the wrapped model, as the
+    loop calls it. Each probe runs its forward (with the run's attention mask and precision) and
+    backward on random tokens of --seq-length, and measures the peak memory the caching
+    allocator reserved; a size fits if that peak plus the optimizer state still to come stays
+    within AUTO_MEMORY_FRACTION of the GPU. replicas: the GPUs nn.DataParallel splits each
+    forward over (n sequences for each). Under torchrun every rank probes the same sizes, takes
+    the largest peak of all, and runs a size only once every rank could reserve its predicted
+    peak (reserve, below; docs/speed.md): out of memory inside a probe all the same ends the run
+    in one line on that rank (its peers wait in the probe's collectives: no other collective may
+    be issued), where one process just stops the search."""
     from torch.distributed.tensor import DTensor
 
     per_device = args.batch_size // plan.devices
