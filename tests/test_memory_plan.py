@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lib import exits
 from lib.extras import memory
@@ -18,7 +19,7 @@ from lib.extras import memory_formulas as formulas
 from lib.extras.memory import Workload
 from lib.parallel import pipeline
 from lib.parallel.layout import Layout
-from model import LlamaConfig, count_parameters
+from model import LlamaConfig, LlamaForPretraining, count_parameters
 from tools import memory_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -491,3 +492,34 @@ def test_a_figure_under_the_table_has_a_unit_of_its_own(monkeypatch, capsys):
     assert code == 0 and "PB" in out
     assert "the largest parameter whole for an instant (1.05 GB)" in out, out
     assert memory.amount(0.5) == "500.00 MB" and memory.amount(2.5e6) == "2.50 PB"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("preset, experts", [("7b", 0), ("tiny", 4)])
+def test_muon_plans_one_momentum_for_the_hidden_matrices_muon_updates(preset, experts):
+    # The planner's count of the hidden matrices against the model's own parameters that
+    # lib/extras/muon.py updates (its is_hidden_matrix), on the meta device: the same number of
+    # elements, and the matrices (a stack of experts counts each expert's).
+    from lib.extras import muon
+
+    config = LlamaConfig.from_preset(preset, num_local_experts=experts)
+    with torch.device("meta"):
+        model = LlamaForPretraining(config)
+    hidden = [p for n, p in model.named_parameters() if muon.is_hidden_matrix(n, p)]
+    count, elements, _ = formulas.hidden_matrices(config)
+    assert elements == sum(p.numel() for p in hidden)
+    assert count == sum(p.shape[0] if p.dim() == 3 else 1 for p in hidden)
+    # AdamW keeps 8 bytes of state per parameter, Muon 4 for the hidden ones: the optimizer
+    # column shrinks by half of their share, and nothing else changes.
+    layout = Layout(world_size=8, dp=8, ep=1)
+    adamw = memory.plan(config, layout, memory.Workload(precision="fp32"))
+    with_muon = memory.plan(config, layout, memory.Workload(precision="fp32", optimizer="muon"))
+    share = elements / count_parameters(config)
+    for name, row in adamw["strategies"].items():
+        got = with_muon["strategies"][name]
+        assert got["optimizer_gb"] == pytest.approx(row["optimizer_gb"] * (1 - share / 2))
+        assert got["params_gb"] == row["params_gb"] and got["grads_gb"] == row["grads_gb"]
+    # The exchange under FSDP: every rank sends its pieces of the others' matrices in fp32 and
+    # gets its pieces of the results back, (4 + 4) H (N - 1) / N^2 bytes in fp32.
+    assert with_muon["muon"]["sent_sharded"] == pytest.approx(8 * elements * 7 / 64 / 1e9)
+    assert adamw["muon"] is None and "muon:" in memory.format_plan(with_muon)

@@ -150,6 +150,13 @@ def build_parser() -> flags.ArgumentParser:
         default=80.0,
         help="GB per GPU, to say what fits",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: one momentum (4 bytes) for the hidden matrices instead of AdamW's two, and "
+        "what orthogonalising them on their owners holds and sends (needs --model)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
     return p
 
@@ -180,6 +187,7 @@ def workload_of(args) -> Workload:
         precision=args.precision,
         attention=args.attention,
         gpu_memory_gb=args.gpu_memory,
+        optimizer=args.optimizer,
     )
 
 

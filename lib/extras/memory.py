@@ -17,10 +17,12 @@ from lib.extras.memory_formulas import (
     all_to_all_bytes,
     data_parallel_bytes,
     expert_parameters,
+    hidden_matrices,
     hsdp_across_groups_bytes,
     largest_parameter,
     model_parallel_bytes,
     model_states_bytes,
+    muon_bytes,
     pipeline_in_flight,
     stage_parameters,
 )
@@ -81,14 +83,27 @@ def plan(
         **pipeline_fields(layout, workload),
         **traffic_fields(config, local_params, layout, workload),
         **workload_fields(config, workload),
+        **muon_fields(config, layout, workload),
         "strategies": strategies,
     }
+
+
+def muon_fields(config: LlamaConfig | None, layout: Layout, workload: Workload) -> dict:
+    """--optimizer muon's figures (formulas.muon_bytes), in GB; None under AdamW."""
+    if workload.optimizer != "muon":
+        return {"optimizer": workload.optimizer, "muon": None}
+    count, hidden, _ = hidden_matrices(config)
+    figures = {k: v / GB for k, v in muon_bytes(config, layout, workload).items()}
+    share = hidden / count_parameters(config)
+    return {"optimizer": "muon", "muon": {"matrices": count, "share": share, **figures}}
 
 
 def check_plan(config: LlamaConfig | None, num_params: int, layout: Layout, workload: Workload):
     """Refuse, with the flag to change, a layout that does not divide, and one that the lesson
     that trains it would refuse."""
     check_experts(config, layout)
+    if workload.optimizer == "muon" and config is None:
+        raise ValueError("--optimizer muon plans the model's hidden matrices: give --model")
     tp, pp, cp, world_size = layout.tp, layout.pp, layout.cp, layout.world_size
     if min(world_size, num_params, tp, pp, cp, layout.replicate, workload.micro_batches) < 1:
         raise ValueError(
@@ -203,6 +218,9 @@ def stage_row(
     activations, total, activations_checkpointed, total_checkpointed}_gb."""
     params, layers, logprob_copies = stage
     states = strategy_states(name, params, expert_params, layout, workload.precision)
+    if workload.optimizer == "muon":  # one momentum (4 bytes) for the hidden matrices, not two
+        _, hidden, _ = hidden_matrices(config)
+        states["optimizer"] *= 1 - hidden / count_parameters(config) / 2
     model_states = sum(states.values())
     row = {f"{part}_gb": value / GB for part, value in states.items()}
     row["model_states_gb"] = model_states / GB
@@ -340,6 +358,7 @@ def estimate_for_run(args, settings, config: LlamaConfig, layout: Layout) -> str
         micro_batches=settings.accumulation,
         precision=settings.precision,
         attention=attention,
+        optimizer=args.optimizer,
     )
     return format_plan(plan(config, layout, workload))
 
@@ -368,9 +387,12 @@ def plan_title(p: dict) -> str:
     """The table's first line: the model, the GPUs and their layout, the precision and the
     micro-batch."""
     w, g, o = BYTES_PER_PARAM[p["precision"]]
+    per_parameter = f"{w}+{g}+{o} bytes per parameter"
+    if p.get("muon"):  # one momentum for the hidden matrices: 4 bytes where AdamW keeps 8
+        per_parameter += f"; Muon's {p['muon']['share']:.0%} of them {w}+{g}+{o // 2}"
     title = (
         f"memory per GPU: {parameter_count(p['num_params'])} parameters, {p['world_size']} GPUs "
-        f"({layout_words(p)}), precision {p['precision']} ({w}+{g}+{o} bytes per parameter)"
+        f"({layout_words(p)}), precision {p['precision']} ({per_parameter})"
     )
     if p["micro_batch_size"]:
         title += (
@@ -425,8 +447,15 @@ def strategy_line(name: str, r: dict, gb) -> str:
 
 def traffic_notes(p: dict) -> list[str]:
     """The lines under the table on traffic: tensor, pipeline and context parallelism's, the
-    experts' all-to-alls, and what HSDP sends between its replica groups."""
+    experts' all-to-alls, what HSDP sends between its replica groups, and Muon's exchange."""
     lines = []
+    if muon := p.get("muon"):
+        lines.append(
+            f"muon: {muon['matrices']} hidden matrices, each orthogonalised on one GPU of those "
+            f"holding its pieces: {amount(muon['whole'])} of whole matrices at once on each; "
+            f"{amount(muon['sent_sharded'])} sent per GPU per step sharded (FSDP, TP, CP), "
+            f"{amount(muon['sent_replicated'])} replicated (DDP)"
+        )
     if p["tp"] > 1 or p["pp"] > 1 or p["cp"] > 1:
         lines.append(
             f"model-parallel traffic per GPU per step: tensor parallel "

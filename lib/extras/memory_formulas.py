@@ -30,7 +30,7 @@ class Workload:
     accumulation; the pipeline's m) of `micro_batch_size` sequences of `seq_length` tokens, in a
     --precision of BYTES_PER_PARAM. attention "flash" is a fused kernel that stores no (s, s)
     scores, "math" one that does. gpu_memory_gb: the memory of one GPU, to say what fits (None:
-    the plan does not say)."""
+    the plan does not say). optimizer: --optimizer's, "adamw" or "muon" (muon_fields)."""
 
     micro_batch_size: int = 1
     seq_length: int = 2048
@@ -38,6 +38,42 @@ class Workload:
     precision: str = "bf16"
     attention: str = "flash"
     gpu_memory_gb: float | None = None
+    optimizer: str = "adamw"
+
+
+def hidden_matrices(config: LlamaConfig) -> tuple[int, int, int]:
+    """What --optimizer muon orthogonalises (lib/extras/muon.py's hidden matrices): (how many,
+    their parameters, the largest one's parameters) over the whole model: each layer's wq, wk,
+    wv, wo and the MLP's w1, w2, w3 (each expert's, in a mixture of experts)."""
+    d, kv, ffn = (
+        config.hidden_size,
+        config.num_key_value_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    mlps = max(config.num_local_experts, 1)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * ffn * mlps
+    count = config.num_hidden_layers * (4 + 3 * mlps)
+    return count, config.num_hidden_layers * per_layer, max(d * d, d * ffn)
+
+
+def muon_bytes(config: LlamaConfig, layout: Layout, workload: Workload) -> dict[str, float]:
+    """Muon's figures per GPU (bytes), for the hidden matrices of the heaviest pipeline stage,
+    shared by the N = dp x cp x tp ranks that hold pieces of them, each matrix orthogonalised by
+    one of them (its owner, lib/extras/muon.py): "whole", the owner's whole matrices in fp32 at
+    once (their updates, ~H/N) and the largest one's Newton-Schulz working set; "sent", what the
+    exchange brings each rank per step, sharded (FSDP, TP, CP: its pieces to the owners in fp32,
+    the results back in the matmuls' dtype, (4 + b) H (N - 1) / N^2) or replicated (DDP, ZeRO-1's
+    DDP: each rank receives every result, b H (N - 1) / N). b: 2 bytes in bf16, else 4."""
+    _, hidden, largest = hidden_matrices(config)
+    hidden /= layout.pp
+    n = layout.dp * layout.cp * layout.tp
+    b = 2 if workload.precision == "bf16" else 4
+    newton_schulz = b * 4 * largest  # x, its Gram matrix and two products of a square side
+    return {
+        "whole": 4 * hidden / n + newton_schulz,
+        "sent_sharded": (4 + b) * hidden * (n - 1) / n**2,
+        "sent_replicated": b * hidden * (n - 1) / n,
+    }
 
 
 def model_states_bytes(
