@@ -150,7 +150,7 @@ def test_model_pt_of_a_big_model_is_written_one_tensor_at_a_time(tmp_path):
     # about one tensor (the largest: 11.5 MB), not by the model.
     probe = """
 import os, resource, sys, torch
-from lib.checkpoints.sharded import save_tensor_by_tensor
+from lib.checkpoints.model_pt import save_tensor_by_tensor
 from model import LlamaConfig
 
 config = LlamaConfig.from_preset("medium", vocab_size=320)

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from harness import LAUNCH_TIMEOUT, REPO, cmd, describe, launch_env, run_script
 
 from lib import exits, training
-from lib.checkpoints import files, resuming, safe_load, sharded
+from lib.checkpoints import files, model_pt, resuming, safe_load, sharded
 from lib.distributed import backend_for, group_options
 from model import LlamaConfig, LlamaForPretraining
 
@@ -219,8 +219,8 @@ def test_model_pt_from_a_dcp_checkpoint_reads_its_metadata_once(tmp_path, monkey
     monkeypatch.setattr(
         safe_load.MetadataUnpickler, "load", lambda self: reads.append(1) or load(self)
     )
-    sharded.save_tensor_by_tensor(
-        config, sharded.tensor_reader(str(tmp_path / "step")), str(tmp_path / "model.pt")
+    model_pt.save_tensor_by_tensor(
+        config, model_pt.tensor_reader(str(tmp_path / "step")), str(tmp_path / "model.pt")
     )
     assert len(reads) == 1
     written = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -232,12 +232,12 @@ def test_model_pt_from_a_dcp_checkpoint_reads_its_metadata_once(tmp_path, monkey
 def test_the_generate_command_after_a_sharded_run_says_where_the_model_fits():
     args = argparse.Namespace(out_dir="out", sample_prompt="def ")
     size = sum(t.numel() * 4 for t in LlamaForPretraining(tiny_config()).state_dict().values())
-    on_gpu = sharded.generate_command(args, tiny_config(), gpu_memory=10 * size)
+    on_gpu = model_pt.generate_command(args, tiny_config(), gpu_memory=10 * size)
     assert on_gpu.startswith("python -m tools.generate --out-dir out --prompt 'def '; ")
     assert "--device" not in on_gpu and "in fp32" in on_gpu
-    too_big = sharded.generate_command(args, tiny_config(), gpu_memory=size)
+    too_big = model_pt.generate_command(args, tiny_config(), gpu_memory=size)
     assert "--prompt 'def ' --device cpu;" in too_big and "too big for one GPU" in too_big
-    assert "--device" not in sharded.generate_command(args, tiny_config(), gpu_memory=0)  # a CPU
+    assert "--device" not in model_pt.generate_command(args, tiny_config(), gpu_memory=0)  # a CPU
 
 
 # -------------------------------------------------------------------------------------------------

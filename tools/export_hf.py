@@ -56,8 +56,8 @@ from lib.checkpoints.finished_run import (
     is_number,
     open_weights,
 )
+from lib.checkpoints.model_pt import save_tensor_by_tensor
 from lib.checkpoints.out_dir import save_final
-from lib.checkpoints.sharded import save_tensor_by_tensor
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------
