@@ -17,7 +17,7 @@ import torch
 
 from data import SPECIAL_TOKENS
 from lib import model_config, training
-from lib.distributed import backend_for, divide_ranks, rank_from_env, world_size_from_env
+from lib.distributed import backend_for, rank_from_env, world_size_from_env
 from model import LlamaConfig, count_active_parameters, count_parameters
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and [PAD], [BOT], [EOT]
@@ -296,8 +296,9 @@ def run_settings(
     DataParallel, ranks under DDP, data-parallel groups under TP and PP); replicas and
     context_parallel: as masks.resolve_attention takes them; default_micro_batch_size: the
     micro-batch without --micro-batch-size (None: --batch-size / devices); fp16=False: refuse
-    --precision fp16 (no loss scaling of sharded gradients). With --micro-batch-size auto, the
-    micro-batch is None until auto_batch.auto_micro_batch_size has measured it on the GPU."""
+    --precision fp16 (train_pp.py: each rank's grad scaler sees only its own stages). With
+    --micro-batch-size auto, the micro-batch is None until auto_batch.auto_micro_batch_size has
+    measured it on the GPU."""
     # Each number's own range was checked as it was parsed (number_arg).
     check_processes(parser, args, device)
     check_optional_flags(parser, args, device)
@@ -307,8 +308,8 @@ def run_settings(
         never = f"the learning rate rises for the whole run and never reaches --lr {args.lr}"
         print(f"warning: {longer}: {never}", file=sys.stderr)
     if not fp16 and args.precision == "fp16":
-        refused = f"{parser.prog} supports --precision bf16 or fp32: fp16 needs loss scaling"
-        parser.error(f"{refused} of sharded gradients, which this lesson does not implement")
+        refused = f"{parser.prog} supports --precision bf16 or fp32: fp16's grad scaler would"
+        parser.error(f"{refused} need every pipeline stage to agree to skip a step; use bf16")
     auto = args.micro_batch_size == "auto"
     micro = default_micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     if auto or micro is None:
@@ -346,15 +347,13 @@ def run_settings(
 
 def check_processes(parser, args, device: torch.device) -> None:
     """parser.error unless the processes fit the script and the flags: RANK and WORLD_SIZE,
-    --backend for the device, and the grid of ranks of HSDP (--replicate, lib/parallel/fsdp.py)."""
+    and --backend for the device (the grid of ranks is the strategy module's setup's to check)."""
     rank_from_env("RANK", world_size := world_size_from_env())  # ValueError unless valid
     if world_size > 1 and not hasattr(args, "backend"):  # (only the torchrun scripts have it)
         one = f"{parser.prog} is one process, not a torchrun worker (WORLD_SIZE={world_size})"
         parser.error(f"{one}: start it with python, or use train_ddp.py")
     try:
         backend_for(getattr(args, "backend", None), device)
-        if getattr(args, "replicate", 1) > 1:
-            divide_ranks(world_size, "--replicate", args.replicate, "replicas x shard groups")
     except ValueError as e:
         parser.error(str(e))
 
