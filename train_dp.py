@@ -27,6 +27,7 @@ def main():
     num_gpus = torch.cuda.device_count()
     device = torch.device("cuda", 0) if num_gpus else torch.device("cpu")
     devices = max(num_gpus, 1)  # how many GPUs share each batch
+    dp, dp_rank = 1, 0  # one process (train_ddp.py: one per GPU, each reading its share)
     settings = flags.run_settings(parser, args, devices, device, replicas=devices)  # checked
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
@@ -62,8 +63,8 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, dp_model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size * devices  # sequences per forward: DataParallel splits them
-    val_loader = training.ValidationShard(val_set, 0, 1, rows, device)  # (all of it)
-    start, shard = (start_step, data_position), (0, 1)  # shard: --streaming's
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)  # its share
+    start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )

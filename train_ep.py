@@ -2,7 +2,6 @@
 
     torchrun --standalone --nproc_per_node=8 train_ep.py --num-experts 8 --ep 8  # 1 per GPU
     torchrun --standalone --nproc_per_node=8 train_ep.py --num-experts 8 --ep 4  # dp 2 x ep 4
-    torchrun --standalone --nproc_per_node=2 train_ep.py --num-experts 4 --ep 2  # no GPU: 2 CPUs
 
 What this adds to train_fsdp.py: a mixture of experts (--num-experts E, lib/extras/moe.py), E
 MLPs per layer of which each token uses k. The ranks form a (dp, ep) grid: shard_experts keeps
@@ -45,20 +44,20 @@ def main():
     # The grid: every rank reads its own share of the batch; the EP groups share out the experts.
     layout = expert_parallel.setup(parser, args, world_size, device)  # checked; the meshes
     settings = flags.run_settings(parser, args, layout.dp, device)  # checked
+    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and which this rank is in
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
-    resume_path = checkpoints.prepare_out_dir()  # rank 0 makes it; every rank learns the choice
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
     attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
-    # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
-    # epoch); every rank passes the same epoch, so their shares stay disjoint.
+    # The samples this rank reads in an epoch: every dp-th of one shuffle seeded with seed + epoch
+    # by set_epoch on every rank (disjoint shares): together, the batches train_dp.py reads.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
+        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -70,12 +69,10 @@ def main():
     # Each rank keeps E / ep experts of every layer, and each MoE layer dispatches its tokens over
     # its EP group, mesh["ep"] (ep consecutive ranks); mesh["dp"] holds the same experts.
     expert_parallel.shard_experts(model, layout.mesh["ep"])
-    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
-    # no casts (fp16 computes under autocast, as train_ddp.py does).
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards (else no casts).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    # fsdp_mesh None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node
-    # each), the rows replicas of each other's shards, all-reducing their gradients.
+    # fsdp_mesh: None, FSDP over all ranks, or HSDP's (--replicate R: R replicas of a shard group).
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
     options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
@@ -86,9 +83,8 @@ def main():
     for layer in model.layers:
         fully_shard(layer.feed_forward.gate, **options)
         fully_shard(layer.feed_forward, **{**options, "mesh": layout.mesh["dp"]})
-        # An expert's gradient comes back from the all-to-all summed over its EP group's tokens,
-        # and the reduce-scatter sums it over dp: divide by all the ranks, dp x ep, as the dense
-        # gradients are (FSDP's default, the mean over its mesh, would divide by dp alone).
+        # An expert's gradient comes summed over its EP group's tokens (the all-to-all) and over dp
+        # (the reduce-scatter): divide by all ranks, as the dense ones are (FSDP's default: dp).
         layer.feed_forward.set_gradient_divide_factor(world_size)
         if world_size > layout.ep:  # a plain sum, then the division (gloo has no reduction
             # that scales as it sums); with dp = 1 nothing is reduced, and torch divides twice.
@@ -108,8 +104,8 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, rank, world_size, rows, device)  # its share
-    start, shard = (start_step, data_position), (rank, world_size)  # (for --streaming)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)  # its share
+    start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -147,13 +143,11 @@ def main():
             model.set_requires_gradient_sync(i == settings.accumulation - 1)
             with training.autocast(device, settings.precision):
                 loss_sum, _ = model(x, y, attn_mask(x))
-            # The reduce-scatter averages gradients over all ranks (FSDP's), as DDP's all-reduce
-            # does: the factor world_size undoes that, leaving sum of all losses / all tokens.
+            # The reduce-scatter divides by world_size too, as DDP does; the factor undoes that.
             loss = loss_sum * world_size / global_tokens
             scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
-        # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        dist.all_reduce(step_loss)
+        dist.all_reduce(step_loss)  # the global loss on every rank (queued): the same decisions
         scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         # The gradients are sharded DTensors on two meshes (the experts' and the rest of the
         # model's): the norm of each mesh's shards, combined, so every rank clips by the whole.

@@ -49,22 +49,20 @@ def main():
     # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
     # accumulation steps are the m micro-batches the schedule streams through each pipeline.
     layout = pipeline.setup(parser, args, world_size, device)  # checked; the device mesh
-    # No fp16 (refused): every stage would have to agree to skip a step, which the grad scaler
-    # of each rank, seeing only its own stages' gradients, cannot; use bf16.
+    # No fp16 (refused): a rank's grad scaler sees only its own stages, so cannot skip for all.
     settings = pipeline.run_settings(parser, args, layout, device)  # checked
-    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and this rank's
+    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and which this rank is in
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
-    resume_path = checkpoints.prepare_out_dir()  # rank 0 makes it; every rank learns the choice
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
     attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # The samples this rank reads in an epoch: every dp-th of one shared shuffle, so that each
-    # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
-    # epoch); every rank passes the same epoch, so their shares stay disjoint.
+    # The samples this rank reads in an epoch: every dp-th of one shuffle seeded with seed + epoch
+    # by set_epoch on every rank (disjoint shares): together, the batches train_dp.py reads.
     def epoch_order(epoch: int) -> list[int]:
         sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
@@ -79,18 +77,15 @@ def main():
     tp_mesh = layout.mesh["tp"]  # Megatron's plan in every layer, then embedding, norms, lm_head
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, tensor_parallel.layer_plan(args.sequence_parallel))
-    tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel, False)  # *
+    tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel, False)
     training.prepare_layers(model, args, loss=False)  # (the last stage runs PipelineLoss)
-    # (*: lm_head all-gathers the logits.) This rank's stages: its own layers, under the full
-    # model's names; the rest of the model goes with `model`.
+    # False: lm_head gathers the logits. This rank's stages: its layers, by the full model's names.
     stage_models = pipeline.build_stages(model, layout, settings.precision)
     pp_rank, pp_group = layout.mesh.get_local_rank("pp"), layout.mesh["pp"].get_group()
-    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
-    # no casts (fp16 computes under autocast, as train_ddp.py does).
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards (else no casts).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    # fsdp_mesh None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node
-    # each), the rows replicas of each other's shards, all-reducing their gradients.
+    # fsdp_mesh: None, FSDP over all ranks, or HSDP's (--replicate R: R replicas of a shard group).
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
     options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
@@ -128,9 +123,14 @@ def main():
     )
 
     def run_pipeline(x, y, scale, train: bool) -> torch.Tensor:
-        # The last stage's (loss sum, targets, their bytes) of one run; zeros on the other stages.
-        ends = (is_first, is_last)  # (the tokens go in; the loss comes out)
-        loss_sum = run_schedule(schedule, loss_fn, x, y, attn_mask(x), scale, train, *ends)
+        # One run of the schedule over a pipeline's batch (m x rows, T; eval: forwards alone): the
+        # first stage reads x, the last sums each micro-batch's loss x scale, every stage gets the
+        # mask. The last stage's (loss sum, targets, their bytes); zeros on the other stages.
+        loss_fn.scale, losses, mask = scale, [], attn_mask(x)
+        inputs, masks = (x,) if is_first else (), {} if mask is None else {"attn_mask": mask}
+        run = schedule.step if train else schedule.eval
+        run(*inputs, target=y if is_last else None, losses=losses, return_outputs=False, **masks)
+        loss_sum = sum(losses, torch.zeros((), device=device)) / scale
         return training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), val_loader) * is_last
 
     def evaluate() -> torch.Tensor:
@@ -163,8 +163,7 @@ def main():
         dist.all_reduce(global_tokens, group=layout.dp_group)
         # One batch for the whole pipeline: the schedule cuts it back into the m micro-batches.
         x, y = (torch.cat(tensors) for tensors in zip(*micro_batches, strict=True))  # (m * rows, T)
-        # FSDP averages gradients over the dp pipelines, as DDP's all-reduce does: the factor dp
-        # undoes that division, leaving sum of all losses / all tokens.
+        # FSDP divides by dp, as DDP does; the factor dp undoes that.
         step_loss = run_pipeline(x, y, layout.dp / global_tokens, train=True)[0]
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=pp_group)  # the last stage's (the others hold zeros)
@@ -184,18 +183,6 @@ def main():
     # model.pt, written on rank 0 one tensor at a time from the checkpoint of the last step.
     checkpoints.finish(state, device)
     dist.destroy_process_group()
-
-
-def run_schedule(schedule, loss_fn, x, y, attn_mask, scale, train: bool, first: bool, last: bool):
-    """One run of the schedule over a pipeline's batch (m x rows, T), forwards and backwards (eval:
-    forwards alone): the first stage reads x, the last computes each micro-batch's loss sum x
-    scale, every stage gets the attention mask. Returns the last stage's loss sum, unscaled."""
-    loss_fn.scale, losses = scale, []
-    masks = {} if attn_mask is None else {"attn_mask": attn_mask}
-    run = schedule.step if train else schedule.eval
-    inputs, target = (x,) if first else (), y if last else None
-    run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
-    return sum(losses, torch.zeros((), device=x.device)) / scale
 
 
 if __name__ == "__main__":

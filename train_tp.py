@@ -1,15 +1,13 @@
 """Pretrain a Llama with torchrun + tensor parallelism (Megatron-style), FSDP2 across groups.
 
-    torchrun --standalone --nproc_per_node=8 train_tp.py --model 7b --tp 8   # TP 8 in one node
     torchrun --standalone --nproc_per_node=8 train_tp.py --model 1b --tp 4   # 2D: dp 2 x tp 4
-    torchrun --standalone --nproc_per_node=2 train_tp.py --tp 2 --sequence-parallel   # CPU
+    SCRIPT=train_tp.py NNODES=4 ... ./run_ddp.sh --tp 8 --replicate 4      # 70b: TP in a node
 
 What this adds to train_fsdp.py: the ranks form a (dp, tp) grid, and the tp consecutive ranks of
 a group (one node: TP talks in every layer) read the same samples. parallelize_module splits
 every matrix over them, Megatron's way: wq, wk, wv, w1, w3 by columns, wo, w2 by rows (one
-all-reduce each for attention and the MLP), the embedding and lm_head by vocabulary, with the
-loss on the sharded logits (loss_parallel). --sequence-parallel splits what runs between them
-along the sequence. FSDP (HSDP with --replicate: the 70b layout) then shards over dp alone.
+all-reduce each for attention and the MLP), the embedding and lm_head by vocabulary, the loss on
+the sharded logits (loss_parallel); --sequence-parallel splits the rest along the sequence.
 
 Read it top to bottom: the flags, the data, the model, the training loop, the outputs. What
 every lesson does alike is in lib/ (around each step, when to log, evaluate, save and stop:
@@ -47,19 +45,18 @@ def main():
     # The grid: dp x tp ranks. Only the dp groups split the batch: a tp group shares its samples.
     layout = tensor_parallel.setup(parser, args, world_size, device)  # checked; the device mesh
     settings = flags.run_settings(parser, args, layout.dp, device)  # checked
-    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and this rank's
+    dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and which this rank is in
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # DCP: every rank writes its own shards
-    resume_path = checkpoints.prepare_out_dir()  # rank 0 makes it; every rank learns the choice
+    resume_path = checkpoints.prepare_out_dir()
 
     # ---- data ----------------------------------------------------------------------------------
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
     attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # The samples this rank reads in an epoch: every dp-th of one shared shuffle, so that each
-    # global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
-    # epoch); every rank passes the same epoch, so their shares stay disjoint.
+    # The samples this rank reads in an epoch: every dp-th of one shuffle seeded with seed + epoch
+    # by set_epoch on every rank (disjoint shares): together, the batches train_dp.py reads.
     def epoch_order(epoch: int) -> list[int]:
         sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
@@ -70,23 +67,22 @@ def main():
     # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
-    # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
+    # checkpointing and compilation of the tensor-parallel layers, then FSDP around them, over the
+    # dp ranks: each TP shard is split again (2-D DTensors) and reduce-scattered among its holders.
     tp_mesh = layout.mesh["tp"]  # Megatron's plan in every layer, then embedding, norms, lm_head
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, tensor_parallel.layer_plan(args.sequence_parallel))
     tensor_parallel.apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
     training.prepare_layers(model, args, loss=False)  # (the loss runs on vocabulary shards)
-    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards; fp32 and fp16:
-    # no casts (fp16 computes under autocast, as train_ddp.py does).
+    # bf16: weights gathered in bf16, gradients reduced in fp32 into fp32 shards (else no casts).
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mp_policy = MixedPrecisionPolicy(**bf16 if settings.precision == "bf16" else {})
-    # fsdp_mesh None: FSDP over all ranks; HSDP (--replicate R): R rows of shard groups (a node
-    # each), the rows replicas of each other's shards, all-reducing their gradients.
+    # fsdp_mesh: None, FSDP over all ranks, or HSDP's (--replicate R: R replicas of a shard group).
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
     options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
-    # FSDP over the dp ranks, as train_fsdp.py over all: each TP shard is split again over the dp
-    # groups (2-D DTensors), and its gradients reduce-scattered among the ranks holding it.
+    # Layers first, then the root, which takes what no layer owns (embeddings, final norm,
+    # lm_head). In place: `model`'s parameters are now DTensors, this rank's share of each.
     for layer in model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
@@ -101,20 +97,18 @@ def main():
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
     start_step, data_position = checkpoints.resume(resume_path, state)
-    # --micro-batch-size auto: the largest that fits, measured with the model as it trains (the
-    # cross-entropy of vocab-sharded logits, forward and backward, runs under loss_parallel()).
-    with loss_parallel():
+    # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
+    with loss_parallel():  # (the cross-entropy of vocabulary-sharded logits runs under it)
         settings = flags.measured(settings, args, model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)  # its share
     start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
     def evaluate() -> torch.Tensor:
-        # Each rank its dp group's share (every forward is a collective: all run it); the sums
-        # added up over the dp groups (the tp ranks of a group hold the same).
+        # Each rank its dp group's share (every forward is a collective: all run it); sums added up.
         with loss_parallel():
             totals = training.evaluate(model, val_loader, device, settings, attn_mask)
         dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
@@ -148,8 +142,7 @@ def main():
             with loss_parallel():  # (TP's shards are of this one loss: no factor for them)
                 with training.autocast(device, settings.precision):
                     loss_sum, _ = model(x, y, attn_mask(x))
-                # The reduce-scatter averages gradients over the dp ranks, as DDP's all-reduce
-                # does: the factor dp undoes that division, leaving sum of all losses / all tokens.
+                # The reduce-scatter divides by dp, as DDP does; the factor dp undoes that.
                 loss = loss_sum * layout.dp / global_tokens
                 scaler.scale(loss).backward()
             step_loss += loss_sum.detach()

@@ -41,6 +41,7 @@ def main():
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
     settings = flags.run_settings(parser, args, world_size, device)  # checked
+    dp, dp_rank = world_size, rank  # data-parallel: every rank reads its share of the batch
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
         return
     checkpoints = Checkpoints(args)  # the whole model in one .pt file, written by rank 0
@@ -50,11 +51,10 @@ def main():
     train_ds, val_set, tokenizer = training.build_datasets(args, settings.tokenizer)
     attn_mask = training.attention_masks(args, settings, tokenizer)  # mask(x): None unless asked
 
-    # The samples this rank reads in an epoch: every world_size-th of one shared shuffle, so that
-    # each global batch is train_dp.py's. set_epoch reseeds it with seed + epoch (a new order each
-    # epoch); every rank passes the same epoch, so their shares stay disjoint.
+    # The samples this rank reads in an epoch: every dp-th of one shuffle seeded with seed + epoch
+    # by set_epoch on every rank (disjoint shares): together, the batches train_dp.py reads.
     def epoch_order(epoch: int) -> list[int]:
-        sampler = DistributedSampler(train_ds, world_size, rank, shuffle=True, seed=args.seed)
+        sampler = DistributedSampler(train_ds, dp, dp_rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -82,8 +82,8 @@ def main():
     # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
     settings = flags.measured(settings, args, ddp_model, attn_mask, optimizer, config, device)
     rows = settings.micro_batch_size  # sequences per forward pass, on each rank
-    val_loader = training.ValidationShard(val_set, rank, world_size, rows, device)  # its share
-    start, shard = (start_step, data_position), (rank, world_size)  # shard: --streaming's
+    val_loader = training.ValidationShard(val_set, dp_rank, dp, rows, device)  # its share
+    start, shard = (start_step, data_position), (dp_rank, dp)  # (for --streaming)
     batches = training.step_batches(
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
@@ -98,7 +98,6 @@ def main():
         # A collective: every rank sends rank 0 its shard of the optimizer state, so the
         # checkpoint holds the whole state, as train_ddp.py's does (any world size resumes it).
         optimizer.consolidate_state_dict(to=0)
-        # Rank 0 alone writes it, and every rank learns whether it could (a full disk: all stop).
         checkpoints.save(step, state, training.data_positions(batches))
 
     # ---- training loop -------------------------------------------------------------------------
@@ -118,13 +117,11 @@ def main():
             with nullcontext() if sync else ddp_model.no_sync():
                 with training.autocast(device, settings.precision):
                     loss_sum, _ = ddp_model(x, y, attn_mask(x))
-                # DDP averages gradients over ranks (sums, then divides by world_size); the
-                # factor world_size undoes that division, leaving sum of all losses / all tokens.
+                # DDP divides the summed gradients by world_size; the factor world_size undoes that.
                 loss = loss_sum * world_size / global_tokens
                 scaler.scale(loss).backward()
             step_loss += loss_sum.detach()
-        # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
-        dist.all_reduce(step_loss)
+        dist.all_reduce(step_loss)  # the global loss on every rank (queued): the same decisions
         scaler.unscale_(optimizer)  # measure and clip the true gradients, not fp16-scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
@@ -138,7 +135,6 @@ def main():
 
     # ---- outputs -------------------------------------------------------------------------------
     # model.pt and the final sample: from `model` itself, whose names have no wrapper's prefix.
-    # Rank 0 alone writes them; the run is over for every rank when they are written.
     checkpoints.finish(state, device)
     del ddp_model  # its reducer holds the group: freed first (a hang at exit, pytorch#56297)
     dist.destroy_process_group()
