@@ -73,7 +73,8 @@ def main():
     # storage and values, each weight drawn from a seed of its own: the same in every layout.
     model, config = training.build_model(args, settings.model, tokenizer.get_vocab_size())
     # torchtitan's order: TP first (it changes each layer's computation), then activation
-    # checkpointing and compilation of the tensor-parallel layers, then FSDP around them.
+    # checkpointing and compilation of the tensor-parallel layers, then FSDP around them, over the
+    # dp ranks: each TP shard is split again (2-D DTensors) and reduce-scattered among its holders.
     tp_mesh = layout.mesh["tp"]  # Megatron's plan in every layer, then embedding, norms, lm_head
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, tensor_parallel.layer_plan(args.sequence_parallel))
@@ -89,8 +90,7 @@ def main():
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else None
     options = dict(mesh=layout.fsdp_mesh, reshard_after_forward=args.zero_stage == 3)
     options |= dict(mp_policy=mp_policy) | ({"offload_policy": offload} if offload else {})
-    # FSDP over the dp ranks, stage by stage, as train_tp.py does: each TP shard is split again
-    # over the dp pipelines, and its gradients reduce-scattered among the ranks holding it.
+    # Stage by stage: layers first, then the stage's root, which takes what no layer of it owns.
     for stage_model in stage_models:
         for layer in stage_model.layers.values():
             fully_shard(layer, **options)
