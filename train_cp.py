@@ -133,7 +133,7 @@ def main():
         # Normalise by the number of targets in the whole global batch, not per micro-batch: then
         # every target token weighs the same however the batch is split (micro-batches, ranks),
         # and padded batches give the same gradient as one big batch would.
-        # Each target is in exactly one rank's slice: the slices' counts add up to the batch's.
+        # Each target is in exactly one rank's slice: the slices' counts add up to the batch count.
         slices = [zigzag_slice(y, cp_rank, layout.cp) for _, y in micro_batches]
         global_tokens = sum((y != IGNORE_INDEX).sum() for y in slices)
         dist.all_reduce(global_tokens)

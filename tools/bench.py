@@ -171,7 +171,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
             f"--seq-length {args.seq_length} exceeds the {args.model} model's "
             f"max_position_embeddings ({config.max_position_embeddings})"
         )
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as torchrun_rank's
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as torchrun_rank
     if args.compile and (missing := speed.compiler_missing(device)):
         parser.error(missing)
     try:

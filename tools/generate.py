@@ -108,7 +108,7 @@ def main() -> None:
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     model, tokenizer = load_model(args.out_dir, device)
-    if not all(bool(torch.isfinite(w).all()) for w in model.parameters()):  # a diverged run's
+    if not all(bool(torch.isfinite(w).all()) for w in model.parameters()):  # a diverged run
         # (sampling would fail in torch.multinomial, and greedy decoding print nothing)
         raise ValueError(
             f"{args.out_dir}/model.pt holds NaN or infinite weights: nothing to "

@@ -7,7 +7,7 @@
     resume_path = checkpoints.prepare_out_dir()  # rank 0 makes and locks it, chooses; all learn
     start_step, data_position = checkpoints.resume(resume_path, state)  # (0, None): a fresh start
     checkpoints.save(step, state, data_position)  # one_file: rank 0 writes the .pt file
-    with checkpoints.saving(step, state, data_position) as (to_save, path):  # sharded: the lesson's
+    with checkpoints.saving(step, state, data_position) as (to_save, path):  # sharded: lessons
         dcp.save(to_save, checkpoint_id=path)     # dcp.save (or dcp.async_save) in between
     checkpoints.finish(state, device)            # model.pt, config.json, tokenizer.json; a sample
 

@@ -207,7 +207,7 @@ def chosen(args, plan, model, best, peaks: dict, budget: float, per_device: int)
     compiled for several sizes."""
     from lib.extras.moe import router_stats
 
-    router_stats(model)  # a mixture of experts counted the probes' routing: not training's
+    router_stats(model)  # a mixture of experts counted the probes' routing: not training
     if args.compile or (args.document_mask and plan.attention == "flex"):
         # The probes compiled the layers for several batch sizes, so the kernels kept are
         # dynamic-shape ones; recompiling once for the chosen size gives static, faster ones.
