@@ -133,10 +133,18 @@ def main():
         loss_sum = run_schedule(schedule, loss_fn, x, y, attn_mask(x), scale, train, *ends)
         return training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), val_loader) * is_last
 
+    def score_rows(x, y) -> torch.Tensor:
+        # --eval-tasks: each row's (log-likelihood, misses) from the last stage (zeros elsewhere)
+        with pipeline.scoring(loss_fn):
+            return run_schedule(
+                schedule, loss_fn, x, y, attn_mask(x), 1.0, False, is_first, is_last
+            )
+
     def evaluate() -> torch.Tensor:
         # Each pipeline its dp share, forward only: the last stage's sums, over pp, then over dp.
         with torch.no_grad():
             totals = sum(run_pipeline(x, y, 1.0, train=False) for x, y in val_loader)
+            totals = val_loader.with_task_scores(totals, score_rows)  # --eval-tasks' rows
         dist.all_reduce(totals, group=pp_group)
         dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
         return totals
@@ -195,7 +203,7 @@ def run_schedule(schedule, loss_fn, x, y, attn_mask, scale, train: bool, first: 
     run = schedule.step if train else schedule.eval
     inputs, target = (x,) if first else (), y if last else None
     run(*inputs, target=target, losses=losses, return_outputs=False, **masks)
-    return sum(losses, torch.zeros((), device=x.device)) / scale
+    return pipeline.joined(losses, x.device) / scale  # (the rows' scores under pipeline.scoring)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ over the pipeline's ranks. The PipelineStages
 and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -21,7 +22,7 @@ from lib import flags, model_config, training
 from lib.parallel import fsdp, tensor_parallel
 from lib.parallel.layout import Layout
 from lib.parallel.tensor_parallel import check_sequence_parallel, check_tensor_parallel
-from model import IGNORE_INDEX, LlamaForPretraining
+from model import IGNORE_INDEX, LlamaForPretraining, row_scores
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -315,12 +316,16 @@ class PipelineLoss:
     dp / (targets in the global batch), the same normalisation as every other lesson, so the
     schedule must not rescale (scale_grads=False); evaluation, 1: plain sums. (An attribute
     rather than the schedule's loss_kwargs, which torch 2.13 brought: the same on every torch.)
+    With `scores` set (score_rows), each row's log-likelihood and misses, as model.row_scores.
     """
 
     def __init__(self):
         self.scale: torch.Tensor | float = 1.0
+        self.scores = False  # --eval-tasks: each row's model.row_scores instead, (rows, 2)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.scores:
+            return row_scores(logits, targets)
         loss_sum = F.cross_entropy(
             logits.float().flatten(0, 1),
             targets.flatten(),
@@ -328,6 +333,26 @@ class PipelineLoss:
             reduction="sum",
         )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets
         return loss_sum * self.scale
+
+
+@contextlib.contextmanager
+def scoring(loss_fn: PipelineLoss):
+    """--eval-tasks: within it, the schedule's runs give each row's (log-likelihood, misses)
+    instead of the loss (loss_fn's `scores`), and `joined` keeps their micro-batches' rows in
+    order: (m x rows, 2) on the last stage."""
+    loss_fn.scores = True
+    try:
+        yield
+    finally:
+        loss_fn.scores = False
+
+
+def joined(losses: list[torch.Tensor], device) -> torch.Tensor:
+    """A schedule run's losses, one per micro-batch, on the last stage: their sum, or under
+    `scoring`, the micro-batches' rows in order (m x rows, 2); on the other stages, none: 0."""
+    if losses and losses[0].dim() == 2:
+        return torch.cat(losses)
+    return sum(losses, torch.zeros((), device=device))
 
 
 # -------------------------------------------------------------------------------------------------
