@@ -410,15 +410,13 @@ class LlamaForPretraining(nn.Module):
 
 def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(B, 2) for logits (B, T, vocab) against targets (B, T): per row, the log-likelihood of its
-    targets that are not IGNORE_INDEX, summed (in fp32), and how many of them are not the model's
-    greedy choice. A zero-shot task's row targets a continuation's tokens alone, so these are
-    what lm-eval's loglikelihood returns for it (lib/extras/evaluation.py), and both are sums: the
-    slices of a row on several ranks (CP) add up to the row's.
-
-    A target is greedy when its log-probability is the row's largest (a tie counts as greedy,
-    where argmax would pick the first). So nothing indexes the vocabulary: under TP's
-    loss_parallel the logits are a DTensor sharded over it, log_softmax and nll_loss run on the
-    shards, the max is reduced over them, and full_tensor() makes the results whole."""
+    targets that are not IGNORE_INDEX, summed (in fp32), and how many of them are not the greedy
+    choice: a zero-shot task's row (lib/extras/training_tasks.py) targets a continuation alone.
+    Both are sums, so the slices of a row on several ranks (CP) add up to the row's. A target
+    is greedy when its log-probability is the largest (a tie counts, where argmax takes the
+    first), so nothing indexes the vocabulary: under TP's loss_parallel, logits sharded over it,
+    log_softmax and nll_loss run on the shards, the max is reduced over them, and full_tensor()
+    makes the results whole."""
     B, T = targets.shape
     log_probs = logits.float().log_softmax(-1)  # (B, T, vocab)
     picked = -F.nll_loss(

@@ -80,11 +80,11 @@ class TrainingLoop:
             disable=not self.is_main,
         )
         self.lr, self.muon_lr, self.stopping = 0.0, None, False
-        self.task_rows = None  # --eval-tasks: the rows evaluate() scores after its sums
+        self.task_results = None  # --eval-tasks: the tasks' figures from evaluate()'s rows
         if getattr(args, "eval_tasks", None):
             from lib.extras import training_tasks
 
-            self.task_rows = training_tasks.prepare(args, state.tokenizer)  # (read once)
+            self.task_results = training_tasks.Results(args, state.tokenizer)
 
     def __iter__(self):
         for step in self.bar:
@@ -138,7 +138,7 @@ class TrainingLoop:
             totals = evaluate()  # (a lesson's evaluate's sums; with --eval-tasks, its rows')
             loss_sum, targets, text_bytes = totals[:3].tolist()
             bits_per_byte = loss_sum / math.log(2) / text_bytes if text_bytes else math.nan
-            tasks = self.task_results(totals[3:])
+            tasks = self.task_results(totals[3:]) if self.task_results else {}
             self.metrics.log_validation(done, loss_sum / targets, bits_per_byte, tasks)
             self.throughput.restart()  # keep evaluation time out of the tokens/s figure
         if stop and self.is_main:  # every rank has it: all stop after this step, and save it
@@ -149,15 +149,6 @@ class TrainingLoop:
             self.throughput.restart()
         if stop:
             raise Stopped(done, self.stop_request.signal)  # exits.run says so and exits
-
-    def task_results(self, scores: torch.Tensor) -> dict[str, dict]:
-        """--eval-tasks' results ({task: its figures}) from each row's summed scores; {}
-        without the flag."""
-        if self.task_rows is None:
-            return {}
-        from lib.extras import training_tasks
-
-        return training_tasks.results(self.task_rows, scores.view(-1, 2).cpu())
 
 
 # -------------------------------------------------------------------------------------------------

@@ -137,6 +137,17 @@ def results(task_rows: TaskRows, totals: torch.Tensor) -> dict[str, dict]:
     return out
 
 
+class Results:
+    """results(task_rows, scores) for this run's tasks, called with evaluate()'s rows: the
+    loop's, with every rank's (R x 2) scores summed."""
+
+    def __init__(self, args, tokenizer):
+        self.task_rows = prepare(args, tokenizer)  # (made once: ValidationSet's rows)
+
+    def __call__(self, scores: torch.Tensor) -> dict[str, dict]:
+        return results(self.task_rows, scores.view(-1, 2).cpu())
+
+
 def figures(results: dict[str, dict]) -> dict[str, float]:
     """metrics.jsonl's keys for the results: TASK_acc, TASK_acc_norm (where the task has it),
     TASK_perplexity (a last-word task's)."""
