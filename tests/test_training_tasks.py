@@ -6,11 +6,14 @@ files the tests write (a last-word task, LAMBADA's kind, is built in memory).
 
 import json
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from conftest import TEXTS, tiny_model, tiny_tokenizer
-from harness import DP, cmd, run_script
+from harness import DP, LAUNCH_TIMEOUT, REPO, cmd, launch_env, run_script
 
 from lib.extras import evaluation, training_tasks
 from lib.extras.eval_tasks import choice_example
@@ -103,6 +106,22 @@ def test_shards_of_the_rows_give_tools_evaluates_figures(tmp_path):
             close = pytest.approx(value, rel=1e-5) if isinstance(value, float) else value
             assert ours[name][metric] == close, (name, metric)
     assert 0 < expected["last"]["acc"] < 1  # both kinds of greedy check were made
+
+
+def test_row_scores_on_the_vocabulary_shards_of_tp_are_the_whole_logits():
+    # train_tp.py's logits are sharded over the vocabulary (loss_parallel): the greedy check
+    # must see the largest logit of either shard.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*argv, str(REPO / "tests" / "row_scores_sharded.py")],
+        cwd=REPO,
+        env={**launch_env(), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(re.findall(r"rank \d: \w+", proc.stdout)) == ["rank 0: same", "rank 1: same"]
 
 
 # -------------------------------------------------------------------------------------------------
