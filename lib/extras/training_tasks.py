@@ -50,33 +50,35 @@ def load_tasks(spec: str) -> tuple[evaluation.Task, ...]:
 
 
 class TaskRows:
-    """Every request of the tasks as a row (R, seq_length): inputs, and targets IGNORE_INDEX but
-    for the continuation's tokens; and, per task, its first row and the requests whose context
-    was cut to fit."""
+    """Every request of the tasks as a row of seq_length tokens (evaluation.Row: its tokens, and
+    where its continuation's tokens are predicted), padded only when a batch is made (`batch`):
+    a task of 10,000 questions at a long window would take gigabytes as one padded tensor. Per
+    task, its first row and the requests whose context was cut to fit."""
 
     def __init__(self, tasks, tokenizer, seq_length: int):
-        self.tasks, self.starts, self.truncated = list(tasks), [], []
-        inputs, targets = [], []
+        self.tasks, self.starts, self.truncated, self.rows = list(tasks), [], [], []
+        self.seq_length, self.pad_id = seq_length, tokenizer.pad_id
         for task in self.tasks:
             requests = [request for example in task.examples for request in example.requests]
             # share=False: one request a row, in order (each its own targets)
             rows, truncated = evaluation.plan_rows(tokenizer, requests, seq_length, share=False)
-            self.starts.append(len(inputs))
+            self.starts.append(len(self.rows))
             self.truncated.append(truncated)
-            for row in rows:
-                [(_, at, tokens)] = row.targets
-                pad = seq_length - len(row.tokens)
-                inputs.append(row.tokens + [tokenizer.pad_id] * pad)
-                target = [IGNORE_INDEX] * seq_length
-                for i, token in zip(at, tokens, strict=True):
-                    target[i] = token
-                targets.append(target)
-        self.inputs = torch.tensor(inputs, dtype=torch.long)  # (R, T)
-        self.targets = torch.tensor(targets, dtype=torch.long)  # (R, T)
-        self.pad_id = tokenizer.pad_id
+            self.rows += rows
 
     def __len__(self) -> int:
-        return len(self.inputs)
+        return len(self.rows)
+
+    def batch(self, ids: list[int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y (size, seq_length) of the rows `ids`, then rows of padding: x padded with the
+        pad token, y IGNORE_INDEX but at the continuation's tokens."""
+        x = torch.full((size, self.seq_length), self.pad_id, dtype=torch.long)
+        y = torch.full((size, self.seq_length), IGNORE_INDEX, dtype=torch.long)
+        for b, row in enumerate(self.rows[i] for i in ids):
+            [(_, at, tokens)] = row.targets  # (a lone row: one request)
+            x[b, : len(row.tokens)] = torch.tensor(row.tokens)
+            y[b, at] = torch.tensor(tokens)
+        return x, y
 
 
 @functools.cache  # once per process: ValidationShard and the loop ask for the same rows
@@ -101,13 +103,9 @@ class TaskShard:
 
     def batches(self):
         """(row ids, x, y) of each batch on the device; x, y (rows, T), the ids of its real rows."""
-        every = self.task_rows
-        T = every.inputs.size(1)
         for b in range(self.num_batches):
             ids = self.mine[b * self.rows : (b + 1) * self.rows]
-            missing = self.rows - len(ids)
-            x = torch.cat([every.inputs[ids], torch.full((missing, T), every.pad_id)])
-            y = torch.cat([every.targets[ids], torch.full((missing, T), IGNORE_INDEX)])
+            x, y = self.task_rows.batch(ids, self.rows)
             yield ids, x.to(self.device), y.to(self.device)
 
     @torch.no_grad()
