@@ -5,7 +5,7 @@ these, so neighbouring lessons differ by the concept each adds. A module that on
 is imported where that flag is handled: lib/extras/streaming.py (--streaming),
 lib/extras/loader_workers.py (--num-workers), lib/extras/speed.py (--compile,
 --activation-checkpointing), masks.py (--document-mask), lib/checkpoints/finished_run.py
-(--init-from)."""
+(--init-from), lib/extras/training_tasks.py (--eval-tasks)."""
 
 import contextlib
 import math
