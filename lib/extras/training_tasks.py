@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from lib.distributed import main_process_first
 from lib.extras import eval_tasks, evaluation
 from model import IGNORE_INDEX
 
@@ -38,7 +39,8 @@ def check_flag(parser, args) -> None:
     """parser.error, at start, for a bad --eval-tasks: an unknown name, a missing file, a bad N
     or record, a hub task that cannot be read (each a line of its own)."""
     try:
-        load_tasks(args.eval_tasks)
+        with main_process_first():  # a hub task is downloaded (or read from the cache) once
+            load_tasks(args.eval_tasks)
     except ValueError as e:
         parser.error(f"--eval-tasks: {e}")
 
@@ -158,7 +160,7 @@ def figures(results: dict[str, dict]) -> dict[str, float]:
 
 
 def describe(results: dict[str, dict]) -> str:
-    """The log line's part: "hellaswag acc_norm 0.2600, lambada_openai acc 0.0100"."""
+    """The log line's part, "TASK acc_norm A, TASK acc B, ...": acc_norm where the task has it."""
     parts = []
     for name, result in results.items():
         metric = "acc_norm" if result["acc_norm"] is not None else "acc"
