@@ -346,6 +346,7 @@ class LlamaForPretraining(nn.Module):
         attn_mask: torch.Tensor | BlockMask | Callable | None = None,
         kv_caches: list[KVCache] | None = None,
         position_ids: torch.Tensor | None = None,
+        scores: bool = False,
     ):
         """input_ids (B, T) -> the logits (B, T, vocab); with targets (B, T), (loss_sum,
         num_tokens): the cross-entropy summed over targets that are not IGNORE_INDEX (padding), and
@@ -358,6 +359,7 @@ class LlamaForPretraining(nn.Module):
         enable_gqa) -> (B, heads, T, head_dim), as lib/parallel/context_parallel.py passes it.
         position_ids: RoPE positions, (T,) or (B, T); None: 0..T-1 after a KV cache's tokens (CP
         passes those of its slice).
+        scores: with targets, row_scores of each row instead of the loss (evaluation's tasks).
         """
         B, T = input_ids.shape
         start = kv_caches[0].length if kv_caches is not None else 0
@@ -385,6 +387,8 @@ class LlamaForPretraining(nn.Module):
             x = layer(x, cos, sin, attn_mask, kv_caches[i] if kv_caches is not None else None)
         if targets is None:
             return self.lm_head(self.norm(x))  # (B, T, vocab)
+        if scores:
+            return row_scores(self.lm_head(self.norm(x)), targets)  # (B, 2)
         loss_sum, num_tokens = self.loss(x, targets)
         if balance:
             from lib.extras.moe import balance_loss_sum
@@ -402,6 +406,26 @@ class LlamaForPretraining(nn.Module):
         )  # logits (B*T, vocab) against targets (B*T,)
         num_tokens = (targets != IGNORE_INDEX).sum()
         return loss_sum, num_tokens
+
+
+def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, 2) for logits (B, T, vocab) against targets (B, T): per row, the log-likelihood of its
+    targets that are not IGNORE_INDEX, summed (in fp32), and how many of them are not the greedy
+    choice: a zero-shot task's row (lib/extras/training_tasks.py) targets a continuation alone.
+    Both are sums, so the slices of a row on several ranks (CP) add up to the row's. A target
+    is greedy when its log-probability is the largest (a tie counts, where argmax takes the
+    first), so nothing indexes the vocabulary: under TP's loss_parallel, logits sharded over it,
+    log_softmax and nll_loss run on the shards, the max is reduced over them, and full_tensor()
+    makes the results whole."""
+    B, T = targets.shape
+    log_probs = logits.float().log_softmax(-1)  # (B, T, vocab)
+    picked = -F.nll_loss(
+        log_probs.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )  # (B*T,): each target's log-probability, 0 where ignored
+    best = log_probs.amax(-1).flatten()  # (B*T,)
+    picked, best = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (picked, best))
+    misses = (targets.flatten() != IGNORE_INDEX) & (picked < best)  # (B*T,)
+    return torch.stack([picked.view(B, T).sum(-1), misses.view(B, T).sum(-1).float()], dim=1)
 
 
 # -------------------------------------------------------------------------------------------------

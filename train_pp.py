@@ -122,21 +122,19 @@ def main():
         args, settings, train_ds, epoch_order, rows, device, start, shard
     )
 
-    def run_pipeline(x, y, scale, train: bool) -> torch.Tensor:
+    def run_schedule(x, y, scale, train: bool) -> torch.Tensor:
         # One run of the schedule over a pipeline's batch (m x rows, T; eval: forwards alone): the
         # first stage reads x, the last sums each micro-batch's loss x scale, every stage gets the
-        # mask. The last stage's (loss sum, targets, their bytes); zeros on the other stages.
+        # mask. The last stage's loss sum (pipeline.scoring: its rows' scores); 0 on the others.
         loss_fn.scale, losses, mask = scale, [], attn_mask(x)
         inputs, masks = (x,) if is_first else (), {} if mask is None else {"attn_mask": mask}
         run = schedule.step if train else schedule.eval
         run(*inputs, target=y if is_last else None, losses=losses, return_outputs=False, **masks)
-        loss_sum = sum(losses, torch.zeros((), device=device)) / scale
-        return training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), val_loader) * is_last
+        return pipeline.joined(losses, device) / scale
 
     def evaluate() -> torch.Tensor:
         # Each pipeline its dp share, forward only: the last stage's sums, over pp, then over dp.
-        with torch.no_grad():
-            totals = sum(run_pipeline(x, y, 1.0, train=False) for x, y in val_loader)
+        totals = pipeline.evaluate(run_schedule, val_loader, loss_fn, is_last)  # (--eval-tasks)
         dist.all_reduce(totals, group=pp_group)
         dist.all_reduce(totals, group=layout.dp_group)  # (loss sum, targets, their bytes)
         return totals
@@ -164,7 +162,7 @@ def main():
         # One batch for the whole pipeline: the schedule cuts it back into the m micro-batches.
         x, y = (torch.cat(tensors) for tensors in zip(*micro_batches, strict=True))  # (m * rows, T)
         # FSDP divides by dp, as DDP does; the factor dp undoes that.
-        step_loss = run_pipeline(x, y, layout.dp / global_tokens, train=True)[0]
+        step_loss = run_schedule(x, y, layout.dp / global_tokens, train=True)
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=pp_group)  # the last stage's (the others hold zeros)
         dist.all_reduce(step_loss, group=layout.dp_group)

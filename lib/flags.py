@@ -173,6 +173,11 @@ def add_output_flags(g, sharded: bool) -> None:
                    help="steps between evaluations")
     g.add_argument("--eval-batches", type=number_arg(int, 1), default=10,
                    help="evaluate on the first N global batches of the validation split")
+    g.add_argument("--eval-tasks", default=None, metavar="NAME_OR_FILE[:N],...",
+                   help="also score zero-shot tasks at each evaluation, as tools/evaluate.py "
+                   "does: hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada_openai, "
+                   "or a .jsonl/.json/.parquet file (fields context, choices, label); N: the "
+                   "first N examples only (docs/evaluation.md)")
     g.add_argument("--save-interval", type=number_arg(int, 1), default=100,
                    help="steps between checkpoints")
     g.add_argument("--keep-checkpoints", type=number_arg(int, 2), default=3, help="checkpoints "
@@ -374,6 +379,10 @@ def check_optional_flags(parser, args, device: torch.device) -> None:
 
         if missing := speed.compiler_missing(device):
             parser.error(missing)
+    if getattr(args, "eval_tasks", None) is not None:
+        from lib.extras import training_tasks
+
+        training_tasks.check_flag(parser, args)
     if args.micro_batch_size == "auto":
         from lib.extras import auto_batch
 

@@ -80,6 +80,11 @@ class TrainingLoop:
             disable=not self.is_main,
         )
         self.lr, self.muon_lr, self.stopping = 0.0, None, False
+        self.task_results = None  # --eval-tasks: the tasks' figures from evaluate()'s rows
+        if getattr(args, "eval_tasks", None):
+            from lib.extras import training_tasks
+
+            self.task_results = training_tasks.Results(args, state.tokenizer)
 
     def __iter__(self):
         for step in self.bar:
@@ -130,9 +135,11 @@ class TrainingLoop:
                 **router_figures(self.model),
             )
         if do_eval:
-            loss_sum, targets, text_bytes = evaluate().tolist()  # (a lesson's evaluate's sums)
+            totals = evaluate()  # (a lesson's evaluate's sums; with --eval-tasks, its rows')
+            loss_sum, targets, text_bytes = totals[:3].tolist()
             bits_per_byte = loss_sum / math.log(2) / text_bytes if text_bytes else math.nan
-            self.metrics.log_validation(done, loss_sum / targets, bits_per_byte)
+            tasks = self.task_results(totals[3:]) if self.task_results else {}
+            self.metrics.log_validation(done, loss_sum / targets, bits_per_byte, tasks)
             self.throughput.restart()  # keep evaluation time out of the tokens/s figure
         if stop and self.is_main:  # every rank has it: all stop after this step, and save it
             name = signal.Signals(self.stop_request.signal).name

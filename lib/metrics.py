@@ -43,14 +43,21 @@ class Metrics:
         if self.writer is not None:
             self.writer.log(record)
 
-    def log_validation(self, step: int, val_loss: float, val_bpb: float) -> None:
+    def log_validation(self, step: int, val_loss: float, val_bpb: float, tasks=None) -> None:
         """An evaluation's record, also printed above the progress bar (where enabled): the
-        loss per token, and bits per byte of text (which compares across tokenizers)."""
+        loss per token, and bits per byte of text (which compares across tokenizers); with
+        --eval-tasks, each task's accuracies too (`tasks`: lib/extras/training_tasks.py's
+        results), as TASK_acc, TASK_acc_norm and, for a last-word task, TASK_perplexity."""
         ppl = math.exp(min(val_loss, 50.0))  # capped: exp of an early, huge loss is just noise
-        self.log(step=step, val_loss=val_loss, val_bpb=val_bpb, val_ppl=ppl)
+        figures, line = {}, ""
+        if tasks:
+            from lib.extras import training_tasks
+
+            figures, line = training_tasks.figures(tasks), f"; {training_tasks.describe(tasks)}"
+        self.log(step=step, val_loss=val_loss, val_bpb=val_bpb, val_ppl=ppl, **figures)
         if self.enabled:
             bits = f"{val_bpb:.4f} bits per byte"
-            tqdm.write(f"step {step}: val loss {val_loss:.4f}, {bits}, perplexity {ppl:.1f}")
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}, {bits}, perplexity {ppl:.1f}{line}")
 
 
 class Throughput:

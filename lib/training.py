@@ -5,7 +5,7 @@ these, so neighbouring lessons differ by the concept each adds. A module that on
 is imported where that flag is handled: lib/extras/streaming.py (--streaming),
 lib/extras/loader_workers.py (--num-workers), lib/extras/speed.py (--compile,
 --activation-checkpointing), masks.py (--document-mask), lib/checkpoints/finished_run.py
-(--init-from)."""
+(--init-from), lib/extras/training_tasks.py (--eval-tasks)."""
 
 import contextlib
 import math
@@ -41,7 +41,12 @@ def build_datasets(args, tokenizer_path: str | None):
     steps_per_epoch(train, args)  # ValueError now if not even one batch
     same_data_on_every_rank(tokenizer)
     held_out = range(min(len(val), args.eval_batches * args.batch_size))
-    return train, ValidationSet(val, held_out, tokenizer.token_bytes()), tokenizer
+    task_rows = None
+    if getattr(args, "eval_tasks", None):  # (the tools have no --eval-tasks)
+        from lib.extras import training_tasks  # only for --eval-tasks
+
+        task_rows = training_tasks.prepare(args, tokenizer)  # ValueError now if one does not fit
+    return train, ValidationSet(val, held_out, tokenizer.token_bytes(), task_rows), tokenizer
 
 
 def same_data_on_every_rank(tokenizer) -> None:
@@ -367,11 +372,12 @@ def attention_masks(args, settings, tokenizer) -> Callable[[torch.Tensor], objec
 
 class ValidationSet(Subset):
     """The validation sequences, and the bytes of text each token id stands for
-    (DocumentTokenizer.token_bytes in data.py): what bits per byte divides by."""
+    (DocumentTokenizer.token_bytes in data.py): what bits per byte divides by; with
+    --eval-tasks, the rows of its tasks too (lib/extras/training_tasks.py's TaskRows)."""
 
-    def __init__(self, dataset, indices, token_bytes: torch.Tensor):
+    def __init__(self, dataset, indices, token_bytes: torch.Tensor, task_rows=None):
         super().__init__(dataset, indices)
-        self.token_bytes = token_bytes
+        self.token_bytes, self.task_rows = token_bytes, task_rows
 
 
 class ValidationShard:
@@ -389,6 +395,11 @@ class ValidationShard:
         counted = targets[targets != IGNORE_INDEX].long()
         text_bytes = val_set.token_bytes[counted].sum().item()
         self.bytes_per_target = text_bytes / max(1, len(counted))
+        self.tasks = None  # --eval-tasks: this share of the tasks' rows, in batches of `rows`
+        if getattr(val_set, "task_rows", None) is not None:
+            from lib.extras.training_tasks import TaskShard
+
+            self.tasks = TaskShard(val_set.task_rows, rank, ranks, rows, self.device)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -402,12 +413,21 @@ class ValidationShard:
             y = torch.cat([y.view(-1, self.seq_len), torch.full(shape, IGNORE_INDEX)])
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def with_task_scores(self, totals: torch.Tensor, forward) -> torch.Tensor:
+        """The validation sums, then (--eval-tasks) each task row's (log-likelihood, misses) as
+        forward(x, y) scores this share of them (TaskShard.score), flattened: one all_reduce
+        adds up both."""
+        if self.tasks is None:
+            return totals
+        return torch.cat([totals, self.tasks.score(forward).flatten().to(totals.dtype)])
+
 
 @torch.no_grad()
 def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
     """batch_totals over `loader`, summed on `device` in the precision of the run: one all_reduce
     then adds the shares of the ranks, divided once, for the loss of one process. attn_mask(x) is
-    the third argument of the model (attention_masks, or the document ids of train_cp.py)."""
+    the third argument of the model (attention_masks, or the document ids of train_cp.py).
+    With --eval-tasks, each task row's (log-likelihood, misses) after the three sums."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)
@@ -416,6 +436,12 @@ def evaluate(model, loader, device, settings, attn_mask) -> torch.Tensor:
             loss_sum, targets = model(x, y, attn_mask(x))  # (under CP, this rank's slice)
         # .sum(): under DataParallel, the model returns one sum per GPU.
         totals += batch_totals(loss_sum.sum(), targets.sum(), loader)
+
+    def score_rows(x, y):  # --eval-tasks: the same forward, each row's sums (model.row_scores)
+        with autocast(device, settings.precision):
+            return model(x, y, attn_mask(x), scores=True)
+
+    totals = loader.with_task_scores(totals, score_rows)
     model.train(was_training)
     return totals
 

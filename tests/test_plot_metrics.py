@@ -208,3 +208,36 @@ def test_a_muon_runs_learning_rate_is_plotted_beside_adamws(tmp_path, monkeypatc
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
     plot_metrics.plot({"muon": plot_metrics.read_metrics(str(out))}, str(tmp_path / "p.png"))
     assert "muon Muon" in drawn, drawn
+
+
+def test_zero_shot_tasks_get_a_panel_of_their_own(tmp_path, monkeypatch):
+    # --eval-tasks logs TASK_acc and TASK_acc_norm with each evaluation: acc_norm is drawn where
+    # the task has it, acc where it has none.
+    pytest.importorskip("matplotlib")
+    out = write_metrics(tmp_path / "tasks")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "val_loss" in record:
+            record.update(hellaswag_acc=0.25, hellaswag_acc_norm=0.3, winogrande_acc=0.5)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):  # matplotlib's, recording each line's label
+        drawn.append(kwargs.get("label"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    plot_metrics.plot({"run": plot_metrics.read_metrics(str(out))}, str(tmp_path / "p.png"))
+    assert {"run hellaswag_acc_norm", "run winogrande_acc"} <= set(drawn), drawn
+    assert "run hellaswag_acc" not in drawn
+
+
+def test_a_task_figure_that_is_not_a_number_is_named(tmp_path):
+    out = write_metrics(tmp_path / "bad")
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 30, "val_loss": 1.0, "piqa_acc": "high"}) + "\n")
+    with pytest.raises(ValueError, match="\"piqa_acc\" is 'high', not a number"):
+        plot_metrics.read_metrics(str(out))

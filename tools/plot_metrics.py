@@ -6,7 +6,9 @@
 Four panels against the optimizer step: train and validation loss (the validation's also in
 bits per byte of text, on the right axis: it compares runs with different tokenizers), learning
 rate, training tokens/s and MFU (model FLOPs utilisation, where a script logs it as `mfu`, a
-fraction of the device's peak). Each run gets one colour, labelled with its directory's name.
+fraction of the device's peak); a fifth where a run scored zero-shot tasks (--eval-tasks): each
+task's accuracy (`TASK_acc_norm`, or `TASK_acc` where the task has no acc_norm). Each run gets
+one colour, labelled with its directory's name.
 
 Plotting is optional: `pip install -r requirements-plot.txt` (matplotlib). Reading the metrics
 needs only the standard library, and nothing here imports torch.
@@ -60,6 +62,18 @@ def read_metrics(out_dir: str) -> tuple[list[dict], list[dict]]:
 PLOTTED = ("loss", "val_loss", "val_bpb", "lr", "muon_lr", "tokens_per_sec", "mfu")
 
 
+# The keys of a zero-shot task's figures (--eval-tasks): TASK_acc, TASK_acc_norm.
+TASK_METRICS = ("_acc", "_acc_norm")
+
+
+def task_curves(evals: list[dict]) -> list[str]:
+    """The key to plot for each task the evaluation records score: TASK_acc_norm, or TASK_acc
+    where the task has no acc_norm (Winogrande, LAMBADA)."""
+    keys = {k for r in evals for k in r if k.endswith(TASK_METRICS)}
+    tasks = sorted({k.removesuffix("_norm").removesuffix("_acc") for k in keys})
+    return [f"{t}_acc_norm" if f"{t}_acc_norm" in keys else f"{t}_acc" for t in tasks]
+
+
 def record_problem(record) -> str | None:
     """What makes a metrics.jsonl record unplottable (None: nothing): a step that is not an
     integer, a plotted value that is neither a number nor null (lib/metrics.py writes a NaN or
@@ -69,7 +83,7 @@ def record_problem(record) -> str | None:
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, int):
         return f'"step" is {step!r}, not an integer'
-    for key in PLOTTED:
+    for key in [*PLOTTED, *(k for k in record if k.endswith(TASK_METRICS))]:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f'"{key}" is {value!r}, not a number'
@@ -117,8 +131,13 @@ def output_failed(flag: str, path: str, error: OSError) -> ValueError:
 def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
     """Draw the four panels for every run in `runs` ({label: (train, evals)}) into `output`."""
     plt = load_pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    (ax_loss, ax_lr), (ax_speed, ax_mfu) = axes
+    tasks = any(task_curves(evals) for _, evals in runs.values())  # a fifth panel, or none
+    fig, axes = plt.subplots(3 if tasks else 2, 2, figsize=(11, 10 if tasks else 7), sharex=True)
+    (ax_loss, ax_lr), (ax_speed, ax_mfu) = axes[:2]
+    if tasks:
+        ax_tasks = axes[2][0]
+        axes[2][1].axis("off")
+        ax_tasks.set(title="zero-shot tasks (--eval-tasks)", ylabel="accuracy", xlabel="step")
     ax_bpb = ax_loss.twinx()  # the validation's bits per byte (runs from before it: none)
 
     def series(records, key, scale=1.0):
@@ -135,6 +154,9 @@ def plot(runs: dict[str, tuple[list[dict], list[dict]]], output: str) -> None:
         if steps := series(train, "muon_lr")[0]:  # --optimizer muon: Muon's, dashed
             ax_lr.plot(steps, series(train, "muon_lr")[1], "--", color=color, label=f"{label} Muon")
         ax_speed.plot(*series(train, "tokens_per_sec"), color=color, label=label)
+        for j, key in enumerate(task_curves(evals)):  # a marker per task, the run's colour
+            style = "osd^v<>p"[j % 8] + "-"
+            ax_tasks.plot(*series(evals, key), style, color=color, label=f"{label} {key}")
         steps, mfu = series(train, "mfu", scale=100)
         if steps:
             any_mfu = True

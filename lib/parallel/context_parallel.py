@@ -234,7 +234,7 @@ class ContextParallel(nn.Module):
         self.group = cp_mesh.get_group()
         self.cp_rank, self.cp = cp_mesh.get_local_rank(), cp_mesh.size()
 
-    def forward(self, input_ids, targets, document_ids=None):
+    def forward(self, input_ids, targets, document_ids=None, scores: bool = False):
         T = input_ids.size(1)
         positions = zigzag_positions(T, self.cp_rank, self.cp, input_ids.device)  # (T / cp,)
         masks = chunk_masks(T, self.cp_rank, self.cp, document_ids, input_ids.device)
@@ -253,4 +253,5 @@ class ContextParallel(nn.Module):
             zigzag_slice(targets, self.cp_rank, self.cp),
             attend,
             position_ids=positions,
+            scores=scores,  # (--eval-tasks: each row's sums over the slice, added up as the loss)
         )

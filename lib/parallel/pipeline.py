@@ -4,6 +4,7 @@ over the pipeline's ranks. The PipelineStages
 and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -21,7 +22,7 @@ from lib import flags, model_config, training
 from lib.parallel import fsdp, tensor_parallel
 from lib.parallel.layout import Layout
 from lib.parallel.tensor_parallel import check_sequence_parallel, check_tensor_parallel
-from model import IGNORE_INDEX, LlamaForPretraining
+from model import IGNORE_INDEX, LlamaForPretraining, row_scores
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -315,12 +316,16 @@ class PipelineLoss:
     dp / (targets in the global batch), the same normalisation as every other lesson, so the
     schedule must not rescale (scale_grads=False); evaluation, 1: plain sums. (An attribute
     rather than the schedule's loss_kwargs, which torch 2.13 brought: the same on every torch.)
+    With `scores` set (score_rows), each row's log-likelihood and misses, as model.row_scores.
     """
 
     def __init__(self):
         self.scale: torch.Tensor | float = 1.0
+        self.scores = False  # --eval-tasks: each row's model.row_scores instead, (rows, 2)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.scores:
+            return row_scores(logits, targets)
         loss_sum = F.cross_entropy(
             logits.float().flatten(0, 1),
             targets.flatten(),
@@ -328,6 +333,44 @@ class PipelineLoss:
             reduction="sum",
         )  # logits (B*T, vocab) in fp32 (as autocast computes it) against targets
         return loss_sum * self.scale
+
+
+@contextlib.contextmanager
+def scoring(loss_fn: PipelineLoss):
+    """--eval-tasks: within it, the schedule's runs give each row's (log-likelihood, misses)
+    instead of the loss (loss_fn's `scores`), and `joined` keeps their micro-batches' rows in
+    order: (m x rows, 2) on the last stage."""
+    loss_fn.scores = True
+    try:
+        yield
+    finally:
+        loss_fn.scores = False
+
+
+def joined(losses: list[torch.Tensor], device) -> torch.Tensor:
+    """A schedule run's losses, one per micro-batch, on the last stage: their sum, or under
+    `scoring`, the micro-batches' rows in order (m x rows, 2); on the other stages, none: 0."""
+    if losses and losses[0].dim() == 2:
+        return torch.cat(losses)
+    return sum(losses, torch.zeros((), device=device))
+
+
+@torch.no_grad()
+def evaluate(run_schedule, loader, loss_fn: PipelineLoss, is_last: bool) -> torch.Tensor:
+    """The validation sums of a pipeline's share (training.batch_totals of each batch, from the
+    last stage; zeros on the others), then --eval-tasks' rows, run through the schedule as its
+    micro-batches under `scoring` (training.ValidationShard.with_task_scores). run_schedule(x, y,
+    scale, train): the lesson's run of its schedule, the last stage's loss sum."""
+    totals = torch.zeros(3, device=loader.device, dtype=torch.float64)
+    for x, y in loader:
+        loss_sum = run_schedule(x, y, 1.0, False)
+        totals += training.batch_totals(loss_sum, (y != IGNORE_INDEX).sum(), loader) * is_last
+
+    def score_rows(x, y) -> torch.Tensor:
+        with scoring(loss_fn):
+            return run_schedule(x, y, 1.0, False)
+
+    return loader.with_task_scores(totals, score_rows)
 
 
 # -------------------------------------------------------------------------------------------------

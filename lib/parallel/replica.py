@@ -20,7 +20,9 @@ class Replica(nn.Module):
         super().__init__()
         self.model, self.device, self.precision = model, device, precision
 
-    def forward(self, x, y, attn_mask=None):
+    def forward(self, x, y, attn_mask=None, scores: bool = False):
         with autocast(self.device, self.precision):
+            if scores:  # --eval-tasks: (rows, 2), each row's (model.row_scores), concatenated
+                return self.model(x, y, attn_mask, scores=True)
             loss_sum, num_tokens = self.model(x, y, attn_mask)
         return loss_sum[None], num_tokens[None]  # (1,) each: DataParallel concatenates them
