@@ -42,8 +42,34 @@ def predict(entry: dict) -> dict:
     layout = Layout(**entry["layout"], zero_stage=stage)
     workload = Workload(**entry["workload"])
     rows = step_time.formula_rows(config, layout, workload)
+    comm = entry.get("comm", {})
+    if comm.get("gradients") == "bf16 reduce-scatter and all-gather":
+        rows = distributed_optimizer_rows(rows)
     cluster = Cluster(GPUS[entry["gpu"]])
-    return step_time.step_time(config, layout, workload, cluster, rows, entry["recompute"])
+    overlap_tp = comm.get("overlap_tp", False)
+    return step_time.step_time(
+        config, layout, workload, cluster, rows, entry["recompute"], overlap_tp
+    )
+
+
+def distributed_optimizer_rows(rows: list[dict]) -> list[dict]:
+    """What Megatron-LM's distributed optimizer sends in place of DDP's fp32 all-reduce: the
+    gradients reduce-scattered in bf16, the updated weights all-gathered in bf16 (its default
+    grad_reduce_in_fp32=False), both behind the backward (--overlap-grad-reduce, and
+    --overlap-param-gather, which hides the gather under the next forward: here, conservatively,
+    under the same last backward as DDP's buckets). The row's strategy is zero1 (the optimizer
+    states sharded): the gather replaces ZeroRedundancyOptimizer's broadcasts."""
+    out = []
+    for r in rows:
+        if r["op"] == "broadcast":
+            continue
+        if r["op"] == "all_reduce" and r["group"] == "dp":
+            half = r["bytes"] / 2  # the fp32 gradients' bytes, in bf16
+            out.append({**r, "op": "reduce_scatter", "bytes": half})
+            out.append({**r, "op": "all_gather", "bytes": half})
+        else:
+            out.append(r)
+    return out
 
 
 def relative_errors(entry: dict) -> dict:
@@ -201,3 +227,14 @@ def test_cli_refuses_a_bad_matmul_efficiency_in_one_line(monkeypatch, capsys):
         exits.run(memory_plan.main)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and "--matmul-efficiency" in err
+
+
+def test_overlapped_tensor_parallel_collectives_cost_only_what_compute_cannot_hide():
+    config, work = LlamaConfig.from_preset("7b"), Workload(micro_batch_size=1, seq_length=4096)
+    layout = Layout(world_size=8, dp=1, tp=8, zero_stage=3)
+    rows = step_time.formula_rows(config, layout, work)
+    waited = step_time.step_time(config, layout, work, H100, rows, "none")
+    hidden = step_time.step_time(config, layout, work, H100, rows, "none", overlap_tp=True)
+    in_layer = sum(step_time.row_seconds(r, layout, H100) for r in rows if r["group"] == "tp")
+    assert in_layer < hidden["compute_s"]  # so all of it hides
+    assert waited["step_time_s"] - hidden["step_time_s"] == pytest.approx(in_layer)

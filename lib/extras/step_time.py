@@ -332,12 +332,15 @@ def step_time(
     cluster: Cluster,
     rows: list[dict],
     recompute: str = "none",
+    overlap_tp: bool = False,
 ) -> dict:
     """One optimizer step on `cluster`: {step_time_s, tokens_per_sec_per_gpu, mfu, and where the
     time goes: compute_s, exposed_comm_s, bubble_s, optimizer_s}. `rows`: what one rank sends
     in the step (formula_rows, or a --comm-ledger's); recompute: "none", "full" (activation
     checkpointing: one more forward) or "selective" (torchtitan's policy: every second matmul
-    of a layer). The pipeline's stages are taken as equal, each with 1/pp of the FLOPs."""
+    of a layer). overlap_tp: tensor parallelism's collectives run under the matmuls beside them
+    (torchtitan's AsyncTP, Megatron-LM's --tp-comm-overlap; not this suite's lessons), exposed
+    only beyond the compute. The pipeline's stages are taken as equal, each 1/pp of the FLOPs."""
     gpu, world = cluster.gpu, layout.world_size
     rate = gpu.peak_flops * cluster.figure("matmul_efficiency")
     tokens = workload.micro_batch_size * workload.seq_length * workload.micro_batches
@@ -348,10 +351,13 @@ def step_time(
     compute = 3 * forward + recomputed_flops(config, tokens_per_gpu, recompute, per_token) / rate
     last_backward = (compute - forward) / workload.micro_batches
 
-    timed = {"layer": [], "fsdp": [], "ddp": [], "optimizer": []}
+    timed = {"layer": [], "fsdp": [], "ddp": [], "optimizer": [], "tp": []}
     for r in rows:
-        timed[overlap_class(r, layout.zero_stage)].append((r, row_seconds(r, layout, cluster)))
-    busy = compute + sum(seconds for _, seconds in timed["layer"])
+        kind = overlap_class(r, layout.zero_stage)
+        kind = "tp" if overlap_tp and kind == "layer" and r["group"] == "tp" else kind
+        timed[kind].append((r, row_seconds(r, layout, cluster)))
+    hidden_tp = sum(seconds for _, seconds in timed["tp"])
+    busy = compute + sum(seconds for _, seconds in timed["layer"]) + max(0.0, hidden_tp - compute)
     bubble = 0.0
     if layout.pp > 1:  # the bubble's share of the step, in slots of a micro-batch's work
         share = bubble_fraction(
@@ -359,7 +365,7 @@ def step_time(
         )
         bubble = busy * share / (1 - share)
     m = workload.micro_batches
-    exposed = sum(seconds for _, seconds in timed["layer"])
+    exposed = busy - compute
     exposed += exposed_data_parallel(timed["fsdp"], compute, "fsdp", m)
     exposed += exposed_data_parallel(timed["ddp"], last_backward, "ddp", m)
     exposed += sum(seconds for _, seconds in timed["optimizer"])
