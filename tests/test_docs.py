@@ -583,3 +583,31 @@ def test_a_quote_matches_only_what_the_code_prints():
     with pytest.raises(AssertionError):
         assert_prints("stopped at step N", "halted at step 12", N="12")
     assert shape("loss=4.733, lr=3.00e-04, tok_s=5,765 of 9.3M") == "loss=#, lr=#, tok_s=# of #"
+
+
+# -------------------------------------------------------------------------------------------------
+# docs/scale.md: the predicted table, and the published rows
+
+
+def test_scale_md_quotes_plot_scales_table():
+    from tools import plot_scale
+
+    table = plot_scale.markdown(plot_scale.rows())
+    assert table in doc("scale.md")
+    assert "python -m tools.plot_scale --png docs/scale.png" in one_line(doc("scale.md"))
+
+
+def test_scale_md_quotes_each_published_rows_prediction():
+    from published import PUBLISHED, predict, relative_errors
+
+    text = doc("scale.md")
+    for entry in PUBLISHED["rows"]:
+        key = "mfu" if "mfu" in entry["published"] else "tokens_per_sec_per_gpu"
+        shown = "{:.1%}" if key == "mfu" else "{:,.0f} tokens/s"
+        error = relative_errors(entry)[key]
+        line = (
+            f"| {entry['name']} | {shown.format(entry['published'][key])} "
+            f"| {shown.format(predict(entry)[key])} | {error:+.0%} "
+            f"| {'miss' if entry['miss'] else 'hit'} |"
+        )
+        assert line in text, line

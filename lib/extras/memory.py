@@ -393,11 +393,11 @@ def format_plan(p: dict) -> str:
     lines += [strategy_line(name, row, gb) for name, row in shown.items()]
     lines += traffic_notes(p)
     lines += fit_notes(p, shown)
+    lines.append("(estimates: leave 1-3 GB for the CUDA context and fragmentation)")
     if p.get("cluster"):  # the step times, where the plan has them
         from lib.extras.step_time import format_step_times
 
         lines += format_step_times({**p, "strategies": shown})
-    lines.append("(estimates: leave 1-3 GB for the CUDA context and fragmentation)")
     return "\n".join(lines)
 
 

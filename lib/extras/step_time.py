@@ -353,9 +353,11 @@ def step_time(
 
     timed = {"layer": [], "fsdp": [], "ddp": [], "optimizer": [], "tp": []}
     for r in rows:
-        kind = overlap_class(r, layout.zero_stage)
+        kind, seconds = overlap_class(r, layout.zero_stage), row_seconds(r, layout, cluster)
+        if kind == "layer" and recompute == "full" and r["op"] not in ("send", "recv"):
+            seconds *= 1.5  # the recomputed forward runs its half of the collectives again
         kind = "tp" if overlap_tp and kind == "layer" and r["group"] == "tp" else kind
-        timed[kind].append((r, row_seconds(r, layout, cluster)))
+        timed[kind].append((r, seconds))
     hidden_tp = sum(seconds for _, seconds in timed["tp"])
     busy = compute + sum(seconds for _, seconds in timed["layer"]) + max(0.0, hidden_tp - compute)
     bubble = 0.0
@@ -484,5 +486,6 @@ def format_step_times(p: dict) -> list[str]:
             f"{name:<9}{r['recompute']:>10}{r['step_time_s']:>9.3f}"
             f"{r['tokens_per_sec_per_gpu']:>11,.0f}{r['mfu']:>7.1%}{r['compute_s']:>9.3f}"
             f"{r['exposed_comm_s']:>9.3f}{r['bubble_s']:>9.3f}{r['optimizer_s']:>9.3f}"
+            + ("   (does not fit)" if r.get("fits_checkpointed") is False else "")
         )
     return lines if len(lines) > 2 else []
