@@ -99,7 +99,8 @@ def formula_rows(config: LlamaConfig, layout: Layout, workload: Workload) -> lis
     hsdp_across_groups_bytes and muon_bytes). bytes: the whole buffer of each call, summed.
 
     The strategy is layout.zero_stage: 0 DDP, 1 ZeRO-1, 2 and 3 FSDP's (HSDP with replicate > 1).
-    MERGE: lib/extras/comm_formulas.step_rows replaces this function, with the same signature."""
+    MERGE: lib/extras/comm_formulas.step_rows(config, layout, workload) replaces this function:
+    the same rows, with the ledger's group names ("world" for the default group)."""
     rows = data_parallel_rows(config, layout, workload)
     rows += model_parallel_rows(config, layout, workload)
     if workload.optimizer == "muon":
@@ -245,7 +246,7 @@ def group_span(group: str, size: int, layout: Layout) -> int:
     innermost dimension (the product of the dimensions inside it). A group named by dimensions
     the mesh does not have spans `size` consecutive ranks."""
     dims = group.split("+")
-    if not all(d in MESH_ORDER for d in dims):
+    if not all(d in MESH_ORDER for d in dims):  # "world", the default group: every rank
         return size
     sizes = mesh_sizes(layout)
     innermost = max(MESH_ORDER.index(d) for d in dims)
@@ -352,7 +353,7 @@ def step_time(
     last_backward = (compute - forward) / workload.micro_batches
 
     timed = {"layer": [], "fsdp": [], "ddp": [], "optimizer": [], "tp": []}
-    for r in rows:
+    for r in (r for r in rows if r["group_size"] > 1):  # a group of one sends nothing
         kind, seconds = overlap_class(r, layout.zero_stage), row_seconds(r, layout, cluster)
         if kind == "layer" and recompute == "full" and r["op"] not in ("send", "recv"):
             seconds *= 1.5  # the recomputed forward runs its half of the collectives again
