@@ -3,13 +3,10 @@ figures worked out by hand, its communication rows against the planner's traffic
 its predictions against published step times (tests/data/published_step_times.json)."""
 
 import dataclasses
-import json
-import sys
 
 import pytest
 from published import PUBLISHED, relative_errors
 
-from lib import exits
 from lib.extras import memory_formulas as formulas
 from lib.extras import step_time
 from lib.extras.memory_formulas import Workload
@@ -17,7 +14,6 @@ from lib.extras.step_time import GPUS, Cluster
 from lib.metrics import flops_per_token
 from lib.parallel.layout import Layout
 from model import LlamaConfig
-from tools import memory_plan
 
 H100 = Cluster(GPUS["h100"])
 SHAPE = LlamaConfig(
@@ -150,36 +146,6 @@ def test_fsdp_hides_its_traffic_behind_compute_but_tensor_parallel_does_not():
     step = step_time.step_time(config, tp, work, H100, rows, "none")
     in_layer = sum(step_time.row_seconds(r, tp, H100) for r in rows if r["group"] == "tp")
     assert step["exposed_comm_s"] == pytest.approx(in_layer)  # dp 1: nothing else to send
-
-
-def test_cli_rows_gain_step_time_tokens_per_second_and_mfu(monkeypatch, capsys):
-    argv = ["--model", "7b", "--world-size", "16", "--gpu", "h200", "--json"]
-    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
-    exits.run(memory_plan.main)
-    p = json.loads(capsys.readouterr().out)
-    assert p["cluster"]["gpu"] == "H200 SXM" and p["cluster"]["gpus_per_node"] == 8
-    for row in p["strategies"].values():
-        assert row["step_time_s"] > 0 and 0 < row["mfu"] < 1
-        tokens = 2048 / row["step_time_s"]  # one sequence per GPU per step
-        assert row["tokens_per_sec_per_gpu"] == pytest.approx(tokens)
-
-
-def test_cli_slower_network_gives_a_slower_step(monkeypatch, capsys):
-    def step(*flags):
-        argv = ["--model", "7b", "--world-size", "64", "--json", *flags]
-        monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
-        exits.run(memory_plan.main)
-        return json.loads(capsys.readouterr().out)["strategies"]["ddp"]["step_time_s"]
-
-    assert step("--network-gbps", "5", "--gpus-per-node", "1") > step()
-
-
-def test_cli_refuses_a_bad_matmul_efficiency_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", "--matmul-efficiency", "1.5"])
-    with pytest.raises(SystemExit) as exit:
-        exits.run(memory_plan.main)
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1 and "--matmul-efficiency" in err
 
 
 def test_overlapped_tensor_parallel_collectives_cost_only_what_compute_cannot_hide():
