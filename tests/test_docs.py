@@ -611,3 +611,30 @@ def test_scale_md_quotes_each_published_rows_prediction():
             f"| {'miss' if entry['miss'] else 'hit'} |"
         )
         assert line in text, line
+
+
+def plan_json(monkeypatch, capsys, argv: list[str]) -> dict:
+    """tools/memory_plan.py's --json plan for `argv`, in this process (exit code 0 asserted)."""
+    from tools import memory_plan
+
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv, "--json"])
+    exits.run(memory_plan.main)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_scale_md_commands_plan_and_its_prose_quotes_their_figures(monkeypatch, capsys):
+    text = one_line(doc("scale.md").replace("\\\n", " "))
+    commands = re.findall(r"python -m tools\.memory_plan ([^`#]+?)(?:\s+#|`)", text)
+    assert len(commands) >= 5, commands
+    for argv in commands:  # each runs: its flags exist and its layout plans
+        plan_json(monkeypatch, capsys, argv.split())
+    # Megatron's 32B fed this suite's own traffic: the figures section 4 quotes.
+    megatron = next(c for c in commands if "--hidden-size 7168" in c)
+    ddp = plan_json(monkeypatch, capsys, megatron.split())["strategies"]["ddp"]
+    assert f"gives {ddp['mfu']:.1%} (`ddp`)" in text
+    assert f"{ddp['exposed_comm_s']:.2f} s of a {ddp['step_time_s']:.2f} s step" in text
+    # torchtitan's compiled 8-GPU row (6,667 tokens/s) at the lower bound of its footnote's peak.
+    titan = next(c for c in commands if "--matmul-efficiency 0.48" in c)
+    zero3 = plan_json(monkeypatch, capsys, titan.split())["strategies"]["zero3"]
+    assert f"predicts {zero3['tokens_per_sec_per_gpu']:,.0f} tokens/s, +12% over" in text
+    assert round(zero3["tokens_per_sec_per_gpu"] / 6667 - 1, 2) == 0.12
