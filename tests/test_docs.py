@@ -634,7 +634,7 @@ def test_scale_md_commands_plan_and_its_prose_quotes_their_figures(monkeypatch, 
     assert f"gives {ddp['mfu']:.1%} (`ddp`)" in text
     assert f"{ddp['exposed_comm_s']:.2f} s of a {ddp['step_time_s']:.2f} s step" in text
     # torchtitan's compiled 8-GPU row (6,667 tokens/s) at the lower bound of its footnote's peak.
-    titan = next(c for c in commands if "--matmul-efficiency 0.48" in c)
+    titan = next(c for c in commands if "--matmul-efficiency 0.47" in c)
     zero3 = plan_json(monkeypatch, capsys, titan.split())["strategies"]["zero3"]
-    assert f"predicts {zero3['tokens_per_sec_per_gpu']:,.0f} tokens/s, +12% over" in text
-    assert round(zero3["tokens_per_sec_per_gpu"] / 6667 - 1, 2) == 0.12
+    assert f"predicts {zero3['tokens_per_sec_per_gpu']:,.0f} tokens/s, +10% over" in text
+    assert round(zero3["tokens_per_sec_per_gpu"] / 6667 - 1, 2) == 0.10

@@ -45,12 +45,12 @@ class GPU:
     matmul_efficiency: float
 
 
-# The default matmul efficiency, 0.57: one H200 ran this suite's 1b step (seq 2048, micro-batch
-# 8, bf16, --compile) at 54.7% MFU (BENCHMARKS.md), of which the AdamW step took 3% of the time
-# (28 bytes per parameter over 4.8 TB/s): its forward and backward ran at 57% of the peak. The
-# H100 has the same tensor cores and clocks at 700 W; the A100's and B200's are not measured here
-# (tools/bench.py --matmuls measures any GPU's: pass it as --matmul-efficiency).
-MEASURED_EFFICIENCY = 0.57
+# The default matmul efficiency, 0.56: one H200 ran this suite's 1b step (seq 2048, micro-batch
+# 8, bf16, --compile) in 213.1 ms, 54.7% MFU (BENCHMARKS.md); AdamW's 28 bytes per parameter over
+# 4.8 TB/s took 6.1 ms of it, so the forward and backward ran at 0.563 of the peak. The H100 has
+# the same tensor cores and clocks at 700 W; the A100's and B200's are not measured here
+# (tools/bench.py --matmuls times any GPU's matmuls: pass a figure as --matmul-efficiency).
+MEASURED_EFFICIENCY = 0.56
 GPUS = {
     "h100": GPU("H100 SXM", 989e12, 3.35e12, 450e9, 50e9, MEASURED_EFFICIENCY),
     "h200": GPU("H200 SXM", 989e12, 4.8e12, 450e9, 50e9, MEASURED_EFFICIENCY),
