@@ -157,3 +157,15 @@ def test_overlapped_tensor_parallel_collectives_cost_only_what_compute_cannot_hi
     in_layer = sum(step_time.row_seconds(r, layout, H100) for r in rows if r["group"] == "tp")
     assert in_layer < hidden["compute_s"]  # so all of it hides
     assert waited["step_time_s"] - hidden["step_time_s"] == pytest.approx(in_layer)
+
+
+def test_fsdp_reduces_the_gradients_behind_the_last_micro_batchs_backward_only():
+    # 64 micro-batches: the whole compute could hide all of it, the last backward not the scatter.
+    config, work = LlamaConfig.from_preset("7b"), Workload(seq_length=4096, micro_batches=64)
+    layout = Layout(world_size=64, dp=8, tp=8, zero_stage=2)
+    rows = [r for r in step_time.formula_rows(config, layout, work) if r["group"] == "dp"]
+    step = step_time.step_time(config, layout, work, H100, rows, "none")
+    seconds = {r["op"]: step_time.row_seconds(r, layout, H100) for r in rows}
+    last_backward = step["compute_s"] * 2 / 3 / 64
+    assert sum(seconds.values()) < step["compute_s"]  # the link keeps up with the whole step
+    assert step["exposed_comm_s"] >= seconds["reduce_scatter"] - last_backward > 0

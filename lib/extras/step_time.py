@@ -308,11 +308,11 @@ def overlap_class(r: dict, zero_stage: int) -> str:
 def exposed_data_parallel(
     timed: list[tuple[dict, float]], hide_under: float, kind: str, micro_batches: int
 ) -> float:
-    """What of the data-parallel rows (row, seconds) the compute cannot hide. FSDP prefetches
-    each layer's all-gather during the layer before and reduce-scatters during the layer after:
-    hidden behind the whole forward and backward, except the first all-gather of each forward
+    """What of the data-parallel rows (row, seconds) the compute (`hide_under` seconds of it)
+    cannot hide. FSDP prefetches each layer's all-gather during the layer before and
+    reduce-scatters during the layer after: hidden, except the first all-gather of each forward
     (nothing runs before it) and the last reduce-scatter. DDP all-reduces each bucket as the
-    backward fills it: hidden behind the last micro-batch's backward, except the last bucket."""
+    backward fills it: hidden, except the last bucket."""
     total = sum(seconds for _, seconds in timed)
     unhidden = 0.0
     for r, seconds in timed:
@@ -369,7 +369,16 @@ def step_time(
         bubble = busy * share / (1 - share)
     m = workload.micro_batches
     exposed = busy - compute
-    exposed += exposed_data_parallel(timed["fsdp"], compute, "fsdp", m)
+    # FSDP's traffic shares one link behind the whole compute; of it, the gradients are reduced
+    # in the last micro-batch's backward only (the lessons accumulate the others unsynchronised),
+    # as DDP's are: whichever of the two leaves more exposed.
+    gathers = [(r, t) for r, t in timed["fsdp"] if r["op"] == "all_gather"]
+    reductions = [(r, t) for r, t in timed["fsdp"] if r["op"] != "all_gather"]
+    first_gathers = exposed_data_parallel(gathers, math.inf, "fsdp", m)
+    exposed += max(
+        exposed_data_parallel(timed["fsdp"], compute, "fsdp", m),
+        exposed_data_parallel(reductions, last_backward, "fsdp", m) + first_gathers,
+    )
     exposed += exposed_data_parallel(timed["ddp"], last_backward, "ddp", m)
     exposed += sum(seconds for _, seconds in timed["optimizer"])
     optimizer = optimizer_seconds(config, layout, workload, cluster)
