@@ -372,7 +372,7 @@ def test_an_abbreviated_flag_is_refused_not_read_as_a_longer_one(existing_run, c
     "module",
     ["train_dp", "train_ddp", "train_zero1", "train_fsdp", "train_tp", "train_pp", "tools.bench",
      "tools.bench_loader", "tools.generate", "tools.export_hf", "tools.memory_plan",
-     "tools.plot_metrics", "tools.profile_step", "tools.gpu_report"],
+     "tools.plot_metrics", "tools.profile_step", "tools.gpu_report", "tools.plot_scale"],
 )  # fmt: skip
 @pytest.mark.quick
 def test_no_command_line_of_the_suite_accepts_abbreviated_flags(monkeypatch, module):

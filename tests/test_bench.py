@@ -16,6 +16,7 @@ import pytest
 import torch
 from harness import REPO, launch_env, run_script
 
+from lib import model_config
 from tools import bench
 
 BENCH = "tools/bench.py"
@@ -464,3 +465,41 @@ def test_bench_loader_refuses_bad_input_in_one_line(tmp_path, flags, message):
     proc = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# --matmuls: the planner's matmul efficiency, measured
+
+
+def test_matmul_shapes_are_a_tensor_parallel_ranks_layers_and_lm_head():
+    from tools import bench_matmuls
+
+    config = model_config.preset_config(bench.build_parser().parse_args([]), "tiny")
+    d, ffn, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * 32
+    assert config.head_dim == 32  # tiny: 192 wide, 6 heads
+    shapes = {name: rest for name, *rest in bench_matmuls.shapes(config, tp=2)}
+    layers = config.num_hidden_layers
+    assert shapes["wq"] == [layers, d, d // 2] and shapes["wo"] == [layers, d // 2, d]
+    assert shapes["wk wv"] == [2 * layers, d, kv // 2]
+    assert shapes["w1 w3"] == [2 * layers, d, ffn // 2] and shapes["w2"] == [layers, ffn // 2, d]
+    assert shapes["lm_head"] == [1, d, config.vocab_size // 2]
+
+
+@pytest.mark.quick
+def test_bench_matmuls_times_the_models_shapes_and_says_why_no_efficiency_on_cpu(
+    monkeypatch, capsys, tmp_path
+):
+    argv = "--matmuls --model tiny --seq-length 16 --micro-batch-size 2 --steps 1 --warmup 1"
+    out_json = tmp_path / "matmuls.json"
+    monkeypatch.setattr(sys, "argv", ["tools/bench.py", *argv.split(), "--json", str(out_json)])
+    bench.main()
+    out = capsys.readouterr().out
+    m = json.loads(out_json.read_text())
+    assert [r["name"] for r in m["shapes"]] == ["wq", "wk wv", "wo", "w1 w3", "w2", "lm_head"]
+    assert all(r["rate"] > 0 for r in m["shapes"]) and m["flops_per_sec"] > 0
+    # A CPU, or a GPU of unknown peak: no efficiency; else the fraction and the planner's flag.
+    if m["peak_flops"] is None:
+        assert m["efficiency"] is None and "no known bf16 peak for this device" in out
+    else:
+        assert m["efficiency"] == pytest.approx(m["flops_per_sec"] / m["peak_flops"])
+        assert "(python -m tools.memory_plan --matmul-efficiency" in out

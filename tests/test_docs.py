@@ -583,3 +583,58 @@ def test_a_quote_matches_only_what_the_code_prints():
     with pytest.raises(AssertionError):
         assert_prints("stopped at step N", "halted at step 12", N="12")
     assert shape("loss=4.733, lr=3.00e-04, tok_s=5,765 of 9.3M") == "loss=#, lr=#, tok_s=# of #"
+
+
+# -------------------------------------------------------------------------------------------------
+# docs/scale.md: the predicted table, and the published rows
+
+
+def test_scale_md_quotes_plot_scales_table():
+    from tools import plot_scale
+
+    table = plot_scale.markdown(plot_scale.rows())
+    assert table in doc("scale.md")
+    assert "python -m tools.plot_scale --png docs/scale.png" in one_line(doc("scale.md"))
+
+
+def test_scale_md_quotes_each_published_rows_prediction():
+    from published import PUBLISHED, predict, relative_errors
+
+    text = doc("scale.md")
+    for entry in PUBLISHED["rows"]:
+        key = "mfu" if "mfu" in entry["published"] else "tokens_per_sec_per_gpu"
+        shown = "{:.1%}" if key == "mfu" else "{:,.0f} tokens/s"
+        error = relative_errors(entry)[key]
+        line = (
+            f"| {entry['name']} | {shown.format(entry['published'][key])} "
+            f"| {shown.format(predict(entry)[key])} | {error:+.0%} "
+            f"| {'miss' if entry['miss'] else 'hit'} |"
+        )
+        assert line in text, line
+
+
+def plan_json(monkeypatch, capsys, argv: list[str]) -> dict:
+    """tools/memory_plan.py's --json plan for `argv`, in this process (exit code 0 asserted)."""
+    from tools import memory_plan
+
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv, "--json"])
+    exits.run(memory_plan.main)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_scale_md_commands_plan_and_its_prose_quotes_their_figures(monkeypatch, capsys):
+    text = one_line(doc("scale.md").replace("\\\n", " "))
+    commands = re.findall(r"python -m tools\.memory_plan ([^`#]+?)(?:\s+#|`)", text)
+    assert len(commands) >= 5, commands
+    for argv in commands:  # each runs: its flags exist and its layout plans
+        plan_json(monkeypatch, capsys, argv.split())
+    # Megatron's 32B fed this suite's own traffic: the figures section 4 quotes.
+    megatron = next(c for c in commands if "--hidden-size 7168" in c)
+    ddp = plan_json(monkeypatch, capsys, megatron.split())["strategies"]["ddp"]
+    assert f"gives {ddp['mfu']:.1%} (`ddp`)" in text
+    assert f"{ddp['exposed_comm_s']:.2f} s of a {ddp['step_time_s']:.2f} s step" in text
+    # torchtitan's compiled 8-GPU row (6,667 tokens/s) at the lower bound of its footnote's peak.
+    titan = next(c for c in commands if "--matmul-efficiency 0.47" in c)
+    zero3 = plan_json(monkeypatch, capsys, titan.split())["strategies"]["zero3"]
+    assert f"predicts {zero3['tokens_per_sec_per_gpu']:,.0f} tokens/s, +10% over" in text
+    assert round(zero3["tokens_per_sec_per_gpu"] / 6667 - 1, 2) == 0.10

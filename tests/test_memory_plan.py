@@ -523,3 +523,56 @@ def test_muon_plans_one_momentum_for_the_hidden_matrices_muon_updates(preset, ex
     # gets its pieces of the results back, (4 + 4) H (N - 1) / N^2 bytes in fp32.
     assert with_muon["muon"]["sent_sharded"] == pytest.approx(8 * elements * 7 / 64 / 1e9)
     assert adamw["muon"] is None and "muon:" in memory.format_plan(with_muon)
+
+
+# -------------------------------------------------------------------------------------------------
+# The step time of each row (lib/extras/step_time.py; its model: tests/test_step_time.py)
+
+
+def test_cli_rows_gain_step_time_tokens_per_second_and_mfu(monkeypatch, capsys):
+    argv = ["--model", "7b", "--world-size", "16", "--gpu", "h200", "--json"]
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
+    exits.run(memory_plan.main)
+    p = json.loads(capsys.readouterr().out)
+    assert p["cluster"]["gpu"] == "H200 SXM" and p["cluster"]["gpus_per_node"] == 8
+    for row in p["strategies"].values():
+        assert row["step_time_s"] > 0 and 0 < row["mfu"] < 1
+        tokens = 2048 / row["step_time_s"]  # one sequence per GPU per step
+        assert row["tokens_per_sec_per_gpu"] == pytest.approx(tokens)
+
+
+def test_cli_slower_network_gives_a_slower_step(monkeypatch, capsys):
+    def step(*flags):
+        argv = ["--model", "7b", "--world-size", "64", "--json", *flags]
+        monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", *argv])
+        exits.run(memory_plan.main)
+        return json.loads(capsys.readouterr().out)["strategies"]["ddp"]["step_time_s"]
+
+    assert step("--network-gbps", "5", "--gpus-per-node", "1") > step()
+
+
+def test_cli_refuses_a_bad_matmul_efficiency_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tools/memory_plan.py", "--matmul-efficiency", "1.5"])
+    with pytest.raises(SystemExit) as exit:
+        exits.run(memory_plan.main)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and "--matmul-efficiency" in err
+
+
+def test_the_table_gives_each_strategys_step_time_under_the_memory(monkeypatch, capsys):
+    argv = ["--model", "7b", "--world-size", "8", "--gpu-memory", "40", "--gpu", "a100"]
+    code, out, _ = run_main(monkeypatch, capsys, *argv)
+    lines = out.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.startswith("step time on 8 x A100"))
+    rows = {line.split()[0]: line for line in lines[title + 2 : title + 6]}
+    assert code == 0 and set(rows) == {"ddp", "zero1", "zero2", "zero3"}, out
+    # 40 GB: ZeRO-3 fits without recomputing (test_cli_table_says_what_fits), DDP not even with
+    assert rows["ddp"].endswith("(does not fit)") and not rows["zero3"].endswith("fit)")
+    assert rows["zero3"].split()[1] == "none" and rows["ddp"].split()[1] == "full"
+
+
+def test_a_plan_without_a_cluster_has_no_step_time():
+    # A lesson's --plan (estimate_for_run) names no cluster: memory alone, as before.
+    p = memory.plan(SHAPE, grid(2), work())
+    assert "cluster" not in p
+    assert all("step_time_s" not in row for row in p["strategies"].values())

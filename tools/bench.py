@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--json", default=None, help="also write the results (per device, as printed) to this file"
     )
+    g.add_argument(
+        "--matmuls",
+        action="store_true",
+        help="instead: time the model's matmul shapes alone and print the fraction of the GPU's "
+        "bf16 peak they reach, the planner's --matmul-efficiency (tools/bench_matmuls.py)",
+    )
+    g.add_argument(
+        "--tp", type=flags.number_arg(int, 1), default=1, help="--matmuls: a TP rank's shapes"
+    )
 
     g = p.add_argument_group("model and step (the training scripts' flags)")
     g.add_argument("--model", default="tiny", help="preset: tiny, small, medium, 1b, 7b, 13b, 70b")
@@ -419,6 +428,8 @@ def format_report(report: dict) -> str:
 def main():
     parser = build_parser()
     args = parser.parse_args()
+    if args.matmuls:
+        return bench_matmuls_main(parser, args)
     strategies = check_args(parser, args)
     # Everything the bench does not vary (weight decay, grad clip, seed, validation split, ...)
     # takes the training scripts' defaults: it builds exactly their model, optimizer and data.
@@ -526,6 +537,28 @@ def main():
                 raise output_failed("--json", args.json, e) from e
     dist.barrier()
     dist.destroy_process_group()
+
+
+def bench_matmuls_main(parser, args) -> None:
+    """--matmuls: the model's matmul shapes timed on this process's device, no process group."""
+    from tools import bench_matmuls
+
+    _, _, _, device = distributed.torchrun_rank()
+    try:
+        config = model_config.preset_config(args, args.model)  # shape flags, --vocab-size
+    except ValueError as e:
+        parser.error(str(e))
+    if config.hidden_size % args.tp or config.intermediate_size % args.tp:
+        parser.error(f"--tp {args.tp} must divide the hidden size and the MLP's width")
+    tokens = args.micro_batch_size * args.seq_length
+    m = bench_matmuls.measure(config, tokens, args.tp, device, args.steps, args.warmup)
+    print(f"command: {command_line()}; torch {torch.__version__}")
+    print(bench_matmuls.format_measurement(m, device_name(device)))
+    if args.json:
+        try:
+            files.atomic_write_text(args.json, json.dumps(m, indent=2) + "\n")
+        except OSError as e:
+            raise output_failed("--json", args.json, e) from e
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
    tolerance). Run in parallel with pytest-xdist where it is installed.
 2. `tools/bench.py` for `small` at seq 1024 and `1b` at seq 2048 (bf16, --compile, vocabulary
    32000): tokens/s, MFU and peak memory of every strategy, and what DDP, ZeRO-1 and FSDP cost
-   at world size 1 (BENCHMARKS.md's targets).
+   at world size 1 (BENCHMARKS.md's targets); then `--matmuls` on the same shapes, the fraction
+   of the GPU's peak the model's matmuls reach (tools/memory_plan.py's --matmul-efficiency).
 
 Everything lands in --out: report.md (ready to paste into BENCHMARKS.md: date, device, torch,
 driver, commit, each exact command and its output), gpu_tests.log, and each benchmark's .txt
@@ -149,6 +150,13 @@ def main() -> int:
                 (i for i, line in enumerate(table) if line.startswith("tools/bench.py,")), 0
             )
             report += [f"exit {code}, {seconds:.0f} s", "", "```text", *table[start:], "```", ""]
+            save()
+            # The same shape's matmuls alone: the planner's --matmul-efficiency on this GPU.
+            txt = out / f"matmuls_{name}.txt"
+            cmd = [*bench, "--matmuls", *BENCHES[name], "--vocab-size", "32000"]
+            code, seconds = run(cmd, txt, timeout=600)
+            failed |= code != 0
+            report += [f"exit {code}, {seconds:.0f} s", "", "```text", txt.read_text(), "```", ""]
             save()
     print("\n".join(report))
     print(f"report: {out / 'report.md'}")

@@ -10,11 +10,13 @@ HSDP, and tensor (+ sequence), pipeline, context and expert parallelism?
     python -m tools.memory_plan --model 1b --num-layers 24 --world-size 8   # a preset, reshaped
     python -m tools.memory_plan --params 7.5e9 --world-size 64 --precision paper   # ZeRO's paper
     python -m tools.memory_plan --model 7b --json                            # machine-readable
+    python -m tools.memory_plan --model 70b --world-size 256 --tp 8 --gpu h200   # step time too
     torchrun ... train_fsdp.py --plan ...                        # the plan of the run itself
 
 The command line over lib/extras/memory.py, which holds the formulas, puts them together for the
 Layout and Workload the flags give (plan) and prints its table (format_plan); docs/memory.md says
-where each formula comes from.
+where each formula comes from. Under the table, each strategy's step time, tokens/s per GPU and
+MFU on the cluster of --gpu (lib/extras/step_time.py; docs/scale.md says what it assumes).
 """
 
 import json
@@ -22,6 +24,7 @@ import math
 
 from lib import exits, flags, model_config
 from lib.extras.memory import BYTES_PER_PARAM, Workload, format_plan, plan
+from lib.extras.step_time import GPUS, RECOMPUTE, Cluster
 from lib.parallel.layout import Layout
 from model import PRESETS
 
@@ -42,7 +45,9 @@ def main() -> None:
     num_params = int(args.params) if args.params is not None else None  # --params: that count
     model = config if config is not None else num_params  # a shape to plan, or a bare count
     try:
-        result = plan(model, layout_of(args), workload_of(args), num_params)
+        result = plan(
+            model, layout_of(args), workload_of(args), num_params, cluster_of(args), args.recompute
+        )
         figures = [v for row in result["strategies"].values() for v in row.values()]
         if not all(math.isfinite(v) for v in figures if isinstance(v, float)):
             raise OverflowError
@@ -157,8 +162,66 @@ def build_parser() -> flags.ArgumentParser:
         help="muon: one momentum (4 bytes) for the hidden matrices instead of AdamW's two, and "
         "what orthogonalising them on their owners holds and sends (needs --model)",
     )
+    add_cluster_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (GB = 1e9 bytes)")
     return p
+
+
+def add_cluster_flags(p: flags.ArgumentParser) -> None:
+    """The cluster the step times are for (docs/scale.md: the datasheets, and what each means)."""
+    g = p.add_argument_group("step time (docs/scale.md)")
+    g.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        default="h100",
+        help="the GPU: its dense bf16 peak, HBM, NVLink and network bandwidth (SXM datasheets)",
+    )
+    g.add_argument(
+        "--gpus-per-node", type=flags.number_arg(int, 1), default=8, help="GPUs that share NVLink"
+    )
+    bandwidth = flags.number_arg(float, 0, low_open=True)
+    g.add_argument(
+        "--nvlink-gbps",
+        type=bandwidth,
+        default=None,
+        help="NVLink GB/s (gigabytes) per GPU and direction (default: the GPU's: h100/h200 450, "
+        "a100 300, b200 900)",
+    )
+    g.add_argument(
+        "--network-gbps",
+        type=bandwidth,
+        default=None,
+        help="network GB/s (gigabytes: a 400 Gb/s NIC is 50) per GPU and direction, between "
+        "nodes (default: the GPU's: 50, a100 25)",
+    )
+    g.add_argument(
+        "--matmul-efficiency",
+        type=flags.number_arg(float, 0, 1, low_open=True),
+        default=None,
+        help="the fraction of the dense bf16 peak the forward and backward reach (default 0.56, "
+        "measured on an H200; python -m tools.bench --matmuls measures yours)",
+    )
+    g.add_argument(
+        "--recompute",
+        choices=["auto", *RECOMPUTE],
+        default="auto",
+        help="activation checkpointing for the step time: full (one more forward), selective "
+        "(torchtitan's: every second matmul), none; auto: full only where a row needs it to fit",
+    )
+
+
+def cluster_of(args) -> Cluster:
+    """The cluster the flags give (bandwidths in bytes/s; None: the GPU's own)."""
+    nvlink, network = (
+        None if v is None else v * 1e9 for v in (args.nvlink_gbps, args.network_gbps)
+    )
+    return Cluster(
+        GPUS[args.gpu],
+        gpus_per_node=args.gpus_per_node,
+        nvlink_bandwidth=nvlink,
+        network_bandwidth=network,
+        matmul_efficiency=args.matmul_efficiency,
+    )
 
 
 def layout_of(args) -> Layout:

@@ -44,6 +44,8 @@ def plan(
     layout: Layout,
     workload: Workload,
     num_params: int | None = None,
+    cluster=None,
+    recompute: str = "auto",
 ) -> dict:
     """The per-GPU plan for every data-parallel strategy, in GB (1e9 bytes); the --json output.
 
@@ -60,6 +62,10 @@ def plan(
     A mixture of experts (config.num_local_experts > 0) is planned as train_ep.py trains it:
     ep ranks share out each layer's experts, and the ZeRO stage shards the states of the experts
     over the world_size / ep ranks that hold the same ones (docs/memory.md, section 5).
+
+    cluster: a step_time.Cluster; each row then gains its step time, tokens/s per GPU and MFU on
+    it (lib/extras/step_time.py, docs/scale.md), with activation checkpointing as `recompute`
+    says ("auto": none where the row fits without it, else full). None without a model shape.
     """
     config = model if isinstance(model, LlamaConfig) else None
     if num_params is None:
@@ -77,6 +83,13 @@ def plan(
     # them its share of the experts, sharded over the ranks that hold the same ones.
     local_params = max(params for params, *_ in stages) - expert_params * layout.ep
     add_data_parallel_traffic(strategies, local_params, expert_params, layout, workload)
+    cluster_field = {}
+    if cluster is not None:
+        from lib.extras import step_time  # the planner's step times, only when asked for
+
+        shaped = config if config is not None and scale == 1.0 else None
+        step_time.add_step_times(strategies, shaped, layout, workload, cluster, recompute)
+        cluster_field = {"cluster": step_time.cluster_fields(cluster)}
     return {
         **layout_fields(num_params, layout),
         **expert_fields(config, scale, expert_params, layout, workload),
@@ -84,6 +97,7 @@ def plan(
         **traffic_fields(config, local_params, layout, workload),
         **workload_fields(config, workload),
         **muon_fields(config, layout, workload),
+        **cluster_field,
         "strategies": strategies,
     }
 
@@ -380,6 +394,10 @@ def format_plan(p: dict) -> str:
     lines += traffic_notes(p)
     lines += fit_notes(p, shown)
     lines.append("(estimates: leave 1-3 GB for the CUDA context and fragmentation)")
+    if p.get("cluster"):  # the step times, where the plan has them
+        from lib.extras.step_time import format_step_times
+
+        lines += format_step_times({**p, "strategies": shown})
     return "\n".join(lines)
 
 
@@ -531,8 +549,8 @@ def table_unit(p: dict) -> tuple[float, str]:
     figures = [
         value
         for row in p["strategies"].values()
-        for value in row.values()
-        if isinstance(value, float)
+        for key, value in row.items()
+        if key.endswith("_gb") and isinstance(value, float)
     ] + [
         p[k] or 0.0
         for k in ("tp_comm_gb", "pp_comm_gb", "cp_comm_gb", "hsdp_across_groups_gb", "ep_comm_gb")
