@@ -132,10 +132,37 @@ LAYOUTS = {  # name: (mesh shape, placements); "ddp": plain tensors, replicas on
 }
 
 
+IN_FLIGHT = [0]  # this rank's asynchronous collectives started and not yet waited for
+
+
+class Tracked:
+    """A collective's work, that counts itself out of IN_FLIGHT when waited for."""
+
+    def __init__(self, work):
+        self.work, IN_FLIGHT[0] = work, IN_FLIGHT[0] + 1
+
+    def wait(self):
+        IN_FLIGHT[0] -= 1
+        return self.work.wait()
+
+
+def track_in_flight(name: str) -> None:
+    """From now on, dist.<name>(..., async_op=True) counts its work in IN_FLIGHT."""
+    collective = getattr(dist, name)
+
+    def started(*args, **kwargs):
+        work = collective(*args, **kwargs)
+        return Tracked(work) if kwargs.get("async_op") else work
+
+    setattr(dist, name, started)
+
+
 def layout_worker(rank: int, world: int, port: int) -> None:
     """One rank of check_layout, for each layout; ends as test_ep.py's workers do."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for name in ("broadcast", "all_to_all_single"):  # (the exchanges' collectives)
+        track_in_flight(name)
     try:
         for name in LAYOUTS:
             check_layout(rank, world, name)
@@ -152,7 +179,8 @@ def muon_optimizer(params: list, **options) -> muon.MuonWithAdamW:
 def check_layout(rank: int, world: int, name: str) -> None:
     """Two Muon steps on SHAPES laid out as `name`, against one process: the same weights and
     momenta, bit for bit; each matrix orthogonalised on exactly one rank, ceil(M / N) +- 1 on
-    each, as assign_owners says."""
+    each, as assign_owners says; and every Newton-Schulz call but a rank's first overlaps the
+    exchange's traffic (a collective in flight)."""
     torch.manual_seed(0)
     starts = [torch.randn(s) for s in SHAPES]
     grads = [[torch.randn(s) for s in SHAPES] for _ in range(2)]
@@ -170,7 +198,7 @@ def check_layout(rank: int, world: int, name: str) -> None:
         optimizer = muon_optimizer(params)
     calls = []
     counted = muon.newton_schulz
-    muon.newton_schulz = lambda g, **kw: calls.append(g.shape) or counted(g, **kw)
+    muon.newton_schulz = lambda g, **kw: calls.append(IN_FLIGHT[0]) or counted(g, **kw)
     try:
         for step_grads in grads:
             for p, q, g in zip(params, reference, step_grads, strict=True):
@@ -186,6 +214,7 @@ def check_layout(rank: int, world: int, name: str) -> None:
     assert sum(every) == m, f"{name}: {every} Newton-Schulz calls for {m} matrices"
     assert all(abs(n - math.ceil(m / world)) <= 1 for n in every), (name, every)
     assert len(calls) == optimizer.newton_schulz_matrices
+    assert all(calls[1:]), f"{name}: collectives in flight at each Newton-Schulz call: {calls}"
     for p, q in zip(params, reference, strict=True):
         whole = p.full_tensor() if LAYOUTS[name] else p
         assert torch.equal(whole, q), f"{name}: a weight differs from one process's"
