@@ -84,8 +84,9 @@ class TrainingLoop:
     def __iter__(self):
         for step in self.bar:
             groups = self.optimizer.param_groups
-            self.lr = groups[0]["lr"]  # this step's, logged after it
-            # --optimizer muon: the groups Muon steps (lib/extras/muon.py) have their own lr
+            # This step's, logged after it. --optimizer muon: the group Muon steps (first, see
+            # training.build_optimizer) has its own lr; AdamW's groups share --lr's schedule.
+            self.lr = next(g["lr"] for g in groups if not g.get("muon"))
             self.muon_lr = next((g["lr"] for g in groups if g.get("muon")), None)
             yield step
         self.stop_request.finish()

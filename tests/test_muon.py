@@ -7,10 +7,13 @@ Muon like one process with Muon, within the AdamW parity tests' bounds (tests/te
 Muon's update has a fixed size, lr x ~1 per element, so a gradient off in any direction moves the
 weights by far more than ATOL). Each matrix is orthogonalised on one rank of those that share
 it, ceil(M / N) +- 1 matrices a rank, with the one-process update's bits (on 2 spawned ranks:
-DDP, FSDP, TP's split columns, HSDP). Checkpoints hold both states and resume bit for bit, and on
-another number of ranks within the parity bounds; a resume with another optimizer is refused.
+DDP, FSDP, TP's split columns, HSDP), while the exchange's traffic is in flight; ZeRO-1 shares
+the matrices out evenly. Checkpoints hold both states and resume bit for bit (one written with
+Muon's group last too), and on another number of ranks within the parity bounds; a resume with
+another optimizer is refused.
 """
 
+import argparse
 import functools
 import math
 import shutil
@@ -37,9 +40,11 @@ from harness import (
 from test_bad_input import assert_refused
 from test_fsdp import copy_sharded_checkpoint
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lib import exits, training
+from lib.checkpoints import resuming
 from lib.extras import muon
 from model import LlamaConfig, LlamaForPretraining
 
@@ -231,6 +236,65 @@ def test_each_matrix_is_orthogonalised_on_one_rank_with_one_process_update():
     # DDP (replicas), FSDP (rows, one of them unevenly), TP's row-parallel columns, HSDP's
     # replicas of a shard: the same bits as one process, and Newton-Schulz run once a matrix.
     mp.spawn(layout_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+def zero1_worker(rank: int, world: int, port: int) -> None:
+    """One rank of the ZeRO-1 test: train_zero1.py's optimizer over `tiny` (its embedding and
+    lm_head as large as 14 of its 28 hidden matrices); checks how Muon's matrices are shared."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
+        args = argparse.Namespace(optimizer="muon", muon_lr=0.02, lr=1e-3, weight_decay=0.1)
+        optimizer = training.build_optimizer(model, args, "cpu")
+        optimizer = ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer))
+        mine = [p for g in optimizer.optim.param_groups if g["muon"] for p in g["params"]]
+        flops = sum(muon.newton_schulz_flops(p.shape) for p in mine)
+        every = [None] * world
+        dist.all_gather_object(every, (len(mine), flops))
+        counts, loads = zip(*every, strict=True)
+        m = sum(counts)
+        assert m == 28 and all(abs(n - math.ceil(m / world)) <= 1 for n in counts), counts
+        assert max(loads) < 1.01 * sum(loads) / world, loads
+    finally:
+        dist.destroy_process_group()
+    exits.end_process(0)
+
+
+def test_zero1_shares_muons_matrices_out_evenly_by_count_and_by_cost():
+    # ZeroRedundancyOptimizer gives each parameter, group after group, to the rank with the
+    # fewest elements: Muon's group first, 7 matrices a rank. Last, after the embedding and
+    # lm_head, two of the four ranks had none of them, and the others 14 each.
+    mp.spawn(zero1_worker, args=(4, free_port()), nprocs=4, join=True)
+
+
+@pytest.mark.quick
+def test_a_checkpoint_from_when_muons_group_came_last_resumes():
+    # training.build_optimizer puts Muon's group first (for ZeRO-1, above); a .pt written when it
+    # came last has its groups, and its parameters' numbers, put in the new order.
+    model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=320))
+    args = argparse.Namespace(optimizer="muon", muon_lr=0.02, lr=1e-3, weight_decay=0.1)
+    optimizer = training.build_optimizer(model, args, "cpu")
+    assert [g["muon"] for g in optimizer.param_groups] == [True, False, False]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    assert resuming.muon_group_first(saved) is saved
+    groups = saved["param_groups"]
+    old = [*groups[1:], groups[0]]  # as written before: AdamW's groups, then Muon's
+    renumbered = {o: n for n, o in enumerate(i for g in old for i in g["params"])}
+    written = {
+        "state": {renumbered[i]: v for i, v in saved["state"].items()},
+        "param_groups": [{**g, "params": [renumbered[i] for i in g["params"]]} for g in old],
+    }
+    fresh = training.build_optimizer(model, args, "cpu")
+    fresh.load_state_dict(resuming.muon_group_first(written))
+    again = fresh.state_dict()
+    assert again["param_groups"] == saved["param_groups"]
+    assert again["state"].keys() == saved["state"].keys()
+    for i, state in saved["state"].items():
+        assert all(torch.equal(again["state"][i][k], v) for k, v in state.items()), i
 
 
 # -------------------------------------------------------------------------------------------------
