@@ -331,12 +331,14 @@ def test_expert_parallel_with_muon_trains_like_one_process(trained):
 
 
 @pytest.mark.resume
-def test_a_muon_run_resumes_bit_for_bit(trained, corpus, cache_dir, tmp_path):
-    full = trained(DP, **MUON)
+@pytest.mark.parametrize("script, world", [(DP, 1), (ZERO1, 2)], ids=["dp", "zero1"])
+def test_a_muon_run_resumes_bit_for_bit(trained, corpus, cache_dir, tmp_path, script, world):
+    # (ZeRO-1: its gathered .pt, each rank's momenta and moments loaded by their owner.)
+    full = trained(script, world=world, **MUON)
     assert "momentum_buffer" in str(load_checkpoint(full, 4)["optimizer"]["state"])
     out = tmp_path / "resumed"
     copy_checkpoint(full, 4, out)
-    run_script(DP, cmd(corpus, cache_dir, out, **MUON))
+    run_script(script, cmd(corpus, cache_dir, out, **MUON), world=world)
     assert_state_dicts_equal(load_weights(out), load_weights(full))
 
 

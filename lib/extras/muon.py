@@ -336,7 +336,8 @@ class ShardedExchange(Exchange):
     def run(self, params: list[DTensor], update, apply) -> None:
         if self.group is None:
             self.connect(params)
-        batch, rounds = batched(params[0]), self.rounds(batched(params[0]))
+        batch = batched(params[0])
+        rounds = self.rounds(batch)
         # Every round's pieces to their owners, at once; each round waits for its own only.
         arriving = [self.send_pieces(work, params, update) for work in rounds]
         in_flight = None  # the last round's results, on their way back
@@ -385,10 +386,10 @@ class ShardedExchange(Exchange):
 
     def apply_results(self, work: list[list[int]], transfer: "Transfer", params, apply) -> None:
         """Waits for one round's results (send_results) and applies this rank's pieces."""
-        shape = self.chunks[self.me]
+        mine = self.chunks[self.me]  # (offsets, sizes) of this rank's piece of each matrix
         for ks, got in zip(work, transfer.wait(), strict=True):
             for k, piece in zip(ks, got, strict=True):
-                apply(params[k], piece.view(shape[k][1]))
+                apply(params[k], piece.view(mine[k][1]))
 
 
 def region(chunk: tuple) -> tuple[slice, ...]:
