@@ -445,9 +445,10 @@ def newton_schulz_dtype(g: torch.Tensor) -> torch.dtype:
 
 # Whether an owner orthogonalises its same-shape matrices in one call (torch.stack), by device
 # type: only where it measured faster (tools/bench_muon.py --batched, BENCHMARKS.md). On a CPU
-# one call per matrix was faster (batched: 1.12x-1.24x the time), and it keeps each matrix's bits
-# independent of which others its owner holds. On a GPU it is not measured yet, so not batched:
-# one call per matrix also lets each result travel while the next is computed (Exchange.rounds).
+# it was not (batched: 0.92x-1.24x the time of one call each over five runs, median 1.09x), and
+# one call per matrix keeps each matrix's bits independent of which others its owner holds. On
+# a GPU it is not measured yet (--batched --device cuda), so not batched either: one call per
+# matrix also lets each result travel while the next is computed (Exchange.rounds).
 BATCH_SAME_SHAPES = {"cpu": False}
 
 
