@@ -57,8 +57,11 @@ class TrainingLoop:
             print(describe_run(args, settings, config, device))
             if description is not None:
                 print(f"parallelism: {description}")
-            if hasattr(state.optimizer, "describe_newton_schulz"):  # --optimizer muon
-                print(state.optimizer.describe_newton_schulz())
+            # --optimizer muon (under ZeRO-1, the wrapper's optim is this rank's share of it)
+            muon_optimizer = getattr(state.optimizer, "optim", state.optimizer)
+            if hasattr(muon_optimizer, "describe_newton_schulz"):
+                zero = state.optimizer if muon_optimizer is not state.optimizer else None
+                print(muon_optimizer.describe_newton_schulz(zero))
             print(build_memory(state.model, device))
             record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
             if args.plan:  # lib/extras/memory.py: only for --plan

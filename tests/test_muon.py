@@ -338,8 +338,10 @@ def test_a_muon_run_resumes_bit_for_bit(trained, corpus, cache_dir, tmp_path, sc
     assert "momentum_buffer" in str(load_checkpoint(full, 4)["optimizer"]["state"])
     out = tmp_path / "resumed"
     copy_checkpoint(full, 4, out)
-    run_script(script, cmd(corpus, cache_dir, out, **MUON), world=world)
+    proc = run_script(script, cmd(corpus, cache_dir, out, **MUON), world=world)
     assert_state_dicts_equal(load_weights(out), load_weights(full))
+    split = "28 matrices shared out by ZeRO-1 over 2 ranks, 14 on this rank" if world > 1 else ""
+    assert f"Newton-Schulz: {split}" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.resume

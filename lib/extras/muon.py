@@ -120,10 +120,18 @@ class MuonWithAdamW(torch.optim.AdamW):
             exchange.run([params[i] for i in exchange.indices], update, apply)
             self.newton_schulz_matrices += exchange.orthogonalised_here()
 
-    def describe_newton_schulz(self) -> str:
+    def describe_newton_schulz(self, zero=None) -> str:
         """How the Newton-Schulz work is split, as this rank sees it, for the start-up summary:
-        "Newton-Schulz: 14 matrices over 2 ranks, 7 each, 0.0021 TFLOP per rank per step"."""
+        "Newton-Schulz: 14 matrices over 2 ranks, 7 each, 0.0021 TFLOP per rank per step". zero:
+        ZeRO-1's ZeroRedundancyOptimizer, of which this is one rank's share: "Newton-Schulz: 28
+        matrices shared out by ZeRO-1 over 2 ranks, 14 on this rank, 0.0018 TFLOP per step"."""
         params = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        if zero is not None:  # (each rank knows only its share: no collective to ask the others)
+            every = [p for g in zero.param_groups if g.get("muon") for p in g["params"]]
+            count, mine = (sum(math.prod(p.shape[:-2]) for p in ps) for ps in (every, params))
+            flops = sum(newton_schulz_flops(p.shape) for p in params)
+            shared = f"shared out by ZeRO-1 over {zero.world_size} ranks, {mine} on this rank"
+            return f"Newton-Schulz: {count} matrices {shared}, {flops / 1e12:.3g} TFLOP per step"
         exchanges = plan_exchanges(params, self.replicated_over)
         return "Newton-Schulz: " + "; ".join(exchange.describe() for exchange in exchanges)
 
