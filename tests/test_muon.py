@@ -238,6 +238,50 @@ def test_each_matrix_is_orthogonalised_on_one_rank_with_one_process_update():
     mp.spawn(layout_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
+STACKS = [(4, 24, 16), (4, 16, 40), (3, 25, 16)]  # experts' (E, out, in), two split unevenly
+
+
+def stacks_worker(rank: int, world: int, port: int) -> None:
+    """Two Muon steps on STACKS split along E over one mesh dimension and along their rows over
+    the other, against one process: the same bits, each stack orthogonalised on one rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        starts = [torch.randn(s) for s in STACKS]
+        grads = [[torch.randn(s) for s in STACKS] for _ in range(2)]
+        reference = [torch.nn.Parameter(w.clone()) for w in starts]
+        one_process = muon_optimizer(reference)
+        mesh = init_device_mesh("cpu", (2, 2))
+        place = functools.partial(distribute_tensor, device_mesh=mesh,
+                                  placements=[Shard(0), Shard(1)])  # fmt: skip
+        params = [torch.nn.Parameter(place(w)) for w in starts]
+        optimizer = muon_optimizer(params)
+        calls, counted = [], muon.newton_schulz
+        muon.newton_schulz = lambda g, **kw: calls.append(len(g)) or counted(g, **kw)
+        for step_grads in grads:
+            for p, q, g in zip(params, reference, step_grads, strict=True):
+                p.grad, q.grad = place(g), g.clone()
+            one_process.step()
+            calls.clear()
+            optimizer.step()
+        every = [None] * world
+        dist.all_gather_object(every, (calls, optimizer.newton_schulz_matrices))
+        assert sorted(sum((c for c, _ in every), [])) == [3, 4, 4], every  # each stack once
+        assert all(sum(c) == n for c, n in every), every
+        for p, q in zip(params, reference, strict=True):
+            assert torch.equal(p.full_tensor(), q)
+    finally:
+        dist.destroy_process_group()
+    exits.end_process(0)
+
+
+def test_a_stack_of_experts_split_both_ways_is_orthogonalised_on_one_rank():
+    # None of the lessons splits a stack of experts both along E and across its matrices; were
+    # one to, its owner would gather it whole, not every rank (as once, with full_tensor).
+    mp.spawn(stacks_worker, args=(4, free_port()), nprocs=4, join=True)
+
+
 def zero1_worker(rank: int, world: int, port: int) -> None:
     """One rank of the ZeRO-1 test: train_zero1.py's optimizer over `tiny` (its embedding and
     lm_head as large as 14 of its 28 hidden matrices); checks how Muon's matrices are shared."""

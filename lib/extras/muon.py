@@ -34,7 +34,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 # Newton-Schulz's quintic coefficients and steps, and the momentum: torch.optim.Muon's defaults
 # (from Keller Jordan's implementation).
@@ -176,15 +176,15 @@ def plan_exchanges(params: list, replicated_over) -> list:
         elif kind[0] == "sharded":
             exchanges.append(ShardedExchange(indices, shapes, params[indices[0]].device_mesh))
         else:
-            exchanges.append(Exchange(indices, shapes, gather=kind[0] == "gathered"))
+            exchanges.append(Exchange(indices, shapes))
     return exchanges
 
 
 def sharing(p: torch.Tensor, replicated_over) -> tuple:
     """How the ranks share p's matrices: ("local",) this rank's alone (or whole here: a stack of
     experts split along E); ("replicated",) DDP's replicas; ("sharded", mesh ranks) pieces or
-    copies of each matrix on the ranks of a DTensor's mesh; ("gathered",) anything else (a stack
-    split along E and across its matrices too): gathered whole on every rank."""
+    copies of each matrix on the ranks of a DTensor's mesh (a stack split both along E and
+    across its matrices, none in the lessons today, too: its owner orthogonalises it whole)."""
     if not isinstance(p, DTensor):
         if replicated_over is None or dist.get_world_size(replicated_over) == 1:
             return ("local",)
@@ -197,8 +197,6 @@ def sharing(p: torch.Tensor, replicated_over) -> tuple:
     along = any(d not in matrix_dims for d in shards)  # whole matrices split among ranks
     if mesh.size() == 1 or (along and not across):
         return ("local",)
-    if along:
-        return ("gathered",)
     return ("sharded", tuple(mesh.mesh.flatten().tolist()))
 
 
@@ -208,24 +206,17 @@ def sharing(p: torch.Tensor, replicated_over) -> tuple:
 
 class Exchange:
     """Matrices this rank orthogonalises by itself: its own, or whole here (a stack of experts
-    split along E). With gather, DTensors cut both ways (none in the lessons today): each rank
-    gathers each whole update (full_tensor), orthogonalises it and keeps its part."""
+    split along E)."""
 
-    def __init__(self, indices: list[int], shapes: list, gather: bool = False):
-        self.indices, self.shapes, self.gather = indices, shapes, gather
+    def __init__(self, indices: list[int], shapes: list):
+        self.indices, self.shapes = indices, shapes
         self.costs = [newton_schulz_flops(shape) for shape in shapes]
         self.ranks, self.owners, self.me = 1, [0] * len(shapes), 0
 
     def run(self, params: list, update, apply) -> None:
         """apply(p, this rank's part of p's orthogonalised update(p)), for each p in params (the
         exchange's matrices, in its order); every rank of the exchange runs it."""
-        if self.gather:
-            for p in params:  # this rank's part, as init_weights slices: src_data_rank=None
-                u = update(p)
-                whole = newton_schulz(u.full_tensor())  # an all-gather: every rank all of it
-                mine = distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None)
-                apply(p, mine.to_local())
-        elif batched(params[0]):
+        if batched(params[0]):
             results = orthogonalize_all([local_part(update(p)) for p in params], batch=True)
             for p, result in zip(params, results, strict=True):
                 apply(p, result)
@@ -260,8 +251,7 @@ class Exchange:
         loads = [sum(c for c, o in zip(self.costs, self.owners, strict=True) if o == r)
                  for r in range(self.ranks)]  # fmt: skip
         each = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
-        where = "gathered whole on every rank" if self.gather else "on this rank alone"
-        where = f"over {self.ranks} ranks, {each} each" if self.ranks > 1 else where
+        where = f"over {self.ranks} ranks, {each} each" if self.ranks > 1 else "on this rank alone"
         return f"{sum(counts)} matrices {where}, {max(loads) / 1e12:.3g} TFLOP per rank per step"
 
 
