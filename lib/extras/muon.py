@@ -273,7 +273,7 @@ class ReplicatedExchange(Exchange):
             results = orthogonalize_all([update(params[k]) for k in work[self.me]], batch)
             started = []
             for rank, ks in enumerate(work):  # in rank order on every rank
-                if not ks:  # (a rank may have no matrix left: more ranks than matrices)
+                if not ks:  # (none left on this rank: it owns one matrix fewer, or none)
                     continue
                 if rank == self.me:
                     buffer = torch.cat([result.reshape(-1) for result in results])
