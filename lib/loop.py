@@ -57,8 +57,11 @@ class TrainingLoop:
             print(describe_run(args, settings, config, device))
             if description is not None:
                 print(f"parallelism: {description}")
-            if hasattr(state.optimizer, "describe_newton_schulz"):  # --optimizer muon
-                print(state.optimizer.describe_newton_schulz())
+            # --optimizer muon (under ZeRO-1, the wrapper's optim is this rank's share of it)
+            muon_optimizer = getattr(state.optimizer, "optim", state.optimizer)
+            if hasattr(muon_optimizer, "describe_newton_schulz"):
+                zero = state.optimizer if muon_optimizer is not state.optimizer else None
+                print(muon_optimizer.describe_newton_schulz(zero))
             print(build_memory(state.model, device))
             record_run(args, settings, start_step)  # OUT_DIR/args.jsonl: the settings
             if args.plan:  # lib/extras/memory.py: only for --plan
@@ -89,8 +92,9 @@ class TrainingLoop:
     def __iter__(self):
         for step in self.bar:
             groups = self.optimizer.param_groups
-            self.lr = groups[0]["lr"]  # this step's, logged after it
-            # --optimizer muon: the groups Muon steps (lib/extras/muon.py) have their own lr
+            # This step's, logged after it. --optimizer muon: the group Muon steps (first, see
+            # training.build_optimizer) has its own lr; AdamW's groups share --lr's schedule.
+            self.lr = next(g["lr"] for g in groups if not g.get("muon"))
             self.muon_lr = next((g["lr"] for g in groups if g.get("muon")), None)
             yield step
         self.stop_request.finish()

@@ -322,7 +322,12 @@ def build_optimizer(model, args, device_type: str) -> torch.optim.AdamW:
     decay = args.weight_decay
     groups = [{"params": matrices, "weight_decay": decay}, {"params": vectors, "weight_decay": 0.0}]
     if hidden:  # the group of Muon: its own lr, and the decay of the matrices
-        groups.append({"params": hidden, "muon": True, "lr": args.muon_lr, "weight_decay": decay})
+        # First: ZeRO-1's ZeroRedundancyOptimizer shares the groups out in order, each parameter
+        # to the rank with the fewest elements so far. Shared out before the embedding and
+        # lm_head, the hidden matrices spread their Newton-Schulz work evenly over the ranks
+        # (docs/optimizers.md); after them, a rank given lm_head got none.
+        orthogonalised = {"params": hidden, "muon": True, "lr": args.muon_lr}
+        groups = [{**orthogonalised, "weight_decay": decay}, *groups]
     # One fused kernel per parameter, on a GPU and a CPU alike (a CPU has no multi-tensor path:
     # unfused, ~10 operations per parameter in Python, ~3 ms of a 35 ms step at nanoGPT's shape).
     fused = device_type in ("cuda", "cpu")

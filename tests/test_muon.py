@@ -7,10 +7,13 @@ Muon like one process with Muon, within the AdamW parity tests' bounds (tests/te
 Muon's update has a fixed size, lr x ~1 per element, so a gradient off in any direction moves the
 weights by far more than ATOL). Each matrix is orthogonalised on one rank of those that share
 it, ceil(M / N) +- 1 matrices a rank, with the one-process update's bits (on 2 spawned ranks:
-DDP, FSDP, TP's split columns, HSDP). Checkpoints hold both states and resume bit for bit, and on
-another number of ranks within the parity bounds; a resume with another optimizer is refused.
+DDP, FSDP, TP's split columns, HSDP), while the exchange's traffic is in flight; ZeRO-1 shares
+the matrices out evenly. Checkpoints hold both states and resume bit for bit (one written with
+Muon's group last too), and on another number of ranks within the parity bounds; a resume with
+another optimizer is refused.
 """
 
+import argparse
 import functools
 import math
 import shutil
@@ -37,9 +40,11 @@ from harness import (
 from test_bad_input import assert_refused
 from test_fsdp import copy_sharded_checkpoint
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lib import exits, training
+from lib.checkpoints import resuming
 from lib.extras import muon
 from model import LlamaConfig, LlamaForPretraining
 
@@ -132,10 +137,37 @@ LAYOUTS = {  # name: (mesh shape, placements); "ddp": plain tensors, replicas on
 }
 
 
+IN_FLIGHT = [0]  # this rank's asynchronous collectives started and not yet waited for
+
+
+class Tracked:
+    """A collective's work, that counts itself out of IN_FLIGHT when waited for."""
+
+    def __init__(self, work):
+        self.work, IN_FLIGHT[0] = work, IN_FLIGHT[0] + 1
+
+    def wait(self):
+        IN_FLIGHT[0] -= 1
+        return self.work.wait()
+
+
+def track_in_flight(name: str) -> None:
+    """From now on, dist.<name>(..., async_op=True) counts its work in IN_FLIGHT."""
+    collective = getattr(dist, name)
+
+    def started(*args, **kwargs):
+        work = collective(*args, **kwargs)
+        return Tracked(work) if kwargs.get("async_op") else work
+
+    setattr(dist, name, started)
+
+
 def layout_worker(rank: int, world: int, port: int) -> None:
     """One rank of check_layout, for each layout; ends as test_ep.py's workers do."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for name in ("broadcast", "all_to_all_single"):  # (the exchanges' collectives)
+        track_in_flight(name)
     try:
         for name in LAYOUTS:
             check_layout(rank, world, name)
@@ -152,7 +184,8 @@ def muon_optimizer(params: list, **options) -> muon.MuonWithAdamW:
 def check_layout(rank: int, world: int, name: str) -> None:
     """Two Muon steps on SHAPES laid out as `name`, against one process: the same weights and
     momenta, bit for bit; each matrix orthogonalised on exactly one rank, ceil(M / N) +- 1 on
-    each, as assign_owners says."""
+    each, as assign_owners says; and every Newton-Schulz call but a rank's first overlaps the
+    exchange's traffic (a collective in flight)."""
     torch.manual_seed(0)
     starts = [torch.randn(s) for s in SHAPES]
     grads = [[torch.randn(s) for s in SHAPES] for _ in range(2)]
@@ -170,7 +203,7 @@ def check_layout(rank: int, world: int, name: str) -> None:
         optimizer = muon_optimizer(params)
     calls = []
     counted = muon.newton_schulz
-    muon.newton_schulz = lambda g, **kw: calls.append(g.shape) or counted(g, **kw)
+    muon.newton_schulz = lambda g, **kw: calls.append(IN_FLIGHT[0]) or counted(g, **kw)
     try:
         for step_grads in grads:
             for p, q, g in zip(params, reference, step_grads, strict=True):
@@ -186,6 +219,7 @@ def check_layout(rank: int, world: int, name: str) -> None:
     assert sum(every) == m, f"{name}: {every} Newton-Schulz calls for {m} matrices"
     assert all(abs(n - math.ceil(m / world)) <= 1 for n in every), (name, every)
     assert len(calls) == optimizer.newton_schulz_matrices
+    assert all(calls[1:]), f"{name}: collectives in flight at each Newton-Schulz call: {calls}"
     for p, q in zip(params, reference, strict=True):
         whole = p.full_tensor() if LAYOUTS[name] else p
         assert torch.equal(whole, q), f"{name}: a weight differs from one process's"
@@ -202,6 +236,109 @@ def test_each_matrix_is_orthogonalised_on_one_rank_with_one_process_update():
     # DDP (replicas), FSDP (rows, one of them unevenly), TP's row-parallel columns, HSDP's
     # replicas of a shard: the same bits as one process, and Newton-Schulz run once a matrix.
     mp.spawn(layout_worker, args=(2, free_port()), nprocs=2, join=True)
+
+
+STACKS = [(4, 24, 16), (4, 16, 40), (3, 25, 16)]  # experts' (E, out, in), two split unevenly
+
+
+def stacks_worker(rank: int, world: int, port: int) -> None:
+    """Two Muon steps on STACKS split along E over one mesh dimension and along their rows over
+    the other, against one process: the same bits, each stack orthogonalised on one rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        starts = [torch.randn(s) for s in STACKS]
+        grads = [[torch.randn(s) for s in STACKS] for _ in range(2)]
+        reference = [torch.nn.Parameter(w.clone()) for w in starts]
+        one_process = muon_optimizer(reference)
+        mesh = init_device_mesh("cpu", (2, 2))
+        place = functools.partial(distribute_tensor, device_mesh=mesh,
+                                  placements=[Shard(0), Shard(1)])  # fmt: skip
+        params = [torch.nn.Parameter(place(w)) for w in starts]
+        optimizer = muon_optimizer(params)
+        calls, counted = [], muon.newton_schulz
+        muon.newton_schulz = lambda g, **kw: calls.append(len(g)) or counted(g, **kw)
+        for step_grads in grads:
+            for p, q, g in zip(params, reference, step_grads, strict=True):
+                p.grad, q.grad = place(g), g.clone()
+            one_process.step()
+            calls.clear()
+            optimizer.step()
+        every = [None] * world
+        dist.all_gather_object(every, (calls, optimizer.newton_schulz_matrices))
+        assert sorted(sum((c for c, _ in every), [])) == [3, 4, 4], every  # each stack once
+        assert all(sum(c) == n for c, n in every), every
+        for p, q in zip(params, reference, strict=True):
+            assert torch.equal(p.full_tensor(), q)
+    finally:
+        dist.destroy_process_group()
+    exits.end_process(0)
+
+
+def test_a_stack_of_experts_split_both_ways_is_orthogonalised_on_one_rank():
+    # None of the lessons splits a stack of experts both along E and across its matrices; were
+    # one to, its owner would gather it whole, not every rank (as once, with full_tensor).
+    mp.spawn(stacks_worker, args=(4, free_port()), nprocs=4, join=True)
+
+
+def zero1_worker(rank: int, world: int, port: int) -> None:
+    """One rank of the ZeRO-1 test: train_zero1.py's optimizer over `tiny` (its embedding and
+    lm_head as large as 14 of its 28 hidden matrices); checks how Muon's matrices are shared."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=4096))
+        args = argparse.Namespace(optimizer="muon", muon_lr=0.02, lr=1e-3, weight_decay=0.1)
+        optimizer = training.build_optimizer(model, args, "cpu")
+        optimizer = ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer))
+        mine = [p for g in optimizer.optim.param_groups if g["muon"] for p in g["params"]]
+        flops = sum(muon.newton_schulz_flops(p.shape) for p in mine)
+        every = [None] * world
+        dist.all_gather_object(every, (len(mine), flops))
+        counts, loads = zip(*every, strict=True)
+        m = sum(counts)
+        assert m == 28 and all(abs(n - math.ceil(m / world)) <= 1 for n in counts), counts
+        assert max(loads) < 1.01 * sum(loads) / world, loads
+    finally:
+        dist.destroy_process_group()
+    exits.end_process(0)
+
+
+def test_zero1_shares_muons_matrices_out_evenly_by_count_and_by_cost():
+    # ZeroRedundancyOptimizer gives each parameter, group after group, to the rank with the
+    # fewest elements: Muon's group first, 7 matrices a rank. Last, after the embedding and
+    # lm_head, two of the four ranks had none of them, and the others 14 each.
+    mp.spawn(zero1_worker, args=(4, free_port()), nprocs=4, join=True)
+
+
+@pytest.mark.quick
+def test_a_checkpoint_from_when_muons_group_came_last_resumes():
+    # training.build_optimizer puts Muon's group first (for ZeRO-1, above); a .pt written when it
+    # came last has its groups, and its parameters' numbers, put in the new order.
+    model = LlamaForPretraining(LlamaConfig.from_preset("tiny", vocab_size=320))
+    args = argparse.Namespace(optimizer="muon", muon_lr=0.02, lr=1e-3, weight_decay=0.1)
+    optimizer = training.build_optimizer(model, args, "cpu")
+    assert [g["muon"] for g in optimizer.param_groups] == [True, False, False]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    assert resuming.muon_group_first(saved) is saved
+    groups = saved["param_groups"]
+    old = [*groups[1:], groups[0]]  # as written before: AdamW's groups, then Muon's
+    renumbered = {o: n for n, o in enumerate(i for g in old for i in g["params"])}
+    written = {
+        "state": {renumbered[i]: v for i, v in saved["state"].items()},
+        "param_groups": [{**g, "params": [renumbered[i] for i in g["params"]]} for g in old],
+    }
+    fresh = training.build_optimizer(model, args, "cpu")
+    fresh.load_state_dict(resuming.muon_group_first(written))
+    again = fresh.state_dict()
+    assert again["param_groups"] == saved["param_groups"]
+    assert again["state"].keys() == saved["state"].keys()
+    for i, state in saved["state"].items():
+        assert all(torch.equal(again["state"][i][k], v) for k, v in state.items()), i
 
 
 # -------------------------------------------------------------------------------------------------
@@ -238,13 +375,17 @@ def test_expert_parallel_with_muon_trains_like_one_process(trained):
 
 
 @pytest.mark.resume
-def test_a_muon_run_resumes_bit_for_bit(trained, corpus, cache_dir, tmp_path):
-    full = trained(DP, **MUON)
+@pytest.mark.parametrize("script, world", [(DP, 1), (ZERO1, 2)], ids=["dp", "zero1"])
+def test_a_muon_run_resumes_bit_for_bit(trained, corpus, cache_dir, tmp_path, script, world):
+    # (ZeRO-1: its gathered .pt, each rank's momenta and moments loaded by their owner.)
+    full = trained(script, world=world, **MUON)
     assert "momentum_buffer" in str(load_checkpoint(full, 4)["optimizer"]["state"])
     out = tmp_path / "resumed"
     copy_checkpoint(full, 4, out)
-    run_script(DP, cmd(corpus, cache_dir, out, **MUON))
+    proc = run_script(script, cmd(corpus, cache_dir, out, **MUON), world=world)
     assert_state_dicts_equal(load_weights(out), load_weights(full))
+    split = "28 matrices shared out by ZeRO-1 over 2 ranks, 14 on this rank" if world > 1 else ""
+    assert f"Newton-Schulz: {split}" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.resume

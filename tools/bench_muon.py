@@ -5,6 +5,7 @@ and on N, under DDP and FSDP; and Newton-Schulz calls per rank per step.
     torchrun --standalone --nproc_per_node=4 -m tools.bench_muon --rounds 5
     python -m tools.bench_muon --batched    # one process: batched Newton-Schulz against one call
                                             # per matrix, on the matrices of the model
+    python -m tools.bench_muon --batched --device cuda   # the same on a GPU, in bf16
 
 The default shape is one where Newton-Schulz dominates the step (--hidden-size 512 --ffn-size
 1536 --num-layers 4, 16 tokens x 2 sequences a step): Muon's extra time is then almost all
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--batched", action="store_true", help="instead: batched Newton-Schulz "
                    "against one call per matrix, in this process")  # fmt: skip
+    where = "with --batched: where Newton-Schulz runs (the ranks run on CPU)"
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=where)
     return p
 
 
@@ -184,23 +187,32 @@ def batched_against_one_by_one(args) -> None:
     d, f = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * (d // config.num_attention_heads)
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (d, f), (f, d)] * config.num_hidden_layers
-    updates = [torch.randn(s) for s in shapes]
+    device = torch.device(args.device)
+    updates = [torch.randn(s, device=device) for s in shapes]
     times = {True: [], False: []}
     for round_ in range(args.rounds + 1):
         for batched in (False, True):
             start = time.perf_counter()
             muon.orthogonalize_all(updates, batch=batched)
+            if device.type == "cuda":  # (the kernels run after the calls return)
+                torch.cuda.synchronize()
             if round_:
                 times[batched].append(time.perf_counter() - start)
     one, batch = (statistics.median(times[b]) * 1e3 for b in (False, True))
     print(f"Newton-Schulz on {len(shapes)} matrices ({config.num_hidden_layers} layers of "
-          f"d {d}, ffn {f}), {torch.get_num_threads()} thread(s), medians of {args.rounds} "
+          f"d {d}, ffn {f}) on {device.type} in {muon.newton_schulz_dtype(updates[0])}, "
+          f"{torch.get_num_threads()} thread(s), medians of {args.rounds} "
           f"alternating rounds: one call per matrix {one:.1f} ms, batched by shape "
           f"{batch:.1f} ms ({batch / one:.2f}x)")  # fmt: skip
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.device == "cuda" and not args.batched:
+        parser.error("--device cuda is for --batched only (the ranks are CPU processes)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no GPU here")
     # What the bench does not vary takes the lessons' defaults (seed, weight decay, --lr, ...).
     defaults = vars(flags.build_parser("").parse_args([]))
     args = argparse.Namespace(**{**defaults, **vars(args)})
@@ -221,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exits.run(main)  # a bad flag: one line and exit 2

@@ -140,11 +140,27 @@ def restore_checkpoint(ckpt, state, args) -> tuple[int, list[dict] | None]:
     check_resumable(ckpt, state.config, args, state.tokenizer)
     fresh_lrs = [group["lr"] for group in state.optimizer.param_groups]
     state.model.load_state_dict(ckpt["model"])
-    state.optimizer.load_state_dict(ckpt["optimizer"])
+    state.optimizer.load_state_dict(muon_group_first(ckpt["optimizer"]))
     resume_schedule(state.scheduler, state.optimizer, fresh_lrs, ckpt["step"])
     state.scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])
     return ckpt["step"], ckpt.get("data")
+
+
+def muon_group_first(saved: dict) -> dict:
+    """An optimizer's state_dict with the group Muon steps first, where training.build_optimizer
+    puts it now: a checkpoint of --optimizer muon written when it came last resumes. Its groups
+    move, and its parameters' numbers (the keys of its state, in the groups' order) with them;
+    any other state_dict is returned as it is."""
+    groups = sorted(saved["param_groups"], key=lambda group: not group.get("muon", False))
+    if all(a is b for a, b in zip(groups, saved["param_groups"], strict=True)):
+        return saved
+    renumbered = {old: new for new, old in enumerate(i for g in groups for i in g["params"])}
+    return {
+        **saved,
+        "state": {renumbered[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [renumbered[i] for i in g["params"]]} for g in groups],
+    }
 
 
 def resume_schedule(scheduler, optimizer, fresh_lrs: list[float], step: int) -> None:

@@ -18,20 +18,23 @@ owner (assign_owners: the same on every rank), and the result goes back (docs/op
     whole update; each orthogonalises the matrices it owns and broadcasts the results (nanochat's
     way), so every rank ends with every result;
   - FSDP, HSDP, CP, TP, TP + FSDP, the pipeline's stages: each rank holds a piece of every
-    matrix, a DTensor. The pieces travel to each matrix's owner in one all-to-all over the ranks
+    matrix, a DTensor. The pieces travel to each matrix's owner in an all-to-all over the ranks
     of the matrix's mesh, the owner orthogonalises the whole matrix, and a second all-to-all sends
     each rank its piece of the result (ShardedExchange);
   - a mixture of experts: the experts' weights are stacked (E, ., .), and EP and FSDP split them
     along E, so a rank holds whole experts' matrices: each is orthogonalised where it is, with no
     traffic.
-Every layout thus computes exactly the one-process update, bit for bit (tests/test_muon.py).
+The owners work in rounds, each its costliest matrix left (Exchange.rounds), and the collectives
+are asynchronous (async_op): the pieces of later rounds arrive, and one round's results travel,
+while the owners run Newton-Schulz on the next. Every layout computes exactly the one-process
+update, bit for bit (tests/test_muon.py).
 """
 
 import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 # Newton-Schulz's quintic coefficients and steps, and the momentum: torch.optim.Muon's defaults
 # (from Keller Jordan's implementation).
@@ -117,10 +120,18 @@ class MuonWithAdamW(torch.optim.AdamW):
             exchange.run([params[i] for i in exchange.indices], update, apply)
             self.newton_schulz_matrices += exchange.orthogonalised_here()
 
-    def describe_newton_schulz(self) -> str:
+    def describe_newton_schulz(self, zero=None) -> str:
         """How the Newton-Schulz work is split, as this rank sees it, for the start-up summary:
-        "Newton-Schulz: 14 matrices over 2 ranks, 7 each, 0.0021 TFLOP per rank per step"."""
+        "Newton-Schulz: 14 matrices over 2 ranks, 7 each, 0.0021 TFLOP per rank per step". zero:
+        ZeRO-1's ZeroRedundancyOptimizer, of which this is one rank's share: "Newton-Schulz: 28
+        matrices shared out by ZeRO-1 over 2 ranks, 14 on this rank, 0.0018 TFLOP per step"."""
         params = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        if zero is not None:  # (each rank knows only its share: no collective to ask the others)
+            every = [p for g in zero.param_groups if g.get("muon") for p in g["params"]]
+            count, mine = (sum(math.prod(p.shape[:-2]) for p in ps) for ps in (every, params))
+            flops = sum(newton_schulz_flops(p.shape) for p in params)
+            shared = f"shared out by ZeRO-1 over {zero.world_size} ranks, {mine} on this rank"
+            return f"Newton-Schulz: {count} matrices {shared}, {flops / 1e12:.3g} TFLOP per step"
         exchanges = plan_exchanges(params, self.replicated_over)
         return "Newton-Schulz: " + "; ".join(exchange.describe() for exchange in exchanges)
 
@@ -165,15 +176,15 @@ def plan_exchanges(params: list, replicated_over) -> list:
         elif kind[0] == "sharded":
             exchanges.append(ShardedExchange(indices, shapes, params[indices[0]].device_mesh))
         else:
-            exchanges.append(Exchange(indices, shapes, gather=kind[0] == "gathered"))
+            exchanges.append(Exchange(indices, shapes))
     return exchanges
 
 
 def sharing(p: torch.Tensor, replicated_over) -> tuple:
     """How the ranks share p's matrices: ("local",) this rank's alone (or whole here: a stack of
     experts split along E); ("replicated",) DDP's replicas; ("sharded", mesh ranks) pieces or
-    copies of each matrix on the ranks of a DTensor's mesh; ("gathered",) anything else (a stack
-    split along E and across its matrices too): gathered whole on every rank."""
+    copies of each matrix on the ranks of a DTensor's mesh (a stack split both along E and
+    across its matrices, none in the lessons today, too: its owner orthogonalises it whole)."""
     if not isinstance(p, DTensor):
         if replicated_over is None or dist.get_world_size(replicated_over) == 1:
             return ("local",)
@@ -186,8 +197,6 @@ def sharing(p: torch.Tensor, replicated_over) -> tuple:
     along = any(d not in matrix_dims for d in shards)  # whole matrices split among ranks
     if mesh.size() == 1 or (along and not across):
         return ("local",)
-    if along:
-        return ("gathered",)
     return ("sharded", tuple(mesh.mesh.flatten().tolist()))
 
 
@@ -197,30 +206,39 @@ def sharing(p: torch.Tensor, replicated_over) -> tuple:
 
 class Exchange:
     """Matrices this rank orthogonalises by itself: its own, or whole here (a stack of experts
-    split along E). With gather, DTensors cut both ways (none in the lessons today): each rank
-    gathers each whole update (full_tensor), orthogonalises it and keeps its part."""
+    split along E)."""
 
-    def __init__(self, indices: list[int], shapes: list, gather: bool = False):
-        self.indices, self.shapes, self.gather = indices, shapes, gather
+    def __init__(self, indices: list[int], shapes: list):
+        self.indices, self.shapes = indices, shapes
         self.costs = [newton_schulz_flops(shape) for shape in shapes]
         self.ranks, self.owners, self.me = 1, [0] * len(shapes), 0
 
     def run(self, params: list, update, apply) -> None:
         """apply(p, this rank's part of p's orthogonalised update(p)), for each p in params (the
         exchange's matrices, in its order); every rank of the exchange runs it."""
-        if self.gather:
-            for p in params:  # this rank's part, as init_weights slices: src_data_rank=None
-                u = update(p)
-                whole = newton_schulz(u.full_tensor())  # an all-gather: every rank all of it
-                mine = distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None)
-                apply(p, mine.to_local())
-        elif batched(params[0]):
-            results = orthogonalize_all([local_part(update(p)) for p in params])
+        if batched(params[0]):
+            results = orthogonalize_all([local_part(update(p)) for p in params], batch=True)
             for p, result in zip(params, results, strict=True):
                 apply(p, result)
         else:  # one matrix at a time: one update and one result in memory
             for p in params:
                 apply(p, newton_schulz(local_part(update(p))))
+
+    def rounds(self, batch: bool) -> list[list[list[int]]]:
+        """The owners' work in rounds, the same on every rank: rounds[i][r], the matrices rank r
+        orthogonalises in round i: its i-th costliest (with batch, its i-th shape's matrices,
+        in one call), or none. The exchanges send one round's results while the ranks compute
+        the next round, so that the traffic overlaps Newton-Schulz."""
+        units = []
+        for rank in range(self.ranks):
+            mine = [k for k, owner in enumerate(self.owners) if owner == rank]
+            mine.sort(key=lambda k: (-self.costs[k], k))  # (rounds of like cost on every rank)
+            by_unit = {}
+            for k in mine:
+                by_unit.setdefault(tuple(self.shapes[k]) if batch else k, []).append(k)
+            units.append(list(by_unit.values()))
+        count = max(map(len, units), default=0)
+        return [[unit[i] if i < len(unit) else [] for unit in units] for i in range(count)]
 
     def orthogonalised_here(self) -> int:
         """How many matrices this rank orthogonalises in each step (each expert's counted)."""
@@ -233,15 +251,15 @@ class Exchange:
         loads = [sum(c for c, o in zip(self.costs, self.owners, strict=True) if o == r)
                  for r in range(self.ranks)]  # fmt: skip
         each = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
-        where = "gathered whole on every rank" if self.gather else "on this rank alone"
-        where = f"over {self.ranks} ranks, {each} each" if self.ranks > 1 else where
+        where = f"over {self.ranks} ranks, {each} each" if self.ranks > 1 else "on this rank alone"
         return f"{sum(counts)} matrices {where}, {max(loads) / 1e12:.3g} TFLOP per rank per step"
 
 
 class ReplicatedExchange(Exchange):
     """DDP's replicas: every rank holds every matrix's whole update (the gradients were
-    all-reduced). Each orthogonalises the matrices it owns, then broadcasts its results, one
-    broadcast per rank (nanochat's way): every rank receives the others' results, ~1/N each."""
+    all-reduced). Each orthogonalises the matrices it owns and broadcasts each result (nanochat's
+    way): every rank receives the others' results, ~1/N each. One round's broadcasts travel while
+    the ranks compute the next round (Exchange.rounds); a rank applies them after that."""
 
     def __init__(self, indices: list[int], shapes: list, group):
         super().__init__(indices, shapes)
@@ -249,36 +267,43 @@ class ReplicatedExchange(Exchange):
         self.owners = assign_owners(self.costs, self.ranks)
 
     def run(self, params: list, update, apply) -> None:
-        owned = [k for k, owner in enumerate(self.owners) if owner == self.me]
-        results = orthogonalize_all([update(params[k]) for k in owned])  # (only its own)
-        results = dict(zip(owned, results, strict=True))
-        device, dtype = params[0].device, newton_schulz_dtype(params[0])
-        buffers, works = [], []
-        for rank in range(self.ranks):  # in rank order on every rank: each rank's results
-            ks = [k for k, owner in enumerate(self.owners) if owner == rank]
-            if rank == self.me:
-                buffer = torch.cat([results[k].reshape(-1) for k in ks])
-            else:
-                numel = sum(params[k].numel() for k in ks)
-                buffer = torch.empty(numel, dtype=dtype, device=device)
-            if ks:  # (a rank may own nothing: more ranks than matrices)
-                work = dist.broadcast(buffer, group=self.group, group_src=rank, async_op=True)
-                works.append(work)
-            buffers.append((ks, buffer))
-        for work in works:
-            work.wait()
-        for ks, buffer in buffers:
-            pieces = buffer.split([params[k].numel() for k in ks])
-            for k, piece in zip(ks, pieces, strict=True):
-                apply(params[k], piece.view(params[k].shape))
+        device, dtype, batch = params[0].device, newton_schulz_dtype(params[0]), batched(params[0])
+        in_flight = []  # the last round's broadcasts
+        for work in self.rounds(batch):
+            results = orthogonalize_all([update(params[k]) for k in work[self.me]], batch)
+            started = []
+            for rank, ks in enumerate(work):  # in rank order on every rank
+                if not ks:  # (none left on this rank: it owns one matrix fewer, or none)
+                    continue
+                if rank == self.me:
+                    buffer = torch.cat([result.reshape(-1) for result in results])
+                else:
+                    numel = sum(params[k].numel() for k in ks)
+                    buffer = torch.empty(numel, dtype=dtype, device=device)
+                handle = dist.broadcast(buffer, group=self.group, group_src=rank, async_op=True)
+                started.append((ks, buffer, handle))
+            apply_broadcasts(in_flight, params, apply)  # (sent while this round was computed)
+            in_flight = started
+        apply_broadcasts(in_flight, params, apply)
+
+
+def apply_broadcasts(in_flight: list, params: list, apply) -> None:
+    """Waits for each (matrices, flat buffer, broadcast) in turn and applies its results."""
+    for ks, buffer, handle in in_flight:
+        handle.wait()
+        for k, piece in zip(ks, buffer.split([params[k].numel() for k in ks]), strict=True):
+            apply(params[k], piece.view(params[k].shape))
 
 
 class ShardedExchange(Exchange):
     """The ranks of a DTensor's mesh (FSDP, HSDP, CP, TP, TP + FSDP, a stage's dp ranks): each
-    holds a piece of every matrix, or a copy (HSDP's replicas). One all-to-all sends each piece
-    to its matrix's owner, once (one copy of each: from the replica in the owner's row), the
-    owner orthogonalises the whole matrix, and a second all-to-all sends each rank its piece of
-    the result. Each rank receives ~1/N of the matrices whole, then its pieces of the results."""
+    holds a piece of every matrix, or a copy (HSDP's replicas). For each round of work
+    (Exchange.rounds), an all-to-all sends each piece to its matrix's owner, once (one copy of
+    each: from the replica in the owner's row), the owner orthogonalises the whole matrix, and a
+    second all-to-all sends each rank its piece of the result. Each rank receives ~1/N of the
+    matrices whole, then its pieces of the results. Every round's pieces set off at the start,
+    so later rounds' arrive while the owners compute; a round's results travel during the next
+    round's Newton-Schulz."""
 
     def __init__(self, indices: list[int], shapes: list, mesh):
         super().__init__(indices, shapes)
@@ -296,6 +321,7 @@ class ShardedExchange(Exchange):
         mine = [(tuple(c.offsets), tuple(c.sizes)) for c in mine]
         self.chunks = [None] * self.ranks
         dist.all_gather_object(self.chunks, mine, group=self.group)
+        self.sizes = [[math.prod(chunk[1]) for chunk in chunks] for chunks in self.chunks]
         self.senders = []
         for k, owner in enumerate(self.owners):
             holders = {}  # each distinct piece's holders, in rank order
@@ -303,45 +329,65 @@ class ShardedExchange(Exchange):
                 holders.setdefault(self.chunks[rank][k], []).append(rank)
             # HSDP: the holder in the owner's replica row (rank // shard group size).
             picked = [ranks[owner * len(ranks) // self.ranks] for ranks in holders.values()]
-            self.senders.append({r for r in picked if math.prod(self.chunks[r][k][1])})
+            self.senders.append({r for r in picked if self.sizes[r][k]})
 
     def run(self, params: list[DTensor], update, apply) -> None:
         if self.group is None:
             self.connect(params)
-        me, chunks, ranks, K = self.me, self.chunks, range(self.ranks), len(params)
-        device, dtype = params[0].device, params[0].grad.dtype  # (the updates')
-        size = [[math.prod(chunks[r][k][1]) for k in range(K)] for r in ranks]
-        # 1. Each piece to its matrix's owner; each owner assembles its matrices whole.
-        to_owner = [[k for k in range(K) if self.owners[k] == r and me in self.senders[k]]
-                    for r in ranks]  # fmt: skip
-        from_rank = [[k for k in range(K) if self.owners[k] == me and r in self.senders[k]]
-                     for r in ranks]  # fmt: skip
-        sent = [[update(params[k]).to_local().reshape(-1) for k in ks] for ks in to_owner]
-        wanted = [[size[r][k] for k in from_rank[r]] for r in ranks]
-        got = all_to_all(sent, wanted, self.group, dtype, device)
-        wholes = self.assemble(from_rank, got)
-        del sent, got  # (the pieces: freed before the results travel)
-        owned = sorted(wholes)
-        results = dict(zip(owned, orthogonalize_all([wholes.pop(k) for k in owned]), strict=True))
-        # 2. Each rank its pieces of the results, from their owners.
-        sent = [[results[k][region(chunks[r][k])].reshape(-1) for k in owned] for r in ranks]
-        of_owner = [[k for k in range(K) if self.owners[k] == r] for r in ranks]
-        wanted = [[size[me][k] for k in ks] for ks in of_owner]
-        got = all_to_all(sent, wanted, self.group, newton_schulz_dtype(params[0]), device)
-        for r in ranks:
-            for k, piece in zip(of_owner[r], got[r], strict=True):
-                apply(params[k], piece.view(chunks[me][k][1]))
+        batch = batched(params[0])
+        rounds = self.rounds(batch)
+        # Every round's pieces to their owners, at once; each round waits for its own only.
+        arriving = [self.send_pieces(work, params, update) for work in rounds]
+        in_flight = None  # the last round's results, on their way back
+        for work, pieces in zip(rounds, arriving, strict=True):
+            wholes = self.assemble(work, pieces)
+            results = orthogonalize_all(wholes, batch)
+            del wholes  # (freed before the next round's are assembled)
+            started = self.send_results(work, results, params[0])
+            if in_flight is not None:  # (sent while this round was computed)
+                self.apply_results(*in_flight, params, apply)
+            in_flight = work, started
+        if in_flight is not None:
+            self.apply_results(*in_flight, params, apply)
 
-    def assemble(self, from_rank: list[list[int]], got: list[list[torch.Tensor]]) -> dict:
-        """The whole updates of this rank's matrices, {k: matrix}, from the pieces it got:
-        got[r], flat, those of the matrices from_rank[r] in order."""
-        wholes = {}
-        for r, (ks, pieces) in enumerate(zip(from_rank, got, strict=True)):
-            for k, piece in zip(ks, pieces, strict=True):
-                if k not in wholes:
+    def send_pieces(self, work: list[list[int]], params: list[DTensor], update) -> tuple:
+        """Starts the all-to-all of one round: this rank's pieces of each owner's matrices in
+        `work` to that owner. Returns (from_rank, the transfer): from_rank[r], the matrices of
+        this rank's whose pieces come from rank r, in order."""
+        me, ranks = self.me, range(self.ranks)
+        to_owner = [[k for k in work[r] if me in self.senders[k]] for r in ranks]
+        from_rank = [[k for k in work[me] if r in self.senders[k]] for r in ranks]
+        sent = [[update(params[k]).to_local().reshape(-1) for k in ks] for ks in to_owner]
+        wanted = [[self.sizes[r][k] for k in from_rank[r]] for r in ranks]
+        dtype, device = params[0].grad.dtype, params[0].device  # (the updates')
+        return from_rank, Transfer(sent, wanted, self.group, dtype, device)
+
+    def assemble(self, work: list[list[int]], pieces: tuple) -> list[torch.Tensor]:
+        """The whole updates of this rank's matrices in `work`, in order, once their pieces
+        (send_pieces) have arrived."""
+        from_rank, transfer = pieces
+        wholes = {k: None for k in work[self.me]}
+        for r, (ks, got) in enumerate(zip(from_rank, transfer.wait(), strict=True)):
+            for k, piece in zip(ks, got, strict=True):
+                if wholes[k] is None:
                     wholes[k] = piece.new_empty(self.shapes[k])
                 wholes[k][region(self.chunks[r][k])] = piece.view(self.chunks[r][k][1])
-        return wholes
+        return list(wholes.values())
+
+    def send_results(self, work: list[list[int]], results: list, like: DTensor) -> "Transfer":
+        """Starts the all-to-all that sends each rank its pieces of this round's results."""
+        me, ranks, chunks = self.me, range(self.ranks), self.chunks
+        mine = list(zip(work[me], results, strict=True))
+        sent = [[result[region(chunks[r][k])].reshape(-1) for k, result in mine] for r in ranks]
+        wanted = [[self.sizes[me][k] for k in ks] for ks in work]
+        return Transfer(sent, wanted, self.group, newton_schulz_dtype(like), like.device)
+
+    def apply_results(self, work: list[list[int]], transfer: "Transfer", params, apply) -> None:
+        """Waits for one round's results (send_results) and applies this rank's pieces."""
+        mine = self.chunks[self.me]  # (offsets, sizes) of this rank's piece of each matrix
+        for ks, got in zip(work, transfer.wait(), strict=True):
+            for k, piece in zip(ks, got, strict=True):
+                apply(params[k], piece.view(mine[k][1]))
 
 
 def region(chunk: tuple) -> tuple[slice, ...]:
@@ -359,16 +405,26 @@ def mesh_group(mesh):
     return dist.new_group(ranks, use_local_synchronization=True)
 
 
-def all_to_all(parts: list[list[torch.Tensor]], sizes: list[list[int]], group, dtype, device):
-    """parts[r]: the flat tensors this rank sends rank r; sizes[r]: the sizes of those it
-    receives from rank r. One all_to_all_single; returns received[r]: a list of flat tensors."""
-    flat = [t.to(dtype) for ts in parts for t in ts]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-    received = torch.empty(sum(map(sum, sizes)), dtype=dtype, device=device)
-    sent_splits = [sum(t.numel() for t in ts) for ts in parts]
-    received_splits = [sum(s) for s in sizes]
-    dist.all_to_all_single(received, send, received_splits, sent_splits, group=group)
-    return [list(r.split(s)) for r, s in zip(received.split(received_splits), sizes, strict=True)]
+class Transfer:
+    """One all_to_all_single in flight (async_op): parts[r], the flat tensors this rank sends
+    rank r; sizes[r], the sizes of those it receives from rank r. wait() returns received[r]:
+    a list of flat tensors. The tensors sent are held until then."""
+
+    def __init__(self, parts: list, sizes: list, group, dtype, device):
+        flat = [t.to(dtype) for ts in parts for t in ts]
+        self.send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        self.received = torch.empty(sum(map(sum, sizes)), dtype=dtype, device=device)
+        sent_splits = [sum(t.numel() for t in ts) for ts in parts]
+        self.splits, self.sizes = [sum(s) for s in sizes], sizes
+        self.work = dist.all_to_all_single(
+            self.received, self.send, self.splits, sent_splits, group=group, async_op=True
+        )
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        self.work.wait()
+        self.send = None  # (sent: freed)
+        received = self.received.split(self.splits)
+        return [list(r.split(s)) for r, s in zip(received, self.sizes, strict=True)]
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -385,11 +441,18 @@ def newton_schulz_dtype(g: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if g.is_cuda else torch.float32
 
 
+# Whether an owner orthogonalises its same-shape matrices in one call (torch.stack), by device
+# type: only where it measured faster (tools/bench_muon.py --batched, BENCHMARKS.md). On a CPU
+# it was not (batched: 0.92x-1.24x the time of one call each over five runs, median 1.09x), and
+# one call per matrix keeps each matrix's bits independent of which others its owner holds. On
+# a GPU it is not measured yet (--batched --device cuda), so not batched either: one call per
+# matrix also lets each result travel while the next is computed (Exchange.rounds).
+BATCH_SAME_SHAPES = {"cpu": False}
+
+
 def batched(t: torch.Tensor) -> bool:
-    """Whether an owner orthogonalises its same-shape matrices in one call (torch.stack): on a
-    GPU. On a CPU one call per matrix was faster (BENCHMARKS.md), and it keeps each matrix's
-    bits independent of which others its owner holds."""
-    return t.is_cuda
+    """Whether an owner batches its same-shape matrices on t's device (BATCH_SAME_SHAPES)."""
+    return BATCH_SAME_SHAPES.get(t.device.type, False)
 
 
 def orthogonalize_all(updates: list[torch.Tensor], batch: bool | None = None) -> list:
