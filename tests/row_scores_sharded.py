@@ -30,5 +30,9 @@ with loss_parallel():
     actual = row_scores(sharded, targets)
 same = torch.allclose(actual[:, 0], expected[:, 0], atol=1e-5)
 same &= torch.equal(actual[:, 1], expected[:, 1])
-print(f"rank {rank}: {'same' if same else f'differ: {actual.tolist()} != {expected.tolist()}'}")
+print(
+    f"rank {rank}: {'same' if same else f'differ: {actual.tolist()} != {expected.tolist()}'}\n",
+    end="",
+    flush=True,
+)
 dist.destroy_process_group()
