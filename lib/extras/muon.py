@@ -105,7 +105,7 @@ class MuonWithAdamW(torch.optim.AdamW):
         def update(p):  # Nesterov's look-ahead, made where an exchange needs it
             return p.grad.lerp(self.state[p]["momentum_buffer"], MOMENTUM)
 
-        def apply(p, result: torch.Tensor) -> None:  # result: this rank's part of p's
+        def apply(p, result: torch.Tensor) -> None:  # result: this rank's part of p's update
             # Keller Jordan's scale: a tall matrix's orthogonalised update has smaller entries.
             rows, cols = p.shape[-2:]
             scale = math.sqrt(max(1.0, rows / cols))
