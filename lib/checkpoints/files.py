@@ -113,6 +113,28 @@ def checksums(path: str, chunk: int = CHUNK) -> list[int]:
         os.close(fd)
 
 
+def verify_sums(path: str, share=None) -> None:
+    """ValueError naming the first file (of those `path` lists, beside it; share: of those for
+    which share(name) is true) whose bytes are not the ones written, or that is missing."""
+    folder = os.path.dirname(path)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        chunk, sums = record["chunk"], dict(record["crc32"])
+        if type(chunk) is not int or chunk < 1:  # (an edited file: never a traceback)
+            raise ValueError(f"chunk {chunk!r} is not a size")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the checksums {path}: {e}") from e
+    for name, expected in sorted(sums.items()):
+        if share is not None and not share(name):
+            continue
+        where = os.path.join(folder, name)
+        if not os.path.isfile(where) or checksums(where, chunk) != expected:
+            raise ValueError(
+                f"{where} is damaged: its bytes are not those written (checksums {path})"
+            )
+
+
 def write_sums(sums: dict[str, list[int]], path: str) -> None:
     """`sums` ({file name: its checksums}) into `path`, a JSON file beside those files."""
     atomic_write_text(path, json.dumps({"chunk": CHUNK, "crc32": sums}))
