@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lib import caches
 from lib.checkpoints import files
 from model import IGNORE_INDEX  # the target value the loss skips: one definition, in model.py
 
@@ -61,10 +60,9 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
         from lib.extras import corpus
 
         return corpus.load_corpus(spec, text_column, cache_dir, txt_split, drop_empty)
-    files = stdlib_files()
-    try:
-        ds = caches.load_dataset(
-            "text", data_files=files, split="train", cache_dir=cache, **STDLIB_OPTIONS
+    try:  # (its cached files checked first: lib/checkpoints/files.py)
+        ds = files.load_cached(
+            "text", data_files=stdlib_files(), split="train", cache_dir=cache, **STDLIB_OPTIONS
         )
     except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
         from lib.extras import corpus
@@ -78,7 +76,7 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
 
 
 def drop_empty(ds: datasets.Dataset) -> datasets.Dataset:
-    """The documents that is_nonempty keeps (cached, and checked: lib/caches.py)."""
+    """The documents that is_nonempty keeps (cached, and checked: lib/checkpoints/files.py)."""
 
     def kept(fingerprint: str) -> datasets.Dataset:
         desc = "dropping empty docs"
@@ -86,16 +84,16 @@ def drop_empty(ds: datasets.Dataset) -> datasets.Dataset:
             is_nonempty, input_columns="text", batched=True, desc=desc, new_fingerprint=fingerprint
         )
 
-    name = caches.key("kept", ds._fingerprint, is_nonempty)
-    return caches.step(ds, name, "the documents kept", kept)
+    name = files.cache_key("kept", ds._fingerprint, is_nonempty)
+    return files.cached_step(ds, name, "the documents kept", kept)
 
 
 def stdlib_files() -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     # Third-party packages installed next to the stdlib are not part of it (and vary by machine).
     third_party = {"site-packages", "dist-packages"}
-    files = [p for p in root.rglob("*.py") if not third_party & set(p.relative_to(root).parts)]
-    return [str(p) for p in sorted(files, key=lambda p: p.relative_to(root).as_posix())]
+    paths = [p for p in root.rglob("*.py") if not third_party & set(p.relative_to(root).parts)]
+    return [str(p) for p in sorted(paths, key=lambda p: p.relative_to(root).as_posix())]
 
 
 def writable_cache_dir(cache_dir: str, sub: str) -> str:
@@ -334,12 +332,12 @@ def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int |
             new_fingerprint=fingerprint,
         )
 
-    # Named by the documents, the tokenizer and the code that encodes (lib/caches.py checks it).
+    # Named by the documents, the tokenizer and the code that encodes (files.cached_step).
     special = (tokenizer.bot_id, tokenizer.eot_id)
-    name = caches.key(
+    name = files.cache_key(
         "tokens", ds._fingerprint, tokenizer_digest(tokenizer), special, _encode_batch
     )
-    return caches.step(ds, name, "the tokens", tokens)
+    return files.cached_step(ds, name, "the tokens", tokens)
 
 
 def _encode_batch(texts, tokenizer: Tokenizer, bot_id: int, eot_id: int) -> dict:
@@ -405,10 +403,10 @@ class PretrainingDataset(torch.utils.data.Dataset):
                 new_fingerprint=fingerprint,
             )
 
-        name = caches.key(
+        name = files.cache_key(
             "windows", dataset._fingerprint, seq_length, PACK_BATCH_DOCS, _cut_windows
         )
-        windows = caches.step(dataset, name, "the packed windows", windows)
+        windows = files.cached_step(dataset, name, "the packed windows", windows)
         if len(windows) == 0:
             n_tokens = sum(len(ids) for ids in dataset["input_ids"])
             raise ValueError(

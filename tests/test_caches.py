@@ -1,7 +1,8 @@
-"""Specification of lib/caches.py: every file the data pipeline caches under --cache-dir (the
-corpus as read, the documents kept, the tokens, the packed windows, the corpus fingerprint, the
-trained tokenizer) is checked by its checksums before it is used; a damaged one, or one that
-cannot be verified, is made again with a one-line warning, never used as it is."""
+"""Specification of the caches' checks (lib/checkpoints/files.py, at its end): every file the data
+pipeline caches under --cache-dir (the corpus as read, the documents kept, the tokens, the packed
+windows, the corpus fingerprint, the trained tokenizer) is checked by its checksums before it is
+used; a damaged one, or one that cannot be verified, is made again with a one-line warning,
+never used as it is."""
 
 import json
 import os
@@ -15,7 +16,6 @@ import datasets
 import pytest
 
 import data
-from lib import caches
 from lib.checkpoints import files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def write_corpus(folder: Path) -> Path:
 def pipeline(corpus: Path, cache: Path) -> dict:
     """Each cached step of a run's data, as a new process makes (or finds) it: the datasets, by
     the name of their step."""
-    caches._verified.clear()  # (a new process has verified nothing yet)
+    files._cached_ok.clear()  # (a new process has verified nothing yet)
     docs = data.load_corpus(str(corpus), cache_dir=str(cache))
     tokenizer = data.get_tokenizer(docs, VOCAB, str(cache))
     tokens = data.tokenize(docs, tokenizer)

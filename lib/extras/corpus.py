@@ -17,7 +17,7 @@ from pathlib import Path
 import datasets
 import pyarrow.parquet
 
-from lib import caches
+from lib.checkpoints import files
 
 # Local files: suffix -> the datasets builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -82,8 +82,8 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
     # lib/extras/streaming.py.)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
-    try:  # (a cache's files checked first: lib/caches.py)
-        ds = caches.load_dataset(
+    try:  # (a cache's files checked first: lib/checkpoints/files.py)
+        ds = files.load_cached(
             source.path, data_files=source.data_files, **source.options, **kwargs
         )
     except Exception as e:  # datasets wraps a bad file in many exception types
@@ -216,7 +216,7 @@ def load_error(error: Exception, cache_dir: str, files: list[str], builder: str,
 def load_hub(name: str, config: str | None, spec: str, **kwargs):
     """datasets.load_dataset of a hub dataset (open_source's); ValueError in one line."""
     try:  # needs the network the first time (and every time, streaming)
-        return caches.load_dataset(name, config, **kwargs)
+        return files.load_cached(name, config, **kwargs)
     except (OSError, ValueError) as e:  # offline and not cached, no such dataset, no config, ...
         cache_error = in_cache_dir(e, os.path.dirname(kwargs["cache_dir"]))
         raise cache_error or hub_error(e, name, spec) from e
