@@ -4,6 +4,7 @@ windows, the corpus fingerprint, the trained tokenizer) is checked by its checks
 used; a damaged one, or one that cannot be verified, is made again with a one-line warning,
 never used as it is."""
 
+import errno
 import json
 import os
 import shutil
@@ -192,6 +193,9 @@ print(len(data.PretrainingDataset(tokens, {seq})), sum(map(len, tokens["input_id
 def test_two_runs_sharing_a_new_cache_dir_at_once_both_succeed_and_leave_it_whole(
     first_run, tmp_path, capsys
 ):
+    # Once (before files.one_at_a_time): one run found the other's file between datasets'
+    # rename and its checksums, took it for one whose writing was cut short ("has no
+    # checksums"), and removed it to make it again, under the other run's feet.
     corpus, _, expected = first_run
     cache = tmp_path / "cache"
     start = time.time() + 8  # (a child's imports take ~3 s on a busy 2-core machine)
@@ -205,3 +209,38 @@ def test_two_runs_sharing_a_new_cache_dir_at_once_both_succeed_and_leave_it_whol
     assert results[0][0] == results[1][0]
     assert contents(pipeline(corpus, cache)) == expected  # every file found whole
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.quick
+def test_a_prepared_corpus_missing_its_file_is_made_again(first_run, tmp_path, capsys):
+    # Once: "error: --data ...: cannot be read: [Errno 2] Failed to open local file
+    # '.../json-train.arrow'", blaming the data for a file deleted from the cache.
+    corpus, _, expected = first_run
+    cache = copy_cache(first_run, tmp_path)
+    path = cached_files(pipeline(corpus, cache))["corpus"]
+    capsys.readouterr()
+    os.remove(path)
+    assert contents(pipeline(corpus, cache)) == expected
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: {os.path.dirname(path)} (the corpus as read, cached) lacks a")
+    assert err.count("\n") == 1 and err.rstrip().endswith("making it again"), err
+
+
+@pytest.mark.quick
+def test_a_full_disk_while_tokenizing_names_the_cache_in_one_line(first_run, tmp_path, monkeypatch):
+    # Once: OSError: [Errno 27] File too large, in a traceback from fsspec (a file size limit).
+    corpus, _, _ = first_run
+    cache = copy_cache(first_run, tmp_path)
+    made = pipeline(corpus, cache)
+    tokenizer = data.get_tokenizer(made["docs"], VOCAB, str(cache))
+    folder = os.path.dirname(cached_files(made)["tokens"])
+    os.remove(cached_files(made)["tokens"])  # (the tokens are made again)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(datasets.Dataset, "map", full)
+    with pytest.raises(ValueError) as error:
+        data.tokenize(made["docs"], tokenizer)
+    assert str(error.value).startswith(f"--cache-dir: the tokens cannot be written into {folder}")
+    assert "(File too large)" in str(error.value) and "\n" not in str(error.value)

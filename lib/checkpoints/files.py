@@ -7,6 +7,8 @@ from __future__ import annotations  # `datasets.Dataset` in signatures, `dataset
 
 import concurrent.futures
 import contextlib
+import errno
+import fcntl
 import glob
 import hashlib
 import inspect
@@ -199,10 +201,19 @@ def cached_step(ds: datasets.Dataset, name: str, what: str, make: Callable) -> d
         return make(name)
     folder = os.path.dirname(ds.cache_files[0]["filename"])
     pattern = os.path.join(glob.escape(folder), f"cache-{name}*.arrow")
-    for path in sorted(glob.glob(pattern)):
-        check_cached(path, what, [path])
-    result = make(name)
-    sum_cached(result, lambda path: os.path.basename(path).startswith(f"cache-{name}"))
+    try:
+        with one_at_a_time(os.path.join(folder, f"cache-{name}.lock")):
+            for path in sorted(glob.glob(pattern)):
+                check_cached(path, what, [path])
+            result = make(name)
+            sum_cached(result, lambda path: os.path.basename(path).startswith(f"cache-{name}"))
+    except OSError as e:  # a full disk, a quota, a file size limit: one line naming the cache
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise ValueError(
+            f"--cache-dir: {what} cannot be written into {folder} ({e.strerror}); free space "
+            f"there, or choose another --cache-dir"
+        ) from e
     return result
 
 
@@ -218,15 +229,44 @@ def load_cached(path: str, name=None, *, split: str, cache_dir: str, streaming=F
         )
     builder = datasets.load_dataset_builder(path, name, cache_dir=cache_dir, **kwargs)
     folder = builder.cache_dir
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with one_at_a_time(f"{folder}_sums.lock"):
+        return _load_checked(builder, folder, split)
+
+
+def _load_checked(builder, folder: str, split: str):
+    """load_cached's split, its builder's folder checked, prepared, read and summed."""
     info = os.path.join(folder, "dataset_info.json")  # datasets' sign of a prepared folder
     if os.path.isfile(info):
         for found in sorted(glob.glob(os.path.join(glob.escape(folder), "*.arrow"))):
             if not os.path.basename(found).startswith("cache-"):  # (a map's: cached_step checks it)
                 check_cached(found, "the corpus as read", [found, info])  # (datasets prepares anew)
     builder.download_and_prepare()
-    ds = builder.as_dataset(split=split)
+    try:
+        ds = builder.as_dataset(split=split)
+    except FileNotFoundError as e:  # a file of the prepared folder deleted (by hand, a cleanup)
+        lacks = f"lacks a file ({str(e).strip().splitlines()[0]})"
+        warning = f"warning: {folder} (the corpus as read, cached) {lacks}: making it again"
+        print(warning, file=sys.stderr)
+        os.remove(info)  # (datasets then prepares the folder anew)
+        builder.download_and_prepare()
+        ds = builder.as_dataset(split=split)
     sum_cached(ds, lambda file: os.path.dirname(file) == folder)
     return ds
+
+
+@contextlib.contextmanager
+def one_at_a_time(lock: str):
+    """Held by one process at a time (a POSIX lock on the file `lock`, which works on network
+    file systems too): a run that shares --cache-dir with another waits while the other makes a
+    step's files and sums them, then finds them whole, never a file between datasets' rename
+    and its checksums (which it would take for one cut short, and make again)."""
+    with open(lock, "a") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN)
 
 
 def check_cached(path: str, what: str, remove: list[str]) -> None:
