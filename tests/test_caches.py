@@ -244,3 +244,28 @@ def test_a_full_disk_while_tokenizing_names_the_cache_in_one_line(first_run, tmp
         data.tokenize(made["docs"], tokenizer)
     assert str(error.value).startswith(f"--cache-dir: the tokens cannot be written into {folder}")
     assert "(File too large)" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.quick
+def test_a_damaged_cache_file_that_cannot_be_removed_is_refused_in_one_line(
+    first_run, tmp_path, monkeypatch, capsys
+):
+    # A cache shared with another user, read-only to this one (root writes anywhere: a removal
+    # that fails stands in for it).
+    corpus, _, _ = first_run
+    cache = copy_cache(first_run, tmp_path)
+    path = cached_files(pipeline(corpus, cache))["tokens"]
+    flip_a_byte(path)
+    real = os.remove
+
+    def refused(name, *args, **kwargs):
+        if str(name).startswith(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", refused)
+    with pytest.raises(ValueError) as error:
+        pipeline(corpus, cache)
+    message = str(error.value)
+    assert message.startswith(f"{path} (the tokens, cached) is damaged") and "\n" not in message
+    assert "cannot be removed (Permission denied): remove it by hand, or choose another" in message
