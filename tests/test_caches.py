@@ -266,6 +266,7 @@ def test_a_damaged_cache_file_that_cannot_be_removed_is_refused_in_one_line(
     monkeypatch.setattr(os, "remove", refused)
     with pytest.raises(ValueError) as error:
         pipeline(corpus, cache)
+    assert capsys.readouterr().err == ""  # (no warning that it is made again: it is not)
     message = str(error.value)
     assert message.startswith(f"{path} (the tokens, cached) is damaged") and "\n" not in message
     assert "cannot be removed (Permission denied): remove it by hand, or choose another" in message

@@ -261,7 +261,14 @@ def one_at_a_time(lock: str):
     file systems too): a run that shares --cache-dir with another waits while the other makes a
     step's files and sums them, then finds them whole, never a file between datasets' rename
     and its checksums (which it would take for one cut short, and make again)."""
-    with open(lock, "a") as f:
+    try:
+        f = open(lock, "a")  # noqa: SIM115 - closed below, after the lock is released
+    except OSError as e:  # a cache folder shared with another user, read-only to this one
+        raise ValueError(
+            f"--cache-dir: cannot write {lock} ({e.strerror or e}); choose another --cache-dir, "
+            f"or make that one a directory this user can write to"
+        ) from e
+    with f:
         fcntl.lockf(f, fcntl.LOCK_EX)
         try:
             yield
@@ -290,12 +297,12 @@ def check_cached(path: str, what: str, remove: list[str]) -> None:
                 if damaged
                 else f"has checksums that cannot be read ({e})"
             )
-    print(f"warning: {path} ({what}, cached) {why}: making it again", file=sys.stderr)
     try:
         for name in remove:
             for gone in (name, f"{name}{SUMS}"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(gone)
+        print(f"warning: {path} ({what}, cached) {why}: making it again", file=sys.stderr)
     except OSError as e:  # a cache shared with another user, read-only to this one
         raise ValueError(
             f"{path} ({what}, cached) {why}, and cannot be removed ({e.strerror or e}): remove "
