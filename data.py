@@ -59,31 +59,41 @@ def load_corpus(spec="stdlib", text_column="text", cache_dir=".cache", txt_split
     if spec != "stdlib" or txt_split != "auto":
         from lib.extras import corpus
 
-        return corpus.load_corpus(spec, text_column, cache_dir, txt_split, is_nonempty)
-    import datasets
-
-    files = stdlib_files()
-    try:
-        ds = datasets.load_dataset(
-            "text", data_files=files, split="train", cache_dir=cache, **STDLIB_OPTIONS
+        return corpus.load_corpus(spec, text_column, cache_dir, txt_split, drop_empty)
+    try:  # (its cached files checked first: lib/checkpoints/files.py)
+        ds = files.load_cached(
+            "text", data_files=stdlib_files(), split="train", cache_dir=cache, **STDLIB_OPTIONS
         )
     except Exception as e:  # datasets wraps a full disk, say, in its own errors: one line
         from lib.extras import corpus
 
         # No file scan ([]): the bad bytes of the stdlib are never the cause.
         raise corpus.load_error(e, cache_dir, [], "text", spec) from e
-    ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+    ds = drop_empty(ds)
     if len(ds) == 0:
         raise ValueError(f"corpus {spec!r} has no non-empty documents")
     return ds
+
+
+def drop_empty(ds: datasets.Dataset) -> datasets.Dataset:
+    """The documents that is_nonempty keeps (cached, and checked: lib/checkpoints/files.py)."""
+
+    def kept(fingerprint: str) -> datasets.Dataset:
+        desc = "dropping empty docs"
+        return ds.filter(
+            is_nonempty, input_columns="text", batched=True, desc=desc, new_fingerprint=fingerprint
+        )
+
+    name = files.cache_key("kept", ds._fingerprint, is_nonempty)
+    return files.cached_step(ds, name, "the documents kept", kept)
 
 
 def stdlib_files() -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     # Third-party packages installed next to the stdlib are not part of it (and vary by machine).
     third_party = {"site-packages", "dist-packages"}
-    files = [p for p in root.rglob("*.py") if not third_party & set(p.relative_to(root).parts)]
-    return [str(p) for p in sorted(files, key=lambda p: p.relative_to(root).as_posix())]
+    paths = [p for p in root.rglob("*.py") if not third_party & set(p.relative_to(root).parts)]
+    return [str(p) for p in sorted(paths, key=lambda p: p.relative_to(root).as_posix())]
 
 
 def writable_cache_dir(cache_dir: str, sub: str) -> str:
@@ -134,20 +144,19 @@ def fingerprint(ds: datasets.Dataset, cache_dir: str) -> str:
     """The sha256 of a corpus's documents in order (the same however --data names them), kept in
     cache_dir/fingerprints/ under datasets' fingerprint of `ds`: a cached start reads one file."""
     memo = os.path.join(cache_dir, "fingerprints", f"{ds._fingerprint}.sha256")
-    with contextlib.suppress(OSError):
+    # Checked by its checksums (files.py's, beside it): one without them, or damaged, is hashed
+    # again (an edited digest would be recorded in every checkpoint, and refuse their resume).
+    with contextlib.suppress(OSError, ValueError):
+        files.verify_sums(f"{memo}{files.SUMS}")
         with open(memo) as f:
-            digest = f.read().strip()
-        if len(digest) == 64:
-            return digest
+            return f.read().strip()
     hasher = hashlib.sha256()
     for batch in ds.iter(batch_size=1000):
         hash_texts(hasher, batch["text"])
     digest = hasher.hexdigest()
-    with contextlib.suppress(OSError):  # written then renamed: never half a digest
+    with contextlib.suppress(OSError):  # written then renamed, its checksums first
         os.makedirs(os.path.dirname(memo), exist_ok=True)
-        tmp = f"{memo}.{os.getpid()}.tmp"
-        Path(tmp).write_text(digest + "\n")
-        os.replace(tmp, memo)
+        files.atomic_save(digest.encode(), memo, lambda data, f: f.write(data), sums=True)
     return digest
 
 
@@ -187,22 +196,19 @@ def get_tokenizer(train_texts, vocab_size=4096, cache_dir=".cache", path=None, s
 
 
 def read_cached_tokenizer(cached: str) -> Tokenizer | None:
-    """The trained tokenizer cached at `cached`, or None, with a one-line warning, if it is
-    damaged (its bytes are not those its checksums record, or it does not parse): a cache
-    entry, trained again."""
+    """The trained tokenizer cached at `cached`, or None, with a one-line warning, if it cannot
+    be verified (its bytes are not those its checksums record, or it has none: a cache from
+    before them) or does not parse: a cache entry, trained again."""
     sums = f"{cached}{files.SUMS}"
+    why = "has no checksums (a cache from before them), so cannot be verified"
     try:
-        if os.path.isfile(sums):  # (a cache from before them: parsed, and so checked, alone)
-            with open(sums) as f:
-                expected = json.load(f)["crc32"]["tokenizer.json"]
-            if files.checksums(cached) != expected:
-                raise ValueError("its bytes are not those written")
-        return Tokenizer.from_file(cached)
+        if os.path.isfile(sums):
+            files.verify_sums(sums)
+            return Tokenizer.from_file(cached)
     except Exception as e:  # noqa: BLE001 - unreadable in any way: trained again
-        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
-        print(f"warning: the cached tokenizer {cached} is damaged ({reason}): training it "
-              f"again", file=sys.stderr)  # fmt: skip
-        return None
+        why = f"is damaged ({(str(e).strip() or type(e).__name__).splitlines()[0]})"
+    print(f"warning: the cached tokenizer {cached} {why}: training it again", file=sys.stderr)
+    return None
 
 
 def _tokenizer_training_texts(ds: datasets.Dataset) -> list[str]:
@@ -311,17 +317,27 @@ def tokenize(ds: datasets.Dataset, tokenizer: DocumentTokenizer, num_proc: int |
     import datasets
 
     ids = {"tokenizer": tokenizer.tokenizer, "bot_id": tokenizer.bot_id, "eot_id": tokenizer.eot_id}
-    return ds.map(
-        _encode_batch,
-        batched=True,
-        input_columns="text",
-        remove_columns=ds.column_names,
-        fn_kwargs=ids,
-        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-        batch_size=TOKENIZE_BATCH_DOCS,
-        num_proc=num_proc,
-        desc="tokenizing documents",
+
+    def tokens(fingerprint: str) -> datasets.Dataset:
+        return ds.map(
+            _encode_batch,
+            batched=True,
+            input_columns="text",
+            remove_columns=ds.column_names,
+            fn_kwargs=ids,
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+            batch_size=TOKENIZE_BATCH_DOCS,
+            num_proc=num_proc,
+            desc="tokenizing documents",
+            new_fingerprint=fingerprint,
+        )
+
+    # Named by the documents, the tokenizer and the code that encodes (files.cached_step).
+    special = (tokenizer.bot_id, tokenizer.eot_id)
+    name = files.cache_key(
+        "tokens", ds._fingerprint, tokenizer_digest(tokenizer), special, _encode_batch
     )
+    return files.cached_step(ds, name, "the tokens", tokens)
 
 
 def _encode_batch(texts, tokenizer: Tokenizer, bot_id: int, eot_id: int) -> dict:
@@ -370,17 +386,27 @@ class PretrainingDataset(torch.utils.data.Dataset):
         import datasets
 
         window = seq_length + 1
-        windows = dataset.with_format("numpy").map(
-            _cut_windows,
-            batched=True,
-            batch_size=PACK_BATCH_DOCS,
-            input_columns="input_ids",
-            remove_columns=dataset.column_names,
-            fn_kwargs={"seq_length": seq_length},
-            features=datasets.Features({"window": datasets.List(datasets.Value("int32"), window)}),
-            num_proc=num_proc,
-            desc=f"packing windows of {window} tokens",
+
+        def windows(fingerprint: str) -> datasets.Dataset:
+            return dataset.with_format("numpy").map(
+                _cut_windows,
+                batched=True,
+                batch_size=PACK_BATCH_DOCS,
+                input_columns="input_ids",
+                remove_columns=dataset.column_names,
+                fn_kwargs={"seq_length": seq_length},
+                features=datasets.Features(
+                    {"window": datasets.List(datasets.Value("int32"), window)}
+                ),
+                num_proc=num_proc,
+                desc=f"packing windows of {window} tokens",
+                new_fingerprint=fingerprint,
+            )
+
+        name = files.cache_key(
+            "windows", dataset._fingerprint, seq_length, PACK_BATCH_DOCS, _cut_windows
         )
+        windows = files.cached_step(dataset, name, "the packed windows", windows)
         if len(windows) == 0:
             n_tokens = sum(len(ids) for ids in dataset["input_ids"])
             raise ValueError(

@@ -189,9 +189,9 @@ def test_load_corpus_no_matching_files_is_an_error(tmp_path):
 
 def test_load_corpus_missing_path_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch):
     def no_hub(*args, **kwargs):
-        raise AssertionError("must not reach datasets.load_dataset")
+        raise AssertionError("must not reach a load_dataset")
 
-    monkeypatch.setattr("datasets.load_dataset", no_hub)
+    monkeypatch.setattr("lib.checkpoints.files.load_cached", no_hub)
     with pytest.raises(ValueError, match="no .txt"):
         data.load_corpus(str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / ".cache"))
 
@@ -203,7 +203,7 @@ def test_load_corpus_hub_name_with_config_loads_that_config(tmp_path, monkeypatc
         calls.append((path, name, kwargs["split"]))
         return datasets.Dataset.from_dict({"text": ["one", " ", "two"], "label": [0, 1, 2]})
 
-    monkeypatch.setattr("datasets.load_dataset", hub)
+    monkeypatch.setattr("lib.checkpoints.files.load_cached", hub)
     ds = data.load_corpus("org/wikitext:wikitext-2-raw-v1", cache_dir=str(tmp_path / ".cache"))
     assert calls == [("org/wikitext", "wikitext-2-raw-v1", "train")]
     assert ds.column_names == ["text"] and ds["text"] == ["one", "two"]
@@ -218,7 +218,7 @@ def test_load_corpus_hub_dataset_without_its_config_says_how_to_name_one(tmp_pat
             "['wikitext-103-raw-v1', 'wikitext-2-raw-v1']\nExample of usage:\n\t`load_dataset(...)`"
         )
 
-    monkeypatch.setattr("datasets.load_dataset", hub)
+    monkeypatch.setattr("lib.checkpoints.files.load_cached", hub)
     with pytest.raises(ValueError) as error:
         data.load_corpus("wikitext", cache_dir=str(tmp_path / ".cache"))
     message = str(error.value)
@@ -349,7 +349,7 @@ def test_txt_split_is_refused_for_data_that_is_not_txt(tmp_path, monkeypatch, sp
     def no_load(*args, **kwargs):
         raise AssertionError("must be refused before any data is read")
 
-    monkeypatch.setattr("datasets.load_dataset", no_load)
+    monkeypatch.setattr("lib.checkpoints.files.load_cached", no_load)
     if spec.endswith(".jsonl"):
         spec = str(write_jsonl(tmp_path / spec, [{"text": "a"}, {"text": "b"}]))
     with pytest.raises(ValueError, match=f"--txt-split line applies to .txt files only.*{what}"):
@@ -414,7 +414,7 @@ def test_a_full_disk_while_the_corpus_is_cached_names_the_cache_not_the_data(
         except OSError as e:
             raise datasets.exceptions.DatasetGenerationError("An error occurred") from e
 
-    monkeypatch.setattr(datasets, "load_dataset", full_disk)
+    monkeypatch.setattr("lib.checkpoints.files.load_cached", full_disk)
     cache = tmp_path / "cache"
     said = re.escape(f"--cache-dir {cache} cannot be created or written (No space left on device)")
     with pytest.raises(ValueError, match=f"^{said}"):

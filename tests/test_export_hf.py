@@ -10,6 +10,7 @@ sharded, with Llama 3's RoPE scaling and a Llama 3 style tokenizer, then continu
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,16 @@ from tokenizers import Tokenizer
 
 import data
 from lib import exits
+from lib.checkpoints import files
 from lib.checkpoints import out_dir as out_dir_files
 from lib.checkpoints.finished_run import load_model
 from lib.extras.sampling import generate_text
-from tools import export_hf
+from tools import evaluate, export_hf
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "def add(x, y):\n    return x + y"
 HF_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json"}  # fmt: skip
+            "special_tokens_map.json", "final.sums"}  # fmt: skip
 
 
 def hf_names(num_layers: int, tied: bool) -> set[str]:
@@ -302,7 +304,7 @@ def write_sharded(hf_dir: Path, dst: Path) -> Path:
         save_file({name: tensors[name] for name in part}, dst / shard)
         weight_map |= dict.fromkeys(part, shard)
     (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    for name in HF_FILES - {"model.safetensors"}:
+    for name in HF_FILES - {"model.safetensors", "final.sums"}:  # (save_pretrained writes none)
         (dst / name).write_bytes((hf_dir / name).read_bytes())
     return dst
 
@@ -377,11 +379,14 @@ def test_a_failed_write_leaves_no_folder_behind(exported, tmp_path, monkeypatch,
 
 
 def corrupt(hf_dir: Path, tmp_path: Path, name: str, content: bytes) -> Path:
+    """A copy of the export with `content` as its file `name`, and checksums (final.sums) that
+    agree: the checks of what the files hold are reached (a damaged export: see below)."""
     bad = tmp_path / "bad"
     bad.mkdir()
     for path in hf_dir.iterdir():
         (bad / path.name).write_bytes(path.read_bytes())
     (bad / name).write_bytes(content)
+    files.write_sums_of(str(bad), sorted(n.name for n in bad.iterdir() if n.name != "final.sums"))
     return bad
 
 
@@ -410,6 +415,51 @@ def test_from_hf_names_the_file_it_cannot_read(
     assert_one_line_error(code, err, expected)
     assert stdout == "" and not (tmp_path / "o").exists()
     assert {p.name for p in tmp_path.iterdir()} == {"bad"}
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "edited_rope_theta"])
+def test_from_hf_refuses_a_damaged_export_naming_the_file(
+    exported, tmp_path, monkeypatch, capsys, damage
+):
+    # Once: a flipped byte in the export's weights, or an edited rope_theta in its config.json,
+    # was imported without a word (and tools/evaluate.py, which imports a HF folder, used it).
+    _, hf_dir = exported
+    copy = tmp_path / "copy"
+    shutil.copytree(hf_dir, copy)
+    if damage == "flipped_byte":
+        name, raw = "model.safetensors", bytearray((copy / "model.safetensors").read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        (copy / name).write_bytes(bytes(raw))
+    else:
+        name, config = "config.json", json.loads((copy / "config.json").read_text())
+        (copy / name).write_text(json.dumps({**config, "rope_theta": config["rope_theta"] * 2}))
+    code, stdout, err = run_main(monkeypatch, capsys, "--from-hf", str(copy), str(tmp_path / "o"))
+    assert_one_line_error(code, err, f"{copy / name} is damaged", "export the run again")
+    assert stdout == "" and not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match=f"{copy / name} is damaged"):
+        with evaluate.run_dir(str(copy)):
+            pass
+
+
+def test_an_export_older_than_its_checksums_warns_and_a_folder_from_elsewhere_does_not(
+    exported, tmp_path, capsys
+):
+    out, hf_dir = exported
+    old, foreign = tmp_path / "old", tmp_path / "foreign"
+    for folder in (old, foreign):
+        shutil.copytree(hf_dir, folder)
+        (folder / "final.sums").unlink()
+    config = json.loads((foreign / "config.json").read_text())
+    del config["tokenizer_sha256"]  # (transformers' save_pretrained writes no such field)
+    (foreign / "config.json").write_text(json.dumps(config))
+    export_hf.import_hf(str(old), str(tmp_path / "o1"))
+    err = capsys.readouterr().err
+    expected = f"warning: {old} has no final.sums (tools/export_hf.py wrote it before them)"
+    assert err.startswith(expected) and err.count("\n") == 1, err
+    export_hf.import_hf(str(foreign), str(tmp_path / "o2"))
+    assert capsys.readouterr().err == ""
+    back = torch.load(tmp_path / "o2" / "model.pt", weights_only=True)
+    assert all(torch.equal(t, back[n]) for n, t in torch.load(out / "model.pt").items())
 
 
 def test_an_export_source_that_is_not_a_folder_is_named_as_given(tmp_path, monkeypatch, capsys):

@@ -3,6 +3,8 @@ tokenizer.json works, its beginning/end-of-document and padding tokens found by 
 (--bot-token, ...), a tokenizer_config.json beside it, or the usual names, in that order; and
 whatever is wrong with them is said before any data is read."""
 
+from pathlib import Path
+
 import datasets
 import pytest
 from conftest import tiny_model
@@ -85,10 +87,11 @@ def test_an_out_dir_keeps_its_special_tokens_for_generate_and_init_from(tmp_path
     assert loaded.eot_id == tokenizer.token_to_id("<|eot_id|>")
 
 
-@pytest.mark.parametrize("damage", ["unparsable", "flipped_byte"])
+@pytest.mark.parametrize("damage", ["unparsable", "flipped_byte", "from_before_checksums"])
 def test_a_damaged_cached_tokenizer_is_trained_again_with_a_warning(tmp_path, capsys, damage):
     # Once: "Exception: key must be a string at line 331 column 5", a traceback; and a flipped
-    # byte that still parses (a setting changed) was used as it was.
+    # byte that still parses (a setting changed) was used as it was, as was any tokenizer cached
+    # without checksums (from before them), whatever its bytes.
     texts = datasets.Dataset.from_dict({"text": ["def f(x):\n    return x + 1\n"] * 20})
     first = data.get_tokenizer(texts, 300, str(tmp_path))
     [cached] = (tmp_path / "tokenizers").glob("*/tokenizer.json")
@@ -97,9 +100,13 @@ def test_a_damaged_cached_tokenizer_is_trained_again_with_a_warning(tmp_path, ca
         cached.write_text(text.replace('"vocab": {', '"vocab": {3: 1, ', 1))
     else:
         cached.write_text(text.replace('"fuse_unk": false', '"fuse_unk": true', 1))
+    if damage == "from_before_checksums":
+        Path(f"{cached}.sums").unlink()
     again = data.get_tokenizer(texts, 300, str(tmp_path))
     err = capsys.readouterr().err
-    assert err.startswith(f"warning: the cached tokenizer {cached} is damaged"), err
+    said = "has no checksums (a cache from before them)" if damage.startswith("from") else (
+        "is damaged")  # fmt: skip
+    assert err.startswith(f"warning: the cached tokenizer {cached} {said}"), err
     assert err.count("\n") == 1, err
     assert again.to_str() == first.to_str() and cached.read_text() == text
     data.get_tokenizer(texts, 300, str(tmp_path))

@@ -51,10 +51,12 @@ from data import load_tokenizer, tokenizer_digest
 from lib import exits, flags, model_config
 from lib.checkpoints import files
 from lib.checkpoints.finished_run import (
+    EXPORT,
     check_config_values,
     check_tokenizer,
     is_number,
     open_weights,
+    verify_final,
 )
 from lib.checkpoints.model_pt import save_tensor_by_tensor
 from lib.checkpoints.out_dir import save_final
@@ -351,6 +353,9 @@ def write_export(out_dir: str, hf_dir: str) -> str:
             "split_special_tokens": True,
         },
     )
+    # The checksums of every file above, which --from-hf checks before it reads any of them
+    # (transformers reads the folder as it is, and ignores this file).
+    files.write_sums_of(hf_dir, sorted(os.listdir(hf_dir)))
     return hf_config(config, tokenizer)["architectures"][0]
 
 
@@ -410,7 +415,15 @@ def import_hf(hf_dir: str, out_dir: str, specials: dict[str, str | None] | None 
             raise ValueError(f"{hf_dir} has no {name}")
     with new_folder(out_dir, "the output folder") as tmp:
         config_path = os.path.join(hf_dir, "config.json")
+        # An export of this suite's is checked by its checksums (final.sums) before any file
+        # is read; one written before them (its config.json has our tokenizer_sha256) is used
+        # with a warning; a folder from elsewhere (transformers' save_pretrained) has neither.
+        summed = os.path.isfile(os.path.join(hf_dir, files.FINAL_SUMS))
+        if summed:
+            verify_final(hf_dir, EXPORT)
         hf_config_json = read_json(config_path)
+        if not summed and isinstance(hf_config_json, dict) and "tokenizer_sha256" in hf_config_json:
+            verify_final(hf_dir, EXPORT)  # (its warning)
         try:
             config = config_from_hf(hf_config_json)
         except (TypeError, ValueError, ZeroDivisionError) as e:

@@ -14,7 +14,8 @@
 one_file.py: the whole model in one .pt file per step, written by rank 0. sharded.py: DCP, each
 rank writing its own shards, and model.pt at the end written one tensor at a time. out_dir.py:
 what both share (TrainingState, the out-dir and its lock, args.jsonl, the final files). files.py:
-atomic writes and checksums. Imported only when needed: resuming.py (a resume: is the checkpoint
-this run's?), safe_load.py (dcp.load that runs no code from the directory), finished_run.py (a
-finished run's model, for tools/generate.py, tools/export_hf.py and --init-from).
+atomic writes and checksums, by which data.py checks the --cache-dir's files too. Imported only
+when needed: resuming.py (a resume: is the checkpoint this run's?), safe_load.py (dcp.load that
+runs no code from the directory), finished_run.py (a finished run's model, for
+tools/generate.py, tools/export_hf.py and --init-from).
 """

@@ -18,7 +18,7 @@ import zipfile
 import torch
 
 from data import DocumentTokenizer, load_tokenizer, tokenizer_digest
-from lib.checkpoints.files import CHECKPOINT_DIR_RE, FINAL_SUMS, list_checkpoints
+from lib.checkpoints.files import CHECKPOINT_DIR_RE, FINAL_SUMS, list_checkpoints, verify_sums
 from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
 OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # out_dir.save_final's
@@ -98,12 +98,28 @@ def check_tokenizer(config: LlamaConfig, tokenizer, where: str) -> None:
 
 _verified: set[tuple] = set()  # the out-dirs verify_final checked in this process, as they were
 
+# What verify_final's messages say of a folder's writer: why a folder has no final.sums, what a
+# whole copy of it holds, and how its changed file is put right. A run's --out-dir, or the
+# Hugging Face folder tools/export_hf.py writes (which its --from-hf reads back).
+RUN = (
+    "its run is older than them",
+    f"every final file of the run (model.pt, config.json, tokenizer.json, tokenizer_config.json, "
+    f"{FINAL_SUMS})",
+    "its run wrote it: put back the run's own file, or train again",
+)
+EXPORT = (
+    "tools/export_hf.py wrote it before them",
+    "every file of the export",
+    "tools/export_hf.py wrote it: export the run again",
+)
 
-def verify_final(out_dir: str) -> None:
+
+def verify_final(out_dir: str, writer: tuple[str, str, str] = RUN) -> None:
     """ValueError naming the first of out_dir's final files (model.pt, config.json, ...) whose
-    bytes are not those its run wrote, by the checksums beside them (files.FINAL_SUMS). An
-    out-dir without them (written before they were) is used with a warning: it cannot be
-    verified. The files of an out-dir are read only after this."""
+    bytes are not those its run (or `writer`: EXPORT) wrote, by the checksums beside them
+    (files.FINAL_SUMS). An out-dir without them (written before they were) is used with a
+    warning: it cannot be verified. The files of an out-dir are read only after this."""
+    older, whole, again = writer
     sums = os.path.join(out_dir, FINAL_SUMS)
     stats = [
         (n, os.stat(p).st_mtime_ns, os.stat(p).st_size)
@@ -115,31 +131,24 @@ def verify_final(out_dir: str) -> None:
         return
     if not os.path.isfile(sums):
         print(
-            f"warning: {out_dir} has no {FINAL_SUMS} (its run is older than them): its files "
-            f"cannot be verified, and are used as they are",
+            f"warning: {out_dir} has no {FINAL_SUMS} ({older}): its files cannot be verified, "
+            f"and are used as they are",
             file=sys.stderr,
         )
         _verified.add(seen)
         return
-    from lib.checkpoints.resuming import verify_sums
-
     listed = {}  # (an unreadable final.sums: verify_sums says so)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         with open(sums) as f:
             listed = dict(json.load(f)["crc32"])
     if missing := [n for n in listed if not os.path.isfile(os.path.join(out_dir, n))]:
         raise ValueError(
-            f"{out_dir} has no {', '.join(missing)}, which {FINAL_SUMS} lists: "
-            f"copy every final file of the run (model.pt, config.json, "
-            f"tokenizer.json, tokenizer_config.json, {FINAL_SUMS})"
+            f"{out_dir} has no {', '.join(missing)}, which {FINAL_SUMS} lists: copy {whole}"
         )
     try:
         verify_sums(sums)
     except ValueError as e:
-        raise ValueError(
-            f"{e}; it was changed since its run wrote it: put back the run's own "
-            f"file, or train again"
-        ) from e
+        raise ValueError(f"{e}; it was changed since {again}") from e
     _verified.add(seen)
 
 

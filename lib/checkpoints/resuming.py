@@ -16,8 +16,8 @@ from lib.checkpoints.files import (
     CHECKPOINT_DIR_RE,
     CHECKPOINT_RE,
     SUMS,
-    checksums,
     list_checkpoints,
+    verify_sums,
 )
 from model import MOE_FIELDS, LlamaConfig
 
@@ -282,26 +282,6 @@ def load_checkpoint(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated, not a checkpoint, unsafe content: all mean "unusable"
         raise ValueError(f"cannot read checkpoint {path}: {e}") from e
-
-
-def verify_sums(path: str, share=None) -> None:
-    """ValueError naming the first file (of those `path` lists, beside it; share: of those for
-    which share(name) is true) whose bytes are not the ones written, or that is missing."""
-    folder = os.path.dirname(path)
-    try:
-        with open(path) as f:
-            record = json.load(f)
-        chunk, sums = record["chunk"], record["crc32"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot read the checksums {path}: {e}") from e
-    for name, expected in sorted(sums.items()):
-        if share is not None and not share(name):
-            continue
-        where = os.path.join(folder, name)
-        if not os.path.isfile(where) or checksums(where, chunk) != expected:
-            raise ValueError(
-                f"{where} is damaged: its bytes are not those written (checksums {path})"
-            )
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -17,6 +17,8 @@ from pathlib import Path
 import datasets
 import pyarrow.parquet
 
+from lib.checkpoints import files
+
 # Local files: suffix -> the datasets builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -41,14 +43,14 @@ class Source:
     txt_mode: str | None = None  # how .txt files became documents (see txt_split_mode)
 
 
-def load_corpus(spec: str, text_column: str, cache_dir: str, txt_split: str, is_nonempty):
+def load_corpus(spec: str, text_column: str, cache_dir: str, txt_split: str, drop_empty):
     """data.load_corpus for a --data other than the stdlib: its documents in one "text" column,
-    in a deterministic order, those that fail is_nonempty (passed in by data.py) left out;
+    in a deterministic order, the empty ones left out by drop_empty (passed in by data.py);
     ValueError if unusable."""
     source = resolve_source(spec, txt_split)
     ds = open_source(source, spec, text_column, cache_dir)
     try:
-        ds = ds.filter(is_nonempty, input_columns="text", batched=True, desc="dropping empty docs")
+        ds = drop_empty(ds)
     except UnicodeDecodeError as e:  # a json file's non-UTF-8 text
         raise read_error(source.data_files, source.path, spec, e) from e
     if len(ds) == 0:
@@ -80,8 +82,8 @@ def open_source(source: Source, spec: str, text_column: str, cache_dir: str, str
     # lib/extras/streaming.py.)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log: see below
-    try:
-        ds = datasets.load_dataset(
+    try:  # (a cache's files checked first: lib/checkpoints/files.py)
+        ds = files.load_cached(
             source.path, data_files=source.data_files, **source.options, **kwargs
         )
     except Exception as e:  # datasets wraps a bad file in many exception types
@@ -214,7 +216,7 @@ def load_error(error: Exception, cache_dir: str, files: list[str], builder: str,
 def load_hub(name: str, config: str | None, spec: str, **kwargs):
     """datasets.load_dataset of a hub dataset (open_source's); ValueError in one line."""
     try:  # needs the network the first time (and every time, streaming)
-        return datasets.load_dataset(name, config, **kwargs)
+        return files.load_cached(name, config, **kwargs)
     except (OSError, ValueError) as e:  # offline and not cached, no such dataset, no config, ...
         cache_error = in_cache_dir(e, os.path.dirname(kwargs["cache_dir"]))
         raise cache_error or hub_error(e, name, spec) from e
