@@ -5,7 +5,7 @@ The training tests share one corpus, one cache and the runs that several of them
 pytest-xdist worker is a session of its own, with a cache of its own; the corpus and the runs
 are made by the first worker that needs them, while any other waits on a lock (`once`). The tests
 of what reads a run's outputs (tools/generate.py, tools/export_hf.py) need no training: an out-dir
-is model.pt + config.json + tokenizer.json, and `save_final` (lib/checkpoints/out_dir.py) writes
+is model.pt + config.json + tokenizer.json, and `save_final` (lib/checkpoints/model_pt.py) writes
 exactly what the training scripts write (`make_out_dir`, `out_dir`, built in-process in well under
 a second).
 """
@@ -24,7 +24,7 @@ from harness import build_args, cmd, run_script, write_corpus
 
 import data
 from lib import training
-from lib.checkpoints.out_dir import save_final
+from lib.checkpoints.model_pt import save_final
 from model import LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------

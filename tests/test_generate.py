@@ -1,6 +1,6 @@
 """Specification of tools/generate.py: load a run's out-dir, continue a prompt, stop at [EOT].
 
-The out-dir comes from conftest.py (a tiny random model saved with out_dir.save_final, exactly
+The out-dir comes from conftest.py (a tiny random model saved with model_pt.save_final, exactly
 what the training scripts write); only two tests launch the script itself (~4 s each).
 """
 
@@ -16,7 +16,7 @@ import torch
 from lib import exits
 from lib.checkpoints import files
 from lib.checkpoints.finished_run import init_from_config, load_model
-from lib.checkpoints.out_dir import FINAL_FILES
+from lib.checkpoints.model_pt import FINAL_FILES
 from lib.extras import sampling
 from lib.extras.sampling import generate_ids, generate_text
 from tools import generate

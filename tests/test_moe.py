@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import data
 from lib import exits
 from lib.checkpoints.finished_run import load_model
-from lib.checkpoints.out_dir import save_final
+from lib.checkpoints.model_pt import save_final
 from lib.extras import sampling, speed
 from lib.extras.moe import MoEFeedForward, router_stats, sequence_balance_loss
 from lib.extras.sampling import generate_text

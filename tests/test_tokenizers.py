@@ -12,7 +12,7 @@ from harness import build_args, write_foreign_tokenizer
 
 import data
 from lib.checkpoints.finished_run import load_model
-from lib.checkpoints.out_dir import save_final
+from lib.checkpoints.model_pt import save_final
 
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 TEXT = "def add(x, y):\n    return x + y"

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from lib.checkpoints import files, finished_run, out_dir
+from lib.checkpoints import files, finished_run, model_pt
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     tokenizer = get_tokenizer(datasets.Dataset.from_dict(texts), 300, f"{args.dir}.cache")
     gb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e9
     times = {"save": [], "save, no sums": [], "verify": [], "torch.load": []}
-    real = (out_dir.atomic_save, files.write_sums, files.checksums)
+    real = (model_pt.atomic_save, files.write_sums, files.checksums)
 
     def unsummed(obj, path, write=torch.save, sums=False, beside=True):
         return real[0](obj, path, write)
@@ -46,13 +46,13 @@ def main() -> None:
             shutil.rmtree(args.dir, ignore_errors=True)
             os.makedirs(args.dir)
             if not sums:  # the save as it was before final.sums
-                out_dir.atomic_save, files.write_sums = unsummed, lambda *a: None
+                model_pt.atomic_save, files.write_sums = unsummed, lambda *a: None
                 files.checksums = lambda *a: []
             start = time.perf_counter()
-            out_dir.save_final(args.dir, model, config, tokenizer)
+            model_pt.save_final(args.dir, model, config, tokenizer)
             times["save" if sums else "save, no sums"].append(time.perf_counter() - start)
-            out_dir.atomic_save, files.write_sums, files.checksums = real
-        out_dir.save_final(args.dir, model, config, tokenizer)
+            model_pt.atomic_save, files.write_sums, files.checksums = real
+        model_pt.save_final(args.dir, model, config, tokenizer)
         start = time.perf_counter()  # what a reader pays besides: torch.load, every byte read
         torch.load(os.path.join(args.dir, "model.pt"), weights_only=True, mmap=False)
         times["torch.load"].append(time.perf_counter() - start)

@@ -58,8 +58,7 @@ from lib.checkpoints.finished_run import (
     open_weights,
     verify_final,
 )
-from lib.checkpoints.model_pt import save_tensor_by_tensor
-from lib.checkpoints.out_dir import save_final
+from lib.checkpoints.model_pt import save_final, save_tensor_by_tensor
 from model import MOE_FIELDS, LlamaConfig, LlamaForPretraining
 
 # -------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from data import DocumentTokenizer, load_tokenizer, tokenizer_digest
 from lib.checkpoints.files import CHECKPOINT_DIR_RE, FINAL_SUMS, list_checkpoints, verify_sums
 from model import LlamaConfig, LlamaForPretraining, reset_buffers
 
-OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # out_dir.save_final's
+OUT_DIR_FILES = ("model.pt", "config.json", "tokenizer.json")  # what model_pt.save_final writes
 
 
 # config.json's fields that our LlamaConfig takes: an integer (True) or any number (False).

@@ -1,12 +1,15 @@
-"""The end of a sharded run (lib/checkpoints/sharded.py's Checkpoints.finish, imported only then):
-model.pt written on rank 0 one tensor at a time from the run's last DCP checkpoint, reading its
+"""The end of a run, imported only then: the final files (save_final: model.pt, config.json,
+tokenizer.json and their checksums), for one_file.py's runs and sharded.py's. A sharded run's
+model.pt is written on rank 0 one tensor at a time from the run's last DCP checkpoint, reading its
 .metadata once, so that no process ever holds the whole model; the final sample where one
 process holds it anyway, else the command that makes one. save_tensor_by_tensor serves
 tools/export_hf.py too.
 """
 
 import contextlib
+import dataclasses
 import functools
+import json
 import mmap
 import os
 import shlex
@@ -16,9 +19,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lib.checkpoints.files import CHECKPOINT_DIR_RE, list_checkpoints
-from lib.checkpoints.out_dir import TrainingState, save_final_files
-from model import LlamaForPretraining
+from data import tokenizer_digest
+from lib.checkpoints import files
+from lib.checkpoints.files import (
+    CHECKPOINT_DIR_RE,
+    TEMP_RE,
+    atomic_save,
+    atomic_write_text,
+    list_checkpoints,
+)
+from lib.checkpoints.out_dir import TrainingState, save_failed
+from model import LlamaConfig, LlamaForPretraining
 
 
 def finish_run(args, state: TrainingState, device) -> None:
@@ -112,3 +123,50 @@ def save_tensor_by_tensor(config, read, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+# -------------------------------------------------------------------------------------------------
+# The end of a run: the final files
+
+
+def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
+    """model.pt (`model`'s state_dict, or written by `model`, a function of its path: a sharded
+    lesson's, one tensor at a time), config.json, tokenizer.json (all tools/generate.py needs) and
+    tokenizer_config.json, naming the special tokens as Hugging Face does; then final.sums, their
+    checksums, which whatever reads them checks first (finished_run.verify_final)."""
+    path = os.path.join(out_dir, "model.pt")
+    config = dataclasses.replace(config, tokenizer_sha256=tokenizer_digest(tokenizer))
+    # The checksums of the files below go last (files.FINAL_SUMS): those of an earlier end of
+    # this run go first, so that a kill in between leaves files unverifiable, never "damaged".
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, files.FINAL_SUMS))
+    sums = {}
+    if isinstance(model, torch.nn.Module):  # (summed while the disk syncs it: no time)
+        sums["model.pt"] = atomic_save(model.state_dict(), path, sums=True, beside=False)
+    else:
+        model(path)
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
+    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
+    special = json.dumps(tokenizer.config(), indent=2)
+    atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
+    for name in FINAL_FILES:  # (the rest read back from the memory the writes filled)
+        sums[name] = sums.get(name) or files.checksums(os.path.join(out_dir, name))
+    files.write_sums(sums, os.path.join(out_dir, files.FINAL_SUMS))
+
+
+FINAL_FILES = ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> None:
+    """save_final (model: the model, or a function writing it one tensor at a time), an error in
+    one line (a full disk), and the peak GPU memory (--plan)."""
+    try:
+        save_final(args.out_dir, model, config, tokenizer)
+    except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
+        # A write's error names no file; model.pt is the large one (a temporary name: its own).
+        path = TEMP_RE.sub("", e.filename) if e.filename else os.path.join(args.out_dir, "model.pt")
+        raise save_failed(path, e, "the run's final file") from e
+    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
+    if args.plan and device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")

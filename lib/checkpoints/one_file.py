@@ -18,7 +18,6 @@ from lib.checkpoints.out_dir import (
     make_out_dir,
     rng_state,
     save_failed,
-    save_final_files,
 )
 from lib.distributed import from_rank0
 
@@ -120,6 +119,8 @@ def checkpoint_state(state: TrainingState, step: int, args, data_position=None) 
 
 def finish_run(args, state: TrainingState, device) -> None:
     """Checkpoints.finish's work, on the process that writes files."""
+    from lib.checkpoints.model_pt import save_final_files  # at the end of a run
+
     save_final_files(args, state.model, state.config, state.tokenizer, device)
     if args.sample_tokens:
         from lib.extras.sampling import print_sample  # at the end of a run

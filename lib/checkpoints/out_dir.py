@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from data import tokenizer_digest
 from lib.checkpoints import files
-from lib.checkpoints.files import TEMP_RE, atomic_save, atomic_write_text
+from lib.checkpoints.files import atomic_write_text
 from lib.distributed import world_size_from_env
 from lib.exits import TrainingError
 from model import LlamaConfig
@@ -97,53 +96,6 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-# -------------------------------------------------------------------------------------------------
-# The end of a run: the final files
-
-
-def save_final(out_dir: str, model, config: LlamaConfig, tokenizer) -> None:
-    """model.pt (`model`'s state_dict, or written by `model`, a function of its path: a sharded
-    lesson's, one tensor at a time), config.json, tokenizer.json (all tools/generate.py needs) and
-    tokenizer_config.json, naming the special tokens as Hugging Face does; then final.sums, their
-    checksums, which whatever reads them checks first (finished_run.verify_final)."""
-    path = os.path.join(out_dir, "model.pt")
-    config = dataclasses.replace(config, tokenizer_sha256=tokenizer_digest(tokenizer))
-    # The checksums of the files below go last (files.FINAL_SUMS): those of an earlier end of
-    # this run go first, so that a kill in between leaves files unverifiable, never "damaged".
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out_dir, files.FINAL_SUMS))
-    sums = {}
-    if isinstance(model, torch.nn.Module):  # (summed while the disk syncs it: no time)
-        sums["model.pt"] = atomic_save(model.state_dict(), path, sums=True, beside=False)
-    else:
-        model(path)
-    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(config.to_dict(), indent=2))
-    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str())
-    special = json.dumps(tokenizer.config(), indent=2)
-    atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), special)
-    for name in FINAL_FILES:  # (the rest read back from the memory the writes filled)
-        sums[name] = sums.get(name) or files.checksums(os.path.join(out_dir, name))
-    files.write_sums(sums, os.path.join(out_dir, files.FINAL_SUMS))
-
-
-FINAL_FILES = ("model.pt", "config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def save_final_files(args, model, config: LlamaConfig, tokenizer, device) -> None:
-    """save_final (model: the model, or a function writing it one tensor at a time), an error in
-    one line (a full disk), and the peak GPU memory (--plan)."""
-    try:
-        save_final(args.out_dir, model, config, tokenizer)
-    except OSError as e:  # a full disk: one line, as for a checkpoint (the last is at this step)
-        # A write's error names no file; model.pt is the large one (a temporary name: its own).
-        path = TEMP_RE.sub("", e.filename) if e.filename else os.path.join(args.out_dir, "model.pt")
-        raise save_failed(path, e, "the run's final file") from e
-    print(f"saved model.pt, config.json and tokenizer.json to {args.out_dir}")
-    if args.plan and device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 1e9
-        print(f"measured peak GPU memory on rank 0: {peak:.2f} GB (allocated by tensors)")
 
 
 # -------------------------------------------------------------------------------------------------
