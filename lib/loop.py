@@ -80,6 +80,13 @@ class TrainingLoop:
             disable=not self.is_main,
         )
         self.lr, self.muon_lr, self.stopping = 0.0, None, False
+        self.ledger = None  # --comm-ledger: the collectives of one step (lib/extras/comm_ledger.py)
+        if getattr(args, "comm_ledger", False):
+            from lib.extras import comm_ledger
+
+            if start_step + comm_ledger.LEDGER_STEP >= args.max_steps:  # (a resumed run)
+                raise TrainingError(comm_ledger.refusal(args, start_step))
+            self.ledger = comm_ledger.StepLedger(args.out_dir, start_step, layout, self.is_main)
 
     def __iter__(self):
         for step in self.bar:
@@ -87,6 +94,8 @@ class TrainingLoop:
             self.lr = groups[0]["lr"]  # this step's, logged after it
             # --optimizer muon: the groups Muon steps (lib/extras/muon.py) have their own lr
             self.muon_lr = next((g["lr"] for g in groups if g.get("muon")), None)
+            if self.ledger is not None:
+                self.ledger.start(step)
             yield step
         self.stop_request.finish()
 
@@ -104,7 +113,10 @@ class TrainingLoop:
         3. every --log-interval steps, loss, lr, throughput, gradient norm (GPU reads: only then);
         4. every --eval-interval steps evaluate(), every --save-interval steps (and at a stop) save;
         5. at a stop, Stopped, which exits.run reports (exit code 128 + the signal).
-        The last step logs, evaluates and saves whatever the intervals."""
+        The last step logs, evaluates and saves whatever the intervals. (--comm-ledger: the
+        step it records ends here, before all of these.)"""
+        if self.ledger is not None:
+            self.ledger.finish(step)
         self.throughput.step()
         done = step + 1
         last = done == self.args.max_steps
