@@ -292,6 +292,11 @@ def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNa
     m = workload.micro_batches
     weight_bytes = 2 if workload.precision == "bf16" else 4
     gathers = m * (2 if layout.zero_stage == 3 else 1)
+    if layout.pp > 1:
+        # The pipeline's schedule keeps the weights gathered from the first backward to the end
+        # of the step (torch.distributed.pipelining: no reshard after backward until the last):
+        # ZeRO-3 gathers for each forward and once for all the backwards, ZeRO-2 once.
+        gathers = m + 1 if layout.zero_stage == 3 else 1
     groups = names.fsdp()
     (name, n), rows = groups[0], []
     units = [shape for _, shape in shapes.units]
@@ -346,7 +351,7 @@ def tensor_parallel_rows(
     in backward; train_tp.py's loss_parallel three fp32 numbers per token (the logits' max, the
     sum of exponentials, the target's logit), train_pp.py's last stage gathers the logits
     instead. Sequence parallelism turns each all-reduce of the residual stream into an all-gather
-    one way and a reduce-scatter the other, and sums the norms' gradients over tp (fp32)."""
+    one way and a reduce-scatter the other, and sums the norms' fp32 gradients over tp."""
     tp, m = layout.tp, workload.micro_batches
     if tp == 1:
         return []
@@ -363,7 +368,16 @@ def tensor_parallel_rows(
             row("reduce_scatter", *group, m * stream, m * stream * act * e),
         ]
         norms = 2 * layers + last
-        rows.append(row("all_reduce", *group, norms, norms * config.hidden_size * 4))
+        # Measured: whole fp32 gradients in fp32; under bf16 FSDP's dp shards of them.
+        shard = 1 if workload.precision != "bf16" else names.fsdp()[0][1]
+        rows.append(
+            row(
+                "all_reduce",
+                *group,
+                norms,
+                norms * 4 * padded((config.hidden_size,), shard) // shard,
+            )
+        )
     else:
         rows.append(row("all_reduce", *group, m * stream, m * stream * act * e))
     if last and layout.pp == 1:  # loss_parallel
@@ -379,7 +393,7 @@ def pipeline_rows(
     """The pipeline's point-to-point traffic: per micro-batch, each stage but the last sends its
     output activations on, each but the first sends their gradients back, and receives the same;
     a rank counts its own stages' (interleaved: several). One (b, T, d) tensor each (sequence
-    parallel: this rank's T / tp positions of it), in fp32: the residual stream's dtype."""
+    parallel: this rank's T / tp positions of it), in the stages' autocast dtype."""
     if layout.pp == 1:
         return []
     from lib.parallel.pipeline import stage_ids_of_rank
@@ -388,8 +402,8 @@ def pipeline_rows(
     pp_rank = rank // (layout.world_size // layout.pp)
     ids = stage_ids_of_rank(pp_rank, layout.pp, layout.stages_per_rank)
     sends = sum((s < stages - 1) + (s > 0) for s in ids) * workload.micro_batches
-    act, _ = activation_sizes(config, workload)
-    nbytes = 4 * act // (layout.tp if layout.sequence_parallel else 1)
+    act, e = activation_sizes(config, workload)
+    nbytes = e * act // (layout.tp if layout.sequence_parallel else 1)
     group = names.of("pp")
     return [row("send", *group, sends, sends * nbytes), row("recv", *group, sends, sends * nbytes)]
 
