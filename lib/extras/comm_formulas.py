@@ -351,7 +351,7 @@ def tensor_parallel_rows(
     in backward; train_tp.py's loss_parallel three fp32 numbers per token (the logits' max, the
     sum of exponentials, the target's logit), train_pp.py's last stage gathers the logits
     instead. Sequence parallelism turns each all-reduce of the residual stream into an all-gather
-    one way and a reduce-scatter the other, and sums the norms' fp32 gradients over tp."""
+    one way and a reduce-scatter the other, and sums the norms' gradients over tp."""
     tp, m = layout.tp, workload.micro_batches
     if tp == 1:
         return []
@@ -368,16 +368,10 @@ def tensor_parallel_rows(
             row("reduce_scatter", *group, m * stream, m * stream * act * e),
         ]
         norms = 2 * layers + last
-        # Measured: whole fp32 gradients in fp32; under bf16 FSDP's dp shards of them.
-        shard = 1 if workload.precision != "bf16" else names.fsdp()[0][1]
-        rows.append(
-            row(
-                "all_reduce",
-                *group,
-                norms,
-                norms * 4 * padded((config.hidden_size,), shard) // shard,
-            )
-        )
+        # Measured (torch 2.13): whole gradients, in the matmuls' dtype in train_tp.py, in fp32
+        # on a pipeline stage (train_pp.py's stages run autocast inside, FSDP's root outside).
+        norm_bytes = config.hidden_size * (e if layout.pp == 1 else 4)
+        rows.append(row("all_reduce", *group, norms, norms * norm_bytes))
     else:
         rows.append(row("all_reduce", *group, m * stream, m * stream * act * e))
     if last and layout.pp == 1:  # loss_parallel
