@@ -49,10 +49,13 @@ def row(op: str, group: str, size: int, calls: int, nbytes: float, tolerance: fl
     return r | ({"tolerance": int(tolerance)} if tolerance else {})
 
 
-def step_rows(config: LlamaConfig, layout: Layout, workload: Workload, rank: int = 0) -> list:
+def step_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, rank: int = 0, device: str = "cuda"
+) -> list:
     """The rows of one training step (past the first two, as --comm-ledger records it) of global
     rank `rank`, each (op, group) once, in the ledger's order. The Workload's micro_batches and
-    micro_batch_size are each rank's (the pipeline's m micro-batches of so many sequences)."""
+    micro_batch_size are each rank's (the pipeline's m micro-batches of so many sequences).
+    device: where Muon's Newton-Schulz runs (bf16 on "cuda", fp32 on "cpu"); nothing else."""
     names = GroupNames(layout)
     shapes = Shapes(config, layout, rank)
     rows = loss_rows(layout, names)
@@ -65,6 +68,8 @@ def step_rows(config: LlamaConfig, layout: Layout, workload: Workload, rank: int
     rows += pipeline_rows(config, layout, workload, names, rank)
     rows += context_parallel_rows(config, layout, workload, names)
     rows += expert_parallel_rows(config, layout, workload, names)
+    if workload.optimizer == "muon":
+        rows += muon_rows(config, layout, names, rank, device)
     return merge(rows)
 
 
@@ -439,3 +444,59 @@ def expert_parallel_rows(
     nbytes = m * layers * (counts + 4 * sent)
     tolerance = m * layers * 2 * (layout.ep - 1) * sent
     return [row("all_to_all", *names.of("ep"), calls, nbytes, tolerance)]
+
+
+def muon_rows(
+    config: LlamaConfig, layout: Layout, names: GroupNames, rank: int, device: str
+) -> list[dict]:
+    """--optimizer muon's exchange (lib/extras/muon.py), each hidden matrix orthogonalised by its
+    owner (assign_owners, from the matrices' shapes alone): DDP's replicas broadcast each rank's
+    results, one broadcast per owner; sharded matrices (FSDP, HSDP, TP, CP, a stage's dp ranks,
+    EP's attention) take two all-to-alls, the pieces (fp32, the gradients' dtype) to their owners
+    (HSDP: from the owner's replica row), and each rank's pieces of the results back. ZeRO-1's
+    optimizers and whole experts orthogonalise their own: no traffic. The results travel in
+    Newton-Schulz's dtype: bf16 on a GPU, fp32 on a CPU (`device`)."""
+    from lib.extras.muon import assign_owners, is_hidden_matrix, newton_schulz_flops
+
+    one = dataclasses.replace(config, num_hidden_layers=1)
+    with torch.device("meta"):
+        model = LlamaForPretraining(one)
+    hidden = [p.shape for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+    hidden = [s for s in hidden if len(s) == 2]  # (a stack of experts stays whole on its rank)
+    _, _, layers = stage_contents(config, layout, rank)
+    shapes = hidden * layers
+    b = 2 if device == "cuda" else 4
+    sharded = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
+    sharded = sharded or layout.zero_stage >= 2
+    if not sharded:  # DDP's replicas, or ZeRO-1's per-rank optimizers (none)
+        if layout.zero_stage == 1 or layout.world_size == 1:
+            return []
+        owners = assign_owners([newton_schulz_flops(s) for s in shapes], layout.world_size)
+        numel = sum(math.prod(s) for s in shapes)
+        return [row("broadcast", *names.of("world"), len(set(owners)), numel * b)]
+    # The matrices' mesh: FSDP's dimensions (the pipeline's: of one stage) and tp.
+    fsdp = names.fsdp()[::-1]  # (in the mesh's order: HSDP's replicas, then its shard groups)
+    dims = [d for d in fsdp if d[1] > 1] + ([names.of("tp")] if layout.tp > 1 else [])
+    ranks = math.prod(n for _, n in dims)
+    if ranks == 1:
+        return []
+    me = rank % ranks
+    replicas = layout.replicate
+    owners = assign_owners([newton_schulz_flops(s) for s in shapes], ranks)
+    row_of = lambda r: r // (ranks // replicas)  # noqa: E731  (HSDP's replica row of a rank)
+    pieces = [piece(s, me % (ranks // replicas), ranks // replicas, len(dims)) for s in shapes]
+    to_owners = sum(p for p, o in zip(pieces, owners, strict=True) if row_of(o) == row_of(me))
+    results = sum(math.prod(s) * replicas for s, o in zip(shapes, owners, strict=True) if o == me)
+    group = dims[0] if len(dims) == 1 else ("+".join(n for n, _ in dims), ranks)
+    if len(dims) > 2 or ranks == layout.world_size and len(dims) != 2:
+        group = (names.world, ranks)
+    return [row("all_to_all", *group, 2, 4 * to_owners + b * results)]
+
+
+def piece(shape: torch.Size, index: int, ranks: int, dims: int) -> int:
+    """The elements of a matrix that shard `index` of `ranks` holds: FSDP's dim-0 chunks (the
+    last ones short, as torch.chunk cuts), or with tp an even share (exact when it divides)."""
+    if dims > 1 or ranks == 1:
+        return math.prod(shape) // ranks
+    chunk = math.ceil(shape[0] / ranks)
+    return max(0, min(chunk, shape[0] - index * chunk)) * math.prod(shape[1:])
