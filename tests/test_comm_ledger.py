@@ -76,7 +76,6 @@ CASES = {
     ),
     "cp": Case("train_cp.py", 2, ["--cp", "2"], dict(cp=2)),
     "cp-fsdp-bf16": Case("train_cp.py", 4, ["--cp", "2"], dict(cp=2), precision="bf16"),
-    "ep": Case("train_ep.py", 2, ["--ep", "2", "--num-experts", "2"], dict(ep=2)),
     "ep-fsdp": Case("train_ep.py", 4, ["--ep", "2", "--num-experts", "4"], dict(ep=2)),
     "ddp-muon": Case("train_ddp.py", 2, layout=dict(zero_stage=0), optimizer="muon"),
     "hsdp-muon": Case(

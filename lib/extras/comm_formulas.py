@@ -155,9 +155,11 @@ class GroupNames:
         layout = self.layout
         if not (layout.tp > 1 or layout.pp > 1):
             return self.of("world")
-        if layout.replicate > 1:
+        if layout.replicate > 1:  # (named by its ranks: those of a dimension, if they are)
             if layout.dp == layout.world_size:
                 return self.world, layout.dp
+            if layout.dp == layout.replicate:  # shard groups of one rank
+                return self.of("replicate")
             return "replicate+shard", layout.dp
         return self.of("dp")
 
@@ -309,14 +311,14 @@ def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNa
     if shapes.experts:  # every layer's experts: over the ranks that hold the same ones ("dp")
         parts.append(([shapes.experts] * shapes.layers, *names.of("dp")))
     for unit_shapes, group, size in parts:
-        if size == 1:
-            continue
         elements = [sum(padded(s, size) for s in unit) for unit in unit_shapes]
         count = len([e for e in elements if e])
-        rows += [
-            row("all_gather", group, size, gathers * count, gathers * weight_bytes * sum(elements)),
-            row("reduce_scatter", group, size, count, 4 * sum(elements)),
-        ]
+        if size > 1:  # (a shard group of one rank: nothing to gather or scatter)
+            gathered = gathers * weight_bytes * sum(elements)
+            rows += [
+                row("all_gather", group, size, gathers * count, gathered),
+                row("reduce_scatter", group, size, count, 4 * sum(elements)),
+            ]
         if layout.replicate > 1 and group == name:
             replicas, r = groups[1]
             rows.append(row("all_reduce", replicas, r, count, 4 * sum(elements) // size))
