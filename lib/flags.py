@@ -24,10 +24,6 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # a byte-level BPE: every byte, and 
 MAX_VOCAB_SIZE = 2**20  # past any real one (Llama 3: 128,256); the trainer allocates it up front
 MAX_SEED = 2**63 - 1  # torch seeds are 64-bit, and epoch e's (--seed + e) must fit too
 MAX_SKIPPED_IN_A_ROW = 10  # --skip-nonfinite: this many in a row stop the run (NonFiniteGuard)
-# --comm-ledger records the run's step of this index (0: its first): past the first step, whose
-# collectives differ (DDP builds its buckets in the first backward and broadcasts their new order
-# in the second step's forward), so that the ledger is what every later step sends.
-LEDGER_STEP = 2
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -202,7 +198,7 @@ def add_memory_flags(g) -> None:
                    help="print the per-GPU memory estimate of this run (python -m "
                    "tools.memory_plan's) at start-up")
     g.add_argument("--comm-ledger", action="store_true", help="record every collective of one "
-                   f"training step (the run's step {LEDGER_STEP + 1}), print them and write "
+                   "training step (the run's third), print them and write "
                    "OUT_DIR/comm_ledger.json (lib/extras/comm_ledger.py)")
 # fmt: on
 

@@ -84,8 +84,8 @@ class TrainingLoop:
         if getattr(args, "comm_ledger", False):
             from lib.extras import comm_ledger
 
-            if start_step + comm_ledger.LEDGER_STEP >= args.max_steps:  # (a resumed run)
-                raise TrainingError(comm_ledger.refusal(args, start_step))
+            if problem := comm_ledger.refusal(args, start_step):  # (a resumed run: its own)
+                raise TrainingError(problem)
             self.ledger = comm_ledger.StepLedger(args.out_dir, start_step, layout, self.is_main)
 
     def __iter__(self):

@@ -29,8 +29,8 @@ step; it is not what a learner needs to read.
 
 Ranks can differ (a pipeline's first and last stages): every rank records its own step, and the
 JSON holds every rank's rows, each with its "rank"; the printed table is rank 0's. Under
---compile, Dynamo traces the functional collectives into its graphs, where no mode sees them:
---comm-ledger refuses --compile (a one-line error at start).
+--compile, Dynamo traces the functional collectives into its graphs, run by compiled code that
+no dispatch mode is guaranteed to see: --comm-ledger refuses --compile (refusal).
 """
 
 import json
@@ -43,7 +43,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-from lib.flags import LEDGER_STEP
+# The run's step the ledger records (0: its first): past the first ones, whose collectives differ
+# (DDP builds its buckets in the first backward and sends their new order in the second step's
+# forward), so that the ledger is what every later step sends. (lib/flags.py's help: "third".)
+LEDGER_STEP = 2
 
 c10d = torch.ops.c10d
 functional = torch.ops._c10d_functional
@@ -189,8 +192,8 @@ def describe_ranks(ranks: tuple) -> str:
 
 
 def refusal(args, start_step: int = 0) -> str | None:
-    """Why this run, from `start_step` (a resumed one's), cannot keep a ledger (a one-line
-    message), or None."""
+    """Why this run, from `start_step` (a resumed one's), cannot keep --comm-ledger's ledger (a
+    one-line message), or None."""
     if args.compile:
         # Dynamo traces DTensor's functional collectives into its graphs, run by compiled code
         # that no dispatch mode is guaranteed to see: a ledger that may miss some is refused.
