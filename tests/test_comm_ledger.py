@@ -8,6 +8,7 @@ exactly summed over the ranks, since their share of the pairs depends on the rou
 Each case is one launch of 3 steps (the ledger records the third) of the tiny model, 2 or 4 ranks.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,8 +17,15 @@ from dataclasses import dataclass, field
 import pytest
 from harness import REPO, cmd, launch_env, run_script
 
-from lib.extras.comm_formulas import step_rows
-from lib.extras.memory_formulas import Workload
+from lib.extras.comm_formulas import step_rows, wire_bytes
+from lib.extras.memory_formulas import (
+    Workload,
+    all_to_all_bytes,
+    data_parallel_bytes,
+    hsdp_across_groups_bytes,
+    model_parallel_bytes,
+    stage_parameters,
+)
 from lib.parallel.layout import Layout
 from model import LlamaConfig
 
@@ -176,3 +184,79 @@ def test_comm_ledger_refuses_a_run_it_cannot_record(flags, message, tmp_path):
     argv = ["--out-dir", str(tmp_path / "out"), "--check", "--comm-ledger", *flags]
     proc = run_script("train_fsdp.py", argv, expect_rc=2)
     assert message in proc.stderr, proc.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# The planner's traffic figures (lib/extras/memory_formulas.py) against step_rows, on the wire
+
+
+def wire(rows: list[dict], ops: tuple, groups: tuple) -> float:
+    """wire_bytes of the rows of these operations on these groups."""
+    return wire_bytes([r for r in rows if r["op"] in ops and r["group"] in groups])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("preset, world, replicate", [("7b", 8, 1), ("70b", 64, 8)])
+def test_the_planners_data_parallel_traffic_is_the_formulas_rows_on_the_wire(
+    preset, world, replicate, precision
+):
+    # What DDP, ZeRO-1, ZeRO-2, ZeRO-3 and HSDP send, as the planner prints it, equals the
+    # ledger's rows of those collectives sent round a ring: the same model, not two. (The step's
+    # own small sums, its target count, loss and gradient norm, are not in the planner's.)
+    config = LlamaConfig.from_preset(preset)
+    workload = Workload(1, 4096, 2, precision)
+    params = stage_parameters(config, 1, 1)[0]
+    planner = data_parallel_bytes(params, world, precision, 2, replicate)
+    data = ("all_gather", "reduce_scatter", "broadcast")
+    for strategy, stage in [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)]:
+        rows = step_rows(config, Layout(world, world, zero_stage=stage), workload)
+        big = [r for r in rows if r["bytes"] > 1e6]  # the gradients' and weights' collectives
+        assert wire_bytes(big) == pytest.approx(planner[strategy], rel=1e-9), strategy
+        assert wire(rows, data, ("world",)) <= planner[strategy]
+    if replicate > 1:
+        hsdp = Layout(world, world, replicate=replicate)
+        rows = [r for r in step_rows(config, hsdp, workload) if r["bytes"] > 1e6]
+        assert wire_bytes(rows) == pytest.approx(planner["hsdp"], rel=1e-9)
+        across = hsdp_across_groups_bytes(params, world, replicate)
+        assert wire(rows, ("all_reduce",), ("replicate",)) == pytest.approx(across, rel=1e-9)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planners_pipeline_and_context_traffic_is_the_formulas_rows_on_the_wire(precision):
+    config = LlamaConfig.from_preset("7b")
+    workload = Workload(1, 4096, 8, precision)
+    for layout, key, op_groups in [
+        (Layout(16, 2, cp=8), "context_parallel", (("all_gather", "reduce_scatter"), ("cp",))),
+        (Layout(8, 1, pp=8), "pipeline", (("send",), ("pp",))),
+        (Layout(16, 1, pp=4, schedule="interleaved", stages_per_rank=2), "pipeline", None),
+    ]:
+        planner = model_parallel_bytes(config, layout, workload)[key]
+        # (a middle stage of the pipeline: it sends both ways)
+        rows = step_rows(config, layout, workload, rank=layout.world_size // layout.pp)
+        ops, groups = op_groups or (("send",), ("pp",))
+        assert wire(rows, ops, groups) == pytest.approx(planner, rel=1e-9), (layout, key)
+
+
+@pytest.mark.quick
+def test_the_planners_tensor_and_expert_traffic_leaves_out_only_what_it_names():
+    # The planner counts TP's four all-reduces per layer and EP's four all-to-alls of the pairs;
+    # the rows add, per micro-batch, the embedding's and lm_head's all-reduces and loss_parallel's
+    # three numbers per token (TP), and the counts each MoE layer sends first (EP).
+    config = LlamaConfig.from_preset("7b")
+    workload = Workload(1, 4096, 4, "bf16")
+    layout = Layout(16, 2, tp=8)
+    planner = model_parallel_bytes(config, layout, workload)["tensor_parallel"]
+    ring, m, L = 2 * 7 / 8, 4, config.num_hidden_layers
+    loss_parallel = ring * m * 3 * 4096 * 4  # (and the gradient norms: 4 bytes a parameter)
+    assert wire(step_rows(config, layout, workload), ("all_reduce",), ("tp",)) == pytest.approx(
+        planner * (4 * L + 2) / (4 * L) + loss_parallel, rel=1e-6
+    )
+    moe = dataclasses.replace(config, num_local_experts=8, num_experts_per_tok=2)
+    layout = Layout(8, 8, ep=8)
+    planner = all_to_all_bytes(moe, layout, workload)
+    counts = 7 / 8 * 8 * moe.num_local_experts * L * m
+    assert wire(step_rows(moe, layout, workload), ("all_to_all",), ("ep",)) == pytest.approx(
+        planner + counts, rel=1e-9
+    )

@@ -90,18 +90,17 @@ def merge(rows: list[dict]) -> list[dict]:
 
 
 def wire_bytes(rows: list[dict]) -> float:
-    """What the rows send from one rank, in a ring: an all-reduce of B bytes over n ranks sends
-    2 (n - 1) / n B, an all-gather (of its output) or reduce-scatter (of its input) (n - 1) / n B,
-    an all-to-all (of its input) (n - 1) / n B, a broadcast B / n on average over its ranks (each
-    root sends its whole buffer once per call), a send its buffer; a receive sends nothing."""
-    share = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+    """What the rows send from one rank, in a ring of the row's n ranks (the model
+    lib/extras/memory_formulas.py's traffic figures use): an all-reduce of B bytes sends
+    2 (n - 1) / n B, an all-gather (B its output), a reduce-scatter (B its input), an all-to-all
+    (B its input) and a broadcast (pipelined along the ring: every rank but the last passes each
+    buffer on, (n - 1) / n of them on average) (n - 1) / n B, a send its B; a receive nothing."""
+    share = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1}
     sent = 0.0
     for r in rows:
         n = r["group_size"]
         if r["op"] in share:
             sent += share[r["op"]] * (n - 1) / n * r["bytes"]
-        elif r["op"] == "broadcast":
-            sent += r["bytes"] / n
         elif r["op"] == "send":
             sent += r["bytes"]
     return sent
