@@ -5,6 +5,12 @@ planner can turn them into bytes on the wire (wire_bytes).
 
     rows = step_rows(config, layout, workload)          # rank 0's step
     rows = step_rows(config, layout, workload, rank=3)  # a pipeline's other stages differ
+    wire_bytes(rows)                                    # what this rank sends, round a ring
+
+lib/extras/memory_formulas.py's traffic figures (data_parallel_bytes, hsdp_across_groups_bytes,
+model_parallel_bytes, all_to_all_bytes) are these rows' wire_bytes, less the step's small sums
+(target count, loss, gradient norms) and, for TP and EP, the collectives they name as left out:
+tests/test_comm_ledger.py holds them to each other.
 
 The strategy is the Layout's: tp, pp, cp or ep above 1 are train_tp.py's, train_pp.py's,
 train_cp.py's and train_ep.py's grids (with FSDP over their dp ranks); otherwise zero_stage says

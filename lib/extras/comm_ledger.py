@@ -1,7 +1,7 @@
 """The communication ledger (--comm-ledger): every collective one training step asks of the
 process groups, counted as the groups are asked, and written to OUT_DIR/comm_ledger.json.
 
-    with CommLedger(layout) as ledger:         # lib/loop.py: around the second step it runs
+    with CommLedger(layout) as ledger:         # lib/loop.py: around the third step it runs
         ...                                    # the lesson's step: forward, backward, optimizer
     rows = ledger.rows()                       # [{op, group, group_size, calls, bytes}, ...]
 
@@ -117,7 +117,7 @@ class CommLedger(TorchDispatchMode):
 
     def __init__(self, layout=None):
         super().__init__()
-        self.names = group_names(layout)
+        self.names, self.sizes = group_names(layout)
         self.counts = defaultdict(lambda: [0, 0])  # (op, group, group_size) -> [calls, bytes]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -129,7 +129,8 @@ class CommLedger(TorchDispatchMode):
         recorded = RECORDED.get(func._overloadpacket)
         if recorded is not None:
             op, group_at, size_of = recorded
-            group = args[group_at] if len(args) > group_at else next(iter(kwargs.values()))
+            at = func._schema.arguments[group_at].name
+            group = args[group_at] if len(args) > group_at else kwargs[at]
             name, size = self.name_of(group)
             calls_bytes = self.counts[(op, name, size)]
             calls_bytes[0] += 1
@@ -138,7 +139,9 @@ class CommLedger(TorchDispatchMode):
 
     def name_of(self, group) -> tuple[str, int]:
         """(the name, the size) of a process group, given as itself or by its name."""
-        if isinstance(group, str):
+        if isinstance(group, str) and group in self.sizes:  # (the meshes' groups, by name)
+            return self.names[group], self.sizes[group]
+        if isinstance(group, str):  # (a group made elsewhere: torch's own lookup, not public)
             group = dist.distributed_c10d._resolve_process_group(group)
         elif isinstance(group, torch.ScriptObject):  # (how the c10d operators receive it)
             group = dist.ProcessGroup.unbox(group)
@@ -156,21 +159,23 @@ class CommLedger(TorchDispatchMode):
         ]
 
 
-def group_names(layout) -> dict:
-    """{a process group's name, or the ranks of a set of them: what the ledger calls it}. Each
+def group_names(layout) -> tuple[dict, dict]:
+    """({a process group's name, or the ranks of a set of them: what the ledger calls it}, {the
+    name of each group named so: its size}). Each
     dimension of the Layout's meshes by its group (mesh, then fsdp_mesh), the default group as
     "world": so a group is named after its own purpose where two hold the same ranks (CP's "cp"
     and FSDP's "world" on 4 ranks). But a mesh dimension that spans every rank is the default
     group itself (init_device_mesh reuses it), and keeps the dimension's name: on 2 ranks CP's
     and FSDP's collectives are all "cp". Then, for a group made elsewhere, by its ranks: those
     of each dimension, of each pair of them ("dp+tp", as Muon's exchange may span), and of all."""
-    names, by_ranks = {}, {}
+    names, by_ranks, sizes = {}, {}, {}
     meshes = [] if layout is None else [layout.mesh, layout.fsdp_mesh]
     for mesh in (m for m in meshes if m is not None):
         dims = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
         for d, dim in enumerate(dims):
             group = mesh.get_group(d)
             names.setdefault(group.group_name, dim)
+            sizes[group.group_name] = mesh.size(d)
             by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), dim)
         for i in range(len(dims)):
             for j in range(i + 1, len(dims)):
@@ -178,8 +183,9 @@ def group_names(layout) -> dict:
                 by_ranks.setdefault(ranks, f"{dims[i]}+{dims[j]}")
     if dist.is_initialized():
         names.setdefault(dist.group.WORLD.group_name, "world")
+        sizes[dist.group.WORLD.group_name] = dist.get_world_size()
         by_ranks.setdefault(tuple(range(dist.get_world_size())), "world")
-    return names | by_ranks
+    return names | by_ranks, sizes
 
 
 def describe_ranks(ranks: tuple) -> str:
