@@ -50,6 +50,13 @@ class TrainingLoop:
         config = state.config
         self.args, self.model, self.optimizer = args, state.model, state.optimizer
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.ledger = None  # --comm-ledger: the collectives of one step (lib/extras/comm_ledger.py)
+        if getattr(args, "comm_ledger", False):
+            from lib.extras import comm_ledger
+
+            if problem := comm_ledger.refusal(args, start_step):  # (a resumed run: its own)
+                raise TrainingError(problem)
+            self.ledger = comm_ledger.StepLedger(args.out_dir, start_step, layout, self.is_main)
         # The GPUs (or processes) a step runs on, for MFU: every rank's, or DataParallel's.
         devices = dist.get_world_size() if dist.is_initialized() else settings.devices
         self.metrics = Metrics(args.out_dir, self.is_main, start_step, args.tensorboard)
@@ -80,13 +87,6 @@ class TrainingLoop:
             disable=not self.is_main,
         )
         self.lr, self.muon_lr, self.stopping = 0.0, None, False
-        self.ledger = None  # --comm-ledger: the collectives of one step (lib/extras/comm_ledger.py)
-        if getattr(args, "comm_ledger", False):
-            from lib.extras import comm_ledger
-
-            if problem := comm_ledger.refusal(args, start_step):  # (a resumed run: its own)
-                raise TrainingError(problem)
-            self.ledger = comm_ledger.StepLedger(args.out_dir, start_step, layout, self.is_main)
 
     def __iter__(self):
         for step in self.bar:

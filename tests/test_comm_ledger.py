@@ -164,12 +164,18 @@ def test_the_recorder_counts_known_collectives_with_their_buffers_bytes():
     assert {(r["group"], r["group_size"]) for r in rows.values()} == {("world", 2)}
 
 
-def test_train_dp_writes_an_empty_ledger_and_says_why(corpus, cache_dir, tmp_path):
+def test_train_dp_writes_an_empty_ledger_and_says_why_and_a_resumed_run_records_its_own(
+    corpus, cache_dir, tmp_path
+):
     out = tmp_path / "out"
     argv = cmd(corpus, cache_dir, out, **QUIET) + ["--comm-ledger"]
     proc = run_script("train_dp.py", argv)
     assert "no process group" in proc.stdout, proc.stdout
     assert json.loads((out / "comm_ledger.json").read_text()) == []
+    # Extended from its last checkpoint (step 3), a run records its own third step, or refuses.
+    argv = cmd(corpus, cache_dir, out, **(QUIET | dict(max_steps=4))) + ["--comm-ledger"]
+    proc = run_script("train_dp.py", argv, expect_rc=1)
+    assert "--max-steps must be at least 6 (resumed at step 3), got 4" in proc.stderr
 
 
 @pytest.mark.quick
