@@ -60,8 +60,12 @@ CASES = {
         dict(replicate=2, zero_stage=2),
         m=2,
     ),
-    "tp-sequence-parallel": Case(
-        "train_tp.py", 2, ["--tp", "2", "--sequence-parallel"], dict(tp=2, sequence_parallel=True)
+    "tp-sequence-parallel-fp16": Case(
+        "train_tp.py",
+        2,
+        ["--tp", "2", "--sequence-parallel"],
+        dict(tp=2, sequence_parallel=True),
+        precision="fp16",
     ),
     "tp-fsdp-sequence-parallel-bf16": Case(
         "train_tp.py",

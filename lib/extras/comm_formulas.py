@@ -69,7 +69,7 @@ def step_rows(
         rows += ddp_rows(shapes, layout, names)
     else:
         rows += fsdp_rows(shapes, layout, workload, names)
-        rows += norm_rows(shapes, layout, names)
+        rows += norm_rows(shapes, layout, names, workload.precision)
     rows += tensor_parallel_rows(config, layout, workload, names, rank)
     rows += pipeline_rows(config, layout, workload, names, rank)
     rows += context_parallel_rows(config, layout, workload, names)
@@ -302,7 +302,9 @@ def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNa
     bf16; a reduce-scatter of its fp32 gradients after the last micro-batch's backward; HSDP
     then all-reduces each gradient shard across the replicas. A group of one rank: nothing."""
     m = workload.micro_batches
-    weight_bytes = 2 if workload.precision == "bf16" else 4
+    # bf16 gathers the weights in bf16 (MixedPrecisionPolicy); fp16 keeps them fp32 (autocast
+    # casts them in each matmul); "paper" is the ZeRO paper's 16-bit weights.
+    weight_bytes = 2 if workload.precision in ("bf16", "paper") else 4
     gathers = m * (2 if layout.zero_stage == 3 else 1)
     if layout.pp > 1:
         # The pipeline's schedule keeps the weights gathered from the first backward to the end
@@ -330,7 +332,7 @@ def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNa
     return rows
 
 
-def norm_rows(shapes: Shapes, layout: Layout, names: GroupNames) -> list[dict]:
+def norm_rows(shapes: Shapes, layout: Layout, names: GroupNames, precision: str) -> list[dict]:
     """The gradient norm of sharded (DTensor) gradients: the norm of each of this rank's
     parameters, one fp32 vector all-reduced over each mesh dimension that splits them (FSDP's
     shard group, tp); the pipeline then adds the stages' squared norms up over pp. A mixture of
@@ -344,14 +346,18 @@ def norm_rows(shapes: Shapes, layout: Layout, names: GroupNames) -> list[dict]:
         rows += [row("all_reduce", g, n, 1, NORM * experts) for g, n in expert_groups]
     if layout.pp > 1:
         rows.append(row("all_reduce", *names.of("pp"), 1, NORM))
+    if precision == "fp16" and not shapes.experts:
+        # The grad scaler's check for inf and NaN in sharded gradients: one fp32 flag reduced over
+        # each mesh dimension that splits them, as the norm is.
+        rows += [row("all_reduce", g, n, 1, 4) for g, n in groups]
     return rows
 
 
 def activation_sizes(config: LlamaConfig, workload: Workload) -> tuple[int, int]:
     """(elements of one micro-batch's (b, T, d) activations, their bytes per element in the
-    layers' collectives: the matmuls' dtype, bf16 under --precision bf16's autocast)."""
+    layers' collectives: the matmuls' dtype, 16-bit under bf16's or fp16's autocast)."""
     b, T = workload.micro_batch_size, workload.seq_length
-    return b * T * config.hidden_size, 2 if workload.precision == "bf16" else 4
+    return b * T * config.hidden_size, 2 if workload.precision in ("bf16", "fp16", "paper") else 4
 
 
 def tensor_parallel_rows(
@@ -370,22 +376,28 @@ def tensor_parallel_rows(
     group = names.of("tp")
     first, last, layers = stage_contents(config, layout, rank)
     act, e = activation_sizes(config, workload)
-    # Collectives of the residual stream per micro-batch: 4 per layer, the embedding's, lm_head's.
+    # The residual stream's dtype: bf16 where FSDP casts the weights to bf16 (the norms' and the
+    # embedding's outputs too), else fp32; the outputs of wo and w2 are the matmuls' (e).
+    s = 2 if workload.precision in ("bf16", "paper") else 4
+    # Per micro-batch, each way (forward's all-gathers are backward's reduce-scatters): the
+    # attention's and the MLP's inputs (the stream's dtype) and the outputs of wo and w2 (the
+    # matmuls'), each layer; the embedding's output and lm_head's input (the stream's).
     stream = 4 * layers + first + last
+    stream_bytes = act * (2 * layers * (s + e) + (first + last) * s)
     tokens = workload.micro_batch_size * workload.seq_length
     rows = []
     if layout.sequence_parallel:
         rows += [
-            row("all_gather", *group, m * stream, m * stream * act * e),
-            row("reduce_scatter", *group, m * stream, m * stream * act * e),
+            row("all_gather", *group, m * stream, m * stream_bytes),
+            row("reduce_scatter", *group, m * stream, m * stream_bytes),
         ]
         norms = 2 * layers + last
-        # Measured (torch 2.13): whole gradients, in the matmuls' dtype in train_tp.py, in fp32
-        # on a pipeline stage (train_pp.py's stages run autocast inside, FSDP's root outside).
-        norm_bytes = config.hidden_size * (e if layout.pp == 1 else 4)
+        # Measured (torch 2.13): whole gradients, in bf16 where FSDP computes in bf16 (train_tp.py
+        # under bf16), else fp32 (train_pp.py's stages run autocast inside FSDP's root).
+        norm_bytes = config.hidden_size * (s if layout.pp == 1 else 4)
         rows.append(row("all_reduce", *group, norms, norms * norm_bytes))
     else:
-        rows.append(row("all_reduce", *group, m * stream, m * stream * act * e))
+        rows.append(row("all_reduce", *group, m * stream, m * stream_bytes))
     if last and layout.pp == 1:  # loss_parallel
         rows.append(row("all_reduce", *group, 3 * m, 3 * m * tokens * 4))
     elif last:  # the whole logits, gathered from each rank's slice of the vocabulary
