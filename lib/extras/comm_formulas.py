@@ -202,8 +202,9 @@ class Shapes:
         self.experts = [split_experts(layer.pop(n), layout.ep) for n in expert_names]
         router = [layer.pop(n) for n in list(layer) if n.startswith("feed_forward.gate")]
         first, last, self.layers = stage_contents(config, layout, rank)
-        stage_root = [s for n, s in root.items() if first if n.startswith("tok_embeddings")]
-        stage_root += [s for n, s in root.items() if last if not n.startswith("tok_embeddings")]
+        embedding = [s for n, s in root.items() if n.startswith("tok_embeddings")]
+        head = [s for n, s in root.items() if not n.startswith("tok_embeddings")]  # norm, lm_head
+        stage_root = (embedding if first else []) + (head if last else [])
         layer_units = []
         for i in range(self.layers):
             if router:  # (train_ep.py shards the router, the experts, then the rest of the layer)
