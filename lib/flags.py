@@ -202,6 +202,9 @@ def add_memory_flags(g) -> None:
     g.add_argument("--plan", action="store_true",
                    help="print the per-GPU memory estimate of this run (python -m "
                    "tools.memory_plan's) at start-up")
+    g.add_argument("--comm-ledger", action="store_true", help="record every collective of one "
+                   "training step (the run's third), print them and write "
+                   "OUT_DIR/comm_ledger.json (lib/extras/comm_ledger.py)")
 # fmt: on
 
 
@@ -383,6 +386,11 @@ def check_optional_flags(parser, args, device: torch.device) -> None:
         from lib.extras import training_tasks
 
         training_tasks.check_flag(parser, args)
+    if getattr(args, "comm_ledger", False):
+        from lib.extras import comm_ledger
+
+        if problem := comm_ledger.refusal(args):
+            parser.error(problem)
     if args.micro_batch_size == "auto":
         from lib.extras import auto_batch
 

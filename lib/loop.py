@@ -50,6 +50,13 @@ class TrainingLoop:
         config = state.config
         self.args, self.model, self.optimizer = args, state.model, state.optimizer
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.ledger = None  # --comm-ledger: the collectives of one step (lib/extras/comm_ledger.py)
+        if getattr(args, "comm_ledger", False):
+            from lib.extras import comm_ledger
+
+            if problem := comm_ledger.refusal(args, start_step):  # (a resumed run: its own)
+                raise TrainingError(problem)
+            self.ledger = comm_ledger.StepLedger(args.out_dir, start_step, layout, self.is_main)
         # The GPUs (or processes) a step runs on, for MFU: every rank's, or DataParallel's.
         devices = dist.get_world_size() if dist.is_initialized() else settings.devices
         self.metrics = Metrics(args.out_dir, self.is_main, start_step, args.tensorboard)
@@ -96,6 +103,8 @@ class TrainingLoop:
             # training.build_optimizer) has its own lr; AdamW's groups share --lr's schedule.
             self.lr = next(g["lr"] for g in groups if not g.get("muon"))
             self.muon_lr = next((g["lr"] for g in groups if g.get("muon")), None)
+            if self.ledger is not None:
+                self.ledger.start(step)
             yield step
         self.stop_request.finish()
 
@@ -113,7 +122,10 @@ class TrainingLoop:
         3. every --log-interval steps, loss, lr, throughput, gradient norm (GPU reads: only then);
         4. every --eval-interval steps evaluate(), every --save-interval steps (and at a stop) save;
         5. at a stop, Stopped, which exits.run reports (exit code 128 + the signal).
-        The last step logs, evaluates and saves whatever the intervals."""
+        The last step logs, evaluates and saves whatever the intervals. (--comm-ledger: the
+        step it records ends here, before all of these.)"""
+        if self.ledger is not None:
+            self.ledger.finish(step)
         self.throughput.step()
         done = step + 1
         last = done == self.args.max_steps

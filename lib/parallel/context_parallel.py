@@ -22,6 +22,7 @@ their positions (position_ids) for RoPE. Why an all-gather rather than a ring, a
 PyTorch's own context_parallel: docs/context-parallel.md.
 """
 
+import functools
 import os
 
 import torch
@@ -129,6 +130,14 @@ def in_sequence_order(gathered: torch.Tensor) -> torch.Tensor:
 # Attention of this rank's queries to the whole sequence
 
 
+@functools.cache
+def lower_right(queries: int, keys: int):
+    """causal_lower_right(queries, keys), made once per shape: a description with no storage,
+    the same for every forward. (Made in a later step, its tensor subclass would meet
+    --comm-ledger's dispatch mode, under which no tensor subclass can be constructed.)"""
+    return causal_lower_right(queries, keys)
+
+
 def chunk_masks(
     seq_len: int, cp_rank: int, cp: int, document_ids: torch.Tensor | None, device=None
 ) -> list:
@@ -148,7 +157,7 @@ def chunk_masks(
     for c in zigzag_chunks(cp_rank, cp):
         keys = (c + 1) * L
         if document_ids is None:
-            masks.append(causal_lower_right(L, keys))
+            masks.append(lower_right(L, keys))
             continue
         q_pos = torch.arange(c * L, keys, device=device)
         k_pos = torch.arange(keys, device=device)

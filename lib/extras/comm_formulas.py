@@ -1,0 +1,522 @@
+"""What one training step asks of the process groups, predicted: the rows --comm-ledger records
+(lib/extras/comm_ledger.py), {op, group, group_size, calls, bytes}, for any config, Layout and
+Workload, so that tests/test_comm_ledger.py can hold each lesson's measured step to them and the
+planner can turn them into bytes on the wire (wire_bytes).
+
+    rows = step_rows(config, layout, workload)          # rank 0's step
+    rows = step_rows(config, layout, workload, rank=3)  # a pipeline's other stages differ
+    wire_bytes(rows)                                    # what this rank sends, round a ring
+
+lib/extras/memory_formulas.py's traffic figures (data_parallel_bytes, hsdp_across_groups_bytes,
+model_parallel_bytes, all_to_all_bytes) are these rows' wire_bytes, less the step's small sums
+(target count, loss, gradient norms) and, for TP and EP, the collectives they name as left out:
+tests/test_comm_ledger.py holds them to each other.
+
+The strategy is the Layout's: tp, pp, cp or ep above 1 are train_tp.py's, train_pp.py's,
+train_cp.py's and train_ep.py's grids (with FSDP over their dp ranks); otherwise zero_stage says
+which data-parallel lesson: 0 train_ddp.py, 1 train_zero1.py, 2 and 3 train_fsdp.py (HSDP with
+replicate > 1). A row's group is named as the ledger names it: the mesh dimension it belongs to
+("dp", "replicate", "shard", "tp", "pp", "cp", "ep"; a dimension that spans every rank is the
+default group itself and keeps its name), "world" for the default group otherwise, and a group
+of two dimensions by both ("replicate+shard": train_tp.py's and train_pp.py's dp group under
+HSDP). Rows of a group of one rank are kept (the lessons ask them; nothing crosses a wire).
+
+Every figure is exact, computed from the parameters' shapes (one decoder layer built on the meta
+device) and the lessons' own rules, with one exception, named in the row's "tolerance" (bytes it
+may be off by, either way): expert parallelism's all-to-alls carry the (token, expert) pairs the
+router sends to each rank, which depend on the data. The formula assumes an even share (a rank
+receives as many pairs as it sends); the pairs every rank sends add up exactly over the ranks
+(the test holds the sum), while one rank's bytes may be off by `tolerance`.
+"""
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import torch
+
+from lib.extras.memory_formulas import Workload
+from lib.parallel.layout import Layout
+from model import LlamaConfig, LlamaForPretraining
+
+FIRST_BUCKET_BYTES = 1024**2  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+BUCKET_BYTES = 25 * 1024**2  # DDP's bucket_cap_mb default (25 MiB)
+TOKENS, LOSS, NORM = 8, 4, 4  # bytes: the step's target count (int64), loss sum and norms (fp32)
+PIPELINE_LOSS = 8  # train_pp.py's loss sum, a float64 of training.batch_totals
+# The matrices tensor parallelism splits by rows of their weight (ColwiseParallel: Shard(0)) and
+# by columns (RowwiseParallel: Shard(1)); the norms' gains stay whole.
+COLWISE = ("wq", "wk", "wv", "w1", "w3", "lm_head", "tok_embeddings")
+ROWWISE = ("wo", "w2")
+
+
+def row(op: str, group: str, size: int, calls: int, nbytes: float, tolerance: float = 0) -> dict:
+    """One row of the ledger's schema (tolerance: only where bytes are not exact)."""
+    r = {"op": op, "group": group, "group_size": size, "calls": calls, "bytes": int(nbytes)}
+    return r | ({"tolerance": int(tolerance)} if tolerance else {})
+
+
+def step_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, rank: int = 0, device: str = "cuda"
+) -> list:
+    """The rows of one training step (past the first two, as --comm-ledger records it) of global
+    rank `rank`, each (op, group) once, in the ledger's order. The Workload's micro_batches and
+    micro_batch_size are each rank's (the pipeline's m micro-batches of so many sequences).
+    device: where Muon's Newton-Schulz runs (bf16 on "cuda", fp32 on "cpu"); nothing else."""
+    names = GroupNames(layout)
+    shapes = Shapes(config, layout, rank)
+    rows = loss_rows(layout, names)
+    if layout.tp == layout.pp == layout.cp == layout.ep == 1 and layout.zero_stage < 2:
+        rows += ddp_rows(shapes, layout, names)
+    else:
+        rows += fsdp_rows(shapes, layout, workload, names)
+        rows += norm_rows(shapes, layout, names, workload.precision)
+    rows += tensor_parallel_rows(config, layout, workload, names, rank)
+    rows += pipeline_rows(config, layout, workload, names, rank)
+    rows += context_parallel_rows(config, layout, workload, names)
+    rows += expert_parallel_rows(config, layout, workload, names)
+    if workload.optimizer == "muon":
+        rows += muon_rows(config, layout, names, rank, device)
+    return merge(rows)
+
+
+def merge(rows: list[dict]) -> list[dict]:
+    """One row per (op, group, size), calls and bytes added up; in the ledger's order."""
+    from lib.extras.comm_ledger import OPS
+
+    total = defaultdict(lambda: [0, 0, 0])
+    for r in rows:
+        if r["calls"]:
+            t = total[(r["op"], r["group"], r["group_size"])]
+            t[0] += r["calls"]
+            t[1] += r["bytes"]
+            t[2] += r.get("tolerance", 0)
+    order = {op: i for i, op in enumerate(OPS)}
+    keys = sorted(total, key=lambda k: (order.get(k[0], len(OPS)), k[0], k[1]))
+    return [row(*k, *total[k]) for k in keys]
+
+
+def wire_bytes(rows: list[dict]) -> float:
+    """What the rows send from one rank, in a ring of the row's n ranks (the model
+    lib/extras/memory_formulas.py's traffic figures use): an all-reduce of B bytes sends
+    2 (n - 1) / n B, an all-gather (B its output), a reduce-scatter (B its input), an all-to-all
+    (B its input) and a broadcast (pipelined along the ring: every rank but the last passes each
+    buffer on, (n - 1) / n of them on average) (n - 1) / n B, a send its B; a receive nothing."""
+    share = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1}
+    sent = 0.0
+    for r in rows:
+        n = r["group_size"]
+        if r["op"] in share:
+            sent += share[r["op"]] * (n - 1) / n * r["bytes"]
+        elif r["op"] == "send":
+            sent += r["bytes"]
+    return sent
+
+
+# -------------------------------------------------------------------------------------------------
+# The groups, named as the ledger names them
+
+
+class GroupNames:
+    """The ledger's name of each group a lesson's collectives run on, from the Layout alone: the
+    lesson's mesh dimensions in order (then FSDP's own mesh), a dimension spanning every rank
+    being the default group itself, which is named after the first such dimension."""
+
+    def __init__(self, layout: Layout):
+        n = layout.world_size
+        fsdp = [("replicate", layout.replicate), ("shard", n_shard(layout))]
+        fsdp = fsdp if layout.replicate > 1 else [("dp", layout.dp)]
+        if layout.tp > 1 or layout.pp > 1:
+            mesh = ([("pp", layout.pp)] if layout.pp > 1 else []) + fsdp + [("tp", layout.tp)]
+            fsdp_mesh = []
+        elif layout.cp > 1 or layout.ep > 1:
+            mesh = [("dp", n // layout.ep // layout.cp)]
+            mesh += [("cp", layout.cp)] if layout.cp > 1 else [("ep", layout.ep)]
+            fsdp_mesh = fsdp if layout.replicate > 1 else []
+        else:  # DDP, ZeRO-1, FSDP: the default group, or HSDP's mesh
+            mesh, fsdp_mesh = [], fsdp if layout.replicate > 1 else []
+        spanning = [name for name, size in mesh + fsdp_mesh if size == n]
+        self.world = spanning[0] if spanning else "world"
+        self.sizes = dict(mesh + fsdp_mesh)
+        self.layout = layout
+
+    def of(self, dim: str) -> tuple[str, int]:
+        """(name, size) of the group of mesh dimension `dim`, or "world" (the default group)."""
+        if dim == "world":
+            return self.world, self.layout.world_size
+        size = self.sizes[dim]
+        return (self.world if size == self.layout.world_size else dim), size
+
+    def fsdp(self) -> list[tuple[str, int]]:
+        """FSDP's groups: the one it shards over (HSDP: its shard groups, then the replicas)."""
+        if self.layout.replicate > 1:
+            return [self.of("shard"), self.of("replicate")]
+        if self.layout.tp > 1 or self.layout.pp > 1:
+            return [self.of("dp")]
+        return [self.of("world")]  # FSDP over every rank (CP and EP too: fsdp_mesh None)
+
+    def dp_group(self) -> tuple[str, int]:
+        """Where the lesson adds up the step's sums: train_tp.py's and train_pp.py's dp group (a
+        mesh of its own under HSDP, named by its ranks), every rank elsewhere."""
+        layout = self.layout
+        if not (layout.tp > 1 or layout.pp > 1):
+            return self.of("world")
+        if layout.replicate > 1:  # (named by its ranks: those of a dimension, if they are)
+            if layout.dp == layout.world_size:
+                return self.world, layout.dp
+            if layout.dp == layout.replicate:  # shard groups of one rank
+                return self.of("replicate")
+            return "replicate+shard", layout.dp
+        return self.of("dp")
+
+
+def n_shard(layout: Layout) -> int:
+    """The ranks of one FSDP shard group (HSDP's, or all those FSDP spans)."""
+    return layout.world_size // (layout.tp * layout.pp * layout.replicate)
+
+
+# -------------------------------------------------------------------------------------------------
+# The parameters each rank holds, and FSDP's units of them
+
+
+@dataclasses.dataclass
+class Shapes:
+    """The local shapes of the parameters one rank holds, by FSDP unit: tensor parallelism's
+    split applied (COLWISE: dim 0 / tp; ROWWISE: dim 1 / tp), in the units the lessons give
+    fully_shard (each decoder layer, then the root: embedding, final norm, lm_head; a pipeline
+    stage is the root of its own layers; in a mixture of experts, each layer's router and its
+    experts are units of their own, the experts split over ep)."""
+
+    units: list  # [(name, [shape, ...])], in the order the lesson's forward gathers them
+    experts: list  # [shape, ...] of one MoE layer's experts unit (empty: dense)
+    layers: int  # decoder layers on this rank
+
+    def __init__(self, config: LlamaConfig, layout: Layout, rank: int = 0):
+        one = dataclasses.replace(config, num_hidden_layers=1)
+        with torch.device("meta"):
+            model = LlamaForPretraining(one)
+        tp = layout.tp
+        local = {name: local_shape(name, p.shape, tp) for name, p in model.named_parameters()}
+        layer = {n.split(".", 2)[2]: s for n, s in local.items() if n.startswith("layers.")}
+        root = {n: s for n, s in local.items() if not n.startswith("layers.")}
+        expert_names = [n for n in layer if ".feed_forward.w" in f".{n}" and len(layer[n]) == 3]
+        self.experts = [split_experts(layer.pop(n), layout.ep) for n in expert_names]
+        router = [layer.pop(n) for n in list(layer) if n.startswith("feed_forward.gate")]
+        first, last, self.layers = stage_contents(config, layout, rank)
+        embedding = [s for n, s in root.items() if n.startswith("tok_embeddings")]
+        head = [s for n, s in root.items() if not n.startswith("tok_embeddings")]  # norm, lm_head
+        stage_root = (embedding if first else []) + (head if last else [])
+        layer_units = []
+        for i in range(self.layers):
+            if router:  # (train_ep.py shards the router, the experts, then the rest of the layer)
+                layer_units.append((f"layer {i} router", router))
+            layer_units.append((f"layer {i}", list(layer.values())))
+        self.units = layer_units + ([("root", stage_root)] if stage_root else [])
+
+    def count(self) -> int:
+        """How many parameters (tensors) this rank holds, the experts' apart."""
+        return sum(len(shapes) for _, shapes in self.units)
+
+
+def local_shape(name: str, shape: torch.Size, tp: int) -> tuple:
+    """A parameter's shape on one tp rank."""
+    leaf = name.rsplit(".", 2)[-2]  # "layers.0.attention.wq.weight" -> "wq"
+    shape = list(shape)
+    if leaf in COLWISE and len(shape) == 2:
+        shape[0] //= tp
+    elif leaf in ROWWISE and len(shape) == 2:
+        shape[1] //= tp
+    return tuple(shape)
+
+
+def split_experts(shape: tuple, ep: int) -> tuple:
+    """One MoE layer's stacked (E, out, in) expert weight on one ep rank: E / ep experts."""
+    return (shape[0] // ep, *shape[1:])
+
+
+def stage_contents(config: LlamaConfig, layout: Layout, rank: int) -> tuple[bool, bool, int]:
+    """(whether `rank` holds the embedding, the final norm and lm_head, its decoder layers): all
+    of them, or its pipeline stages' (lib/parallel/pipeline.py's split: rank r's stages r, r + pp,
+    ...; the mesh's outermost dimension, so pp rank = rank // (world_size / pp))."""
+    if layout.pp == 1:
+        return True, True, config.num_hidden_layers
+    from lib.parallel.pipeline import split_layers, stage_ids_of_rank
+
+    v = layout.stages_per_rank
+    stages = stage_ids_of_rank(rank // (layout.world_size // layout.pp), layout.pp, v)
+    ranges = split_layers(config.num_hidden_layers, layout.pp * v)
+    last = layout.pp * v - 1
+    return 0 in stages, last in stages, sum(len(ranges[s]) for s in stages)
+
+
+def padded(shape: tuple, ranks: int) -> int:
+    """Elements of a parameter as FSDP2 lays it out over `ranks`: dim 0 rounded up to a multiple
+    of `ranks` (each rank's shard the same size, the last ones padded)."""
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / ranks) * ranks * rest
+
+
+# -------------------------------------------------------------------------------------------------
+# The rows of each strategy
+
+
+def loss_rows(layout: Layout, names: GroupNames) -> list[dict]:
+    """Every lesson's own sums: the global batch's target count before its forwards, and the
+    step's loss sum after them (train_pp.py: the last stage's, summed over the pipeline first)."""
+    name, size = names.dp_group()
+    if layout.pp == 1:
+        return [row("all_reduce", name, size, 2, TOKENS + LOSS)]
+    pp_name, pp = names.of("pp")
+    return [
+        row("all_reduce", name, size, 2, TOKENS + PIPELINE_LOSS),
+        row("all_reduce", pp_name, pp, 1, PIPELINE_LOSS),
+    ]
+
+
+def ddp_rows(shapes: Shapes, layout: Layout, names: GroupNames) -> list[dict]:
+    """DDP's gradient buckets, all-reduced once per step (the last micro-batch's backward), and
+    ZeRO-1's broadcast of every parameter by the rank that updated it."""
+    name, n = names.of("world")
+    sizes = [4 * math.prod(s) for _, unit in shapes.units for s in unit]
+    rows = [row("all_reduce", name, n, len(ddp_buckets(sizes)), sum(sizes))]
+    if layout.zero_stage == 1:
+        rows.append(row("broadcast", name, n, len(sizes), sum(sizes)))
+    return rows
+
+
+def ddp_buckets(sizes: list[int]) -> list[int]:
+    """The bytes of each of DDP's buckets, for gradients of these sizes in the model's order: the
+    reducer's rule (torch's compute_bucket_assignment_by_size, as it rebuilds its buckets after
+    the first step), in the order gradients become ready, about the reverse of the model's: a
+    bucket closes once it holds FIRST_BUCKET_BYTES (the first) or BUCKET_BYTES (the others)."""
+    buckets, current, limit = [], 0, FIRST_BUCKET_BYTES
+    for size in reversed(sizes):
+        current += size
+        if current >= limit:
+            buckets.append(current)
+            current, limit = 0, BUCKET_BYTES
+    return buckets + ([current] if current else [])
+
+
+def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNames) -> list:
+    """FSDP2's traffic, one unit at a time: an all-gather of the unit's weights before each
+    micro-batch's forward (ZeRO-3: and again before its backward), in the matmuls' dtype under
+    bf16; a reduce-scatter of its fp32 gradients after the last micro-batch's backward; HSDP
+    then all-reduces each gradient shard across the replicas. A group of one rank: nothing."""
+    m = workload.micro_batches
+    # bf16 gathers the weights in bf16 (MixedPrecisionPolicy); fp16 keeps them fp32 (autocast
+    # casts them in each matmul); "paper" is the ZeRO paper's 16-bit weights.
+    weight_bytes = 2 if workload.precision in ("bf16", "paper") else 4
+    gathers = m * (2 if layout.zero_stage == 3 else 1)
+    if layout.pp > 1:
+        # The pipeline's schedule keeps the weights gathered from the first backward to the end
+        # of the step (torch.distributed.pipelining: no reshard after backward until the last):
+        # ZeRO-3 gathers for each forward and once for all the backwards, ZeRO-2 once.
+        gathers = m + 1 if layout.zero_stage == 3 else 1
+    groups = names.fsdp()
+    (name, n), rows = groups[0], []
+    units = [shape for _, shape in shapes.units]
+    parts = [(units, name, n)]
+    if shapes.experts:  # every layer's experts: over the ranks that hold the same ones ("dp")
+        parts.append(([shapes.experts] * shapes.layers, *names.of("dp")))
+    for unit_shapes, group, size in parts:
+        elements = [sum(padded(s, size) for s in unit) for unit in unit_shapes]
+        count = len([e for e in elements if e])
+        if size > 1:  # (a shard group of one rank: nothing to gather or scatter)
+            gathered = gathers * weight_bytes * sum(elements)
+            rows += [
+                row("all_gather", group, size, gathers * count, gathered),
+                row("reduce_scatter", group, size, count, 4 * sum(elements)),
+            ]
+        if layout.replicate > 1 and group == name:
+            replicas, r = groups[1]
+            rows.append(row("all_reduce", replicas, r, count, 4 * sum(elements) // size))
+    return rows
+
+
+def norm_rows(shapes: Shapes, layout: Layout, names: GroupNames, precision: str) -> list[dict]:
+    """The gradient norm of sharded (DTensor) gradients: the norm of each of this rank's
+    parameters, one fp32 vector all-reduced over each mesh dimension that splits them (FSDP's
+    shard group, tp); the pipeline then adds the stages' squared norms up over pp. A mixture of
+    experts (expert_parallel.clip_grad_norm_): the experts' norms apart, over dp and ep."""
+    shard = names.fsdp()[0]
+    groups = [g for g in (shard, names.of("tp") if layout.tp > 1 else None) if g and g[1] > 1]
+    rows = [row("all_reduce", g, n, 1, NORM * shapes.count()) for g, n in groups]
+    if shapes.experts:
+        expert_groups = [g for g in (names.of("dp"), names.of("ep")) if g[1] > 1]
+        experts = len(shapes.experts) * shapes.layers
+        rows += [row("all_reduce", g, n, 1, NORM * experts) for g, n in expert_groups]
+    if layout.pp > 1:
+        rows.append(row("all_reduce", *names.of("pp"), 1, NORM))
+    if precision == "fp16" and not shapes.experts:
+        # The grad scaler's check for inf and NaN in sharded gradients: one fp32 flag reduced over
+        # each mesh dimension that splits them, as the norm is.
+        rows += [row("all_reduce", g, n, 1, 4) for g, n in groups]
+    return rows
+
+
+def activation_sizes(config: LlamaConfig, workload: Workload) -> tuple[int, int]:
+    """(elements of one micro-batch's (b, T, d) activations, their bytes per element in the
+    layers' collectives: the matmuls' dtype, 16-bit under bf16's or fp16's autocast)."""
+    b, T = workload.micro_batch_size, workload.seq_length
+    return b * T * config.hidden_size, 2 if workload.precision in ("bf16", "fp16", "paper") else 4
+
+
+def tensor_parallel_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, names: GroupNames, rank: int
+) -> list[dict]:
+    """Megatron's tensor parallelism (lib/parallel/tensor_parallel.py) per micro-batch: each
+    layer all-reduces the outputs of wo and w2 in forward and the gradients of the attention's
+    and the MLP's inputs in backward; the embedding's output in forward, lm_head's input gradient
+    in backward; train_tp.py's loss_parallel three fp32 numbers per token (the logits' max, the
+    sum of exponentials, the target's logit), train_pp.py's last stage gathers the logits
+    instead. Sequence parallelism turns each all-reduce of the residual stream into an all-gather
+    one way and a reduce-scatter the other, and sums the norms' gradients over tp."""
+    tp, m = layout.tp, workload.micro_batches
+    if tp == 1:
+        return []
+    group = names.of("tp")
+    first, last, layers = stage_contents(config, layout, rank)
+    act, e = activation_sizes(config, workload)
+    # The residual stream's dtype: bf16 where FSDP casts the weights to bf16 (the norms' and the
+    # embedding's outputs too), else fp32; the outputs of wo and w2 are the matmuls' (e).
+    s = 2 if workload.precision in ("bf16", "paper") else 4
+    # Per micro-batch, each way (forward's all-gathers are backward's reduce-scatters): the
+    # attention's and the MLP's inputs (the stream's dtype) and the outputs of wo and w2 (the
+    # matmuls'), each layer; the embedding's output and lm_head's input (the stream's).
+    stream = 4 * layers + first + last
+    stream_bytes = act * (2 * layers * (s + e) + (first + last) * s)
+    tokens = workload.micro_batch_size * workload.seq_length
+    rows = []
+    if layout.sequence_parallel:
+        rows += [
+            row("all_gather", *group, m * stream, m * stream_bytes),
+            row("reduce_scatter", *group, m * stream, m * stream_bytes),
+        ]
+        norms = 2 * layers + last
+        # Measured (torch 2.13): whole gradients, in bf16 where FSDP computes in bf16 (train_tp.py
+        # under bf16), else fp32 (train_pp.py's stages run autocast inside FSDP's root).
+        norm_bytes = config.hidden_size * (s if layout.pp == 1 else 4)
+        rows.append(row("all_reduce", *group, norms, norms * norm_bytes))
+    else:
+        rows.append(row("all_reduce", *group, m * stream, m * stream_bytes))
+    if last and layout.pp == 1:  # loss_parallel
+        rows.append(row("all_reduce", *group, 3 * m, 3 * m * tokens * 4))
+    elif last:  # the whole logits, gathered from each rank's slice of the vocabulary
+        rows.append(row("all_gather", *group, m, m * tokens * config.vocab_size * e))
+    return rows
+
+
+def pipeline_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, names: GroupNames, rank: int
+) -> list[dict]:
+    """The pipeline's point-to-point traffic: per micro-batch, each stage but the last sends its
+    output activations on, each but the first sends their gradients back, and receives the same;
+    a rank counts its own stages' (interleaved: several). One (b, T, d) tensor each (sequence
+    parallel: this rank's T / tp positions of it), in the stages' autocast dtype."""
+    if layout.pp == 1:
+        return []
+    from lib.parallel.pipeline import stage_ids_of_rank
+
+    stages = layout.pp * layout.stages_per_rank
+    pp_rank = rank // (layout.world_size // layout.pp)
+    ids = stage_ids_of_rank(pp_rank, layout.pp, layout.stages_per_rank)
+    sends = sum((s < stages - 1) + (s > 0) for s in ids) * workload.micro_batches
+    act, e = activation_sizes(config, workload)
+    nbytes = e * act // (layout.tp if layout.sequence_parallel else 1)
+    group = names.of("pp")
+    return [row("send", *group, sends, sends * nbytes), row("recv", *group, sends, sends * nbytes)]
+
+
+def context_parallel_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, names: GroupNames
+) -> list[dict]:
+    """Context parallelism (lib/parallel/context_parallel.py): per layer and micro-batch, one
+    all-gather of this rank's keys and values into the whole sequence's in forward, and one
+    reduce-scatter of their gradients in backward, (2, b, T, kv_dim) in the matmuls' dtype."""
+    if layout.cp == 1:
+        return []
+    m, layers = workload.micro_batches, config.num_hidden_layers
+    _, e = activation_sizes(config, workload)
+    kv = 2 * workload.micro_batch_size * workload.seq_length * config.num_key_value_heads
+    kv *= config.head_dim * e
+    group = names.of("cp")
+    return [
+        row("all_gather", *group, m * layers, m * layers * kv),
+        row("reduce_scatter", *group, m * layers, m * layers * kv),
+    ]
+
+
+def expert_parallel_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, names: GroupNames
+) -> list[dict]:
+    """Expert parallelism (lib/parallel/expert_parallel.py): per MoE layer and micro-batch, one
+    all-to-all of the counts (int64, one per expert), then the (token, expert) pairs to their
+    experts' ranks and the outputs back, forward and backward: 2 (sent + received) pairs of d
+    values. Assumed an even share (received = sent): the tolerance is how far one rank's may be
+    from it (from none received to ep times its own)."""
+    if layout.ep == 1 or not config.num_local_experts:
+        return []
+    m, layers = workload.micro_batches, config.num_hidden_layers
+    act, e = activation_sizes(config, workload)
+    sent = act * config.num_experts_per_tok * e
+    counts = 8 * config.num_local_experts
+    calls = 5 * m * layers
+    nbytes = m * layers * (counts + 4 * sent)
+    tolerance = m * layers * 2 * (layout.ep - 1) * sent
+    return [row("all_to_all", *names.of("ep"), calls, nbytes, tolerance)]
+
+
+def muon_rows(
+    config: LlamaConfig, layout: Layout, names: GroupNames, rank: int, device: str
+) -> list[dict]:
+    """--optimizer muon's exchange (lib/extras/muon.py), each hidden matrix orthogonalised by its
+    owner (assign_owners, from the matrices' shapes alone): DDP's replicas broadcast each rank's
+    results, one broadcast per owner; sharded matrices (FSDP, HSDP, TP, CP, a stage's dp ranks,
+    EP's attention) take two all-to-alls, the pieces (fp32, the gradients' dtype) to their owners
+    (HSDP: from the owner's replica row), and each rank's pieces of the results back. ZeRO-1's
+    optimizers and whole experts orthogonalise their own: no traffic. The results travel in
+    Newton-Schulz's dtype: bf16 on a GPU, fp32 on a CPU (`device`)."""
+    from lib.extras.muon import assign_owners, is_hidden_matrix, newton_schulz_flops
+
+    one = dataclasses.replace(config, num_hidden_layers=1)
+    with torch.device("meta"):
+        model = LlamaForPretraining(one)
+    hidden = [p.shape for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+    hidden = [s for s in hidden if len(s) == 2]  # (a stack of experts stays whole on its rank)
+    _, _, layers = stage_contents(config, layout, rank)
+    shapes = hidden * layers
+    b = 2 if device == "cuda" else 4
+    sharded = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
+    sharded = sharded or layout.zero_stage >= 2
+    if not sharded:  # DDP's replicas, or ZeRO-1's per-rank optimizers (none)
+        if layout.zero_stage == 1 or layout.world_size == 1:
+            return []
+        owners = assign_owners([newton_schulz_flops(s) for s in shapes], layout.world_size)
+        numel = sum(math.prod(s) for s in shapes)
+        return [row("broadcast", *names.of("world"), len(set(owners)), numel * b)]
+    # The matrices' mesh: FSDP's dimensions (the pipeline's: of one stage) and tp.
+    fsdp = names.fsdp()[::-1]  # (in the mesh's order: HSDP's replicas, then its shard groups)
+    dims = [d for d in fsdp if d[1] > 1] + ([names.of("tp")] if layout.tp > 1 else [])
+    ranks = math.prod(n for _, n in dims)
+    if ranks == 1:
+        return []
+    me = rank % ranks
+    replicas = layout.replicate
+    owners = assign_owners([newton_schulz_flops(s) for s in shapes], ranks)
+    row_of = lambda r: r // (ranks // replicas)  # noqa: E731  (HSDP's replica row of a rank)
+    pieces = [piece(s, me % (ranks // replicas), ranks // replicas, len(dims)) for s in shapes]
+    to_owners = sum(p for p, o in zip(pieces, owners, strict=True) if row_of(o) == row_of(me))
+    results = sum(math.prod(s) * replicas for s, o in zip(shapes, owners, strict=True) if o == me)
+    group = dims[0] if len(dims) == 1 else ("+".join(n for n, _ in dims), ranks)
+    if len(dims) > 2 or ranks == layout.world_size and len(dims) != 2:
+        group = (names.world, ranks)
+    return [row("all_to_all", *group, 2, 4 * to_owners + b * results)]
+
+
+def piece(shape: torch.Size, index: int, ranks: int, dims: int) -> int:
+    """The elements of a matrix that shard `index` of `ranks` holds: FSDP's dim-0 chunks (the
+    last ones short, as torch.chunk cuts), or with tp an even share (exact when it divides)."""
+    if dims > 1 or ranks == 1:
+        return math.prod(shape) // ranks
+    chunk = math.ceil(shape[0] / ranks)
+    return max(0, min(chunk, shape[0] - index * chunk)) * math.prod(shape[1:])

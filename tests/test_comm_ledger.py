@@ -1,0 +1,272 @@
+"""Specification of the communication ledger (--comm-ledger, lib/extras/comm_ledger.py) and of the
+formulas held against it (lib/extras/comm_formulas.py's step_rows): what every lesson asks of its
+process groups in one training step, measured on CPU ranks (gloo), equals the formula's rows for
+its layout, on every rank: the same operations on the same groups, exactly as many calls, exactly
+as many bytes (expert parallelism's all-to-alls: within the row's named tolerance on one rank, and
+exactly summed over the ranks, since their share of the pairs depends on the router).
+
+Each case is one launch of 3 steps (the ledger records the third) of the tiny model, 2 or 4 ranks.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+from harness import REPO, cmd, launch_env, run_script
+
+from lib.extras.comm_formulas import step_rows, wire_bytes
+from lib.extras.memory_formulas import (
+    Workload,
+    all_to_all_bytes,
+    data_parallel_bytes,
+    hsdp_across_groups_bytes,
+    model_parallel_bytes,
+    stage_parameters,
+)
+from lib.parallel.layout import Layout
+from model import LlamaConfig
+
+# BASE's global batch: 8 sequences of 32 tokens; the ledger records the run's third step.
+BATCH, SEQ, STEPS = 8, 32, 3
+QUIET = dict(max_steps=STEPS, log_interval=100, eval_interval=100, save_interval=100)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A lesson's run: its script, ranks and flags, and the Layout and Workload they make (dp:
+    the ranks that split the batch; m: micro-batches per rank, the pipeline's or accumulation)."""
+
+    script: str
+    world: int
+    flags: list = field(default_factory=list)
+    layout: dict = field(default_factory=dict)
+    m: int = 1
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    overrides: dict = field(default_factory=dict)
+
+
+CASES = {
+    "ddp": Case("train_ddp.py", 2, layout=dict(zero_stage=0)),
+    "zero1": Case("train_zero1.py", 2, layout=dict(zero_stage=1)),
+    "fsdp-zero3-bf16": Case("train_fsdp.py", 2, precision="bf16"),
+    "hsdp-zero2-accumulation": Case(
+        "train_fsdp.py",
+        4,
+        ["--replicate", "2", "--zero-stage", "2", "--micro-batch-size", "1"],
+        dict(replicate=2, zero_stage=2),
+        m=2,
+    ),
+    "tp-sequence-parallel-fp16": Case(
+        "train_tp.py",
+        2,
+        ["--tp", "2", "--sequence-parallel"],
+        dict(tp=2, sequence_parallel=True),
+        precision="fp16",
+    ),
+    "tp-fsdp-sequence-parallel-bf16": Case(
+        "train_tp.py",
+        4,
+        ["--tp", "2", "--sequence-parallel"],
+        dict(tp=2, sequence_parallel=True),
+        precision="bf16",
+    ),
+    "tp-hsdp": Case("train_tp.py", 4, ["--tp", "2", "--replicate", "2"], dict(tp=2, replicate=2)),
+    "pp-gpipe": Case(
+        "train_pp.py", 2, ["--pp", "2", "--schedule", "gpipe"], dict(pp=2, schedule="gpipe"), m=8
+    ),
+    "pp-1f1b-fsdp": Case("train_pp.py", 4, ["--pp", "2"], dict(pp=2), m=4),
+    "pp-interleaved-tp": Case(
+        "train_pp.py",
+        4,
+        ["--pp", "2", "--tp", "2", "--schedule", "interleaved"],
+        dict(pp=2, tp=2, schedule="interleaved", stages_per_rank=2),
+        m=8,
+    ),
+    "cp": Case("train_cp.py", 2, ["--cp", "2"], dict(cp=2)),
+    "cp-fsdp-bf16": Case("train_cp.py", 4, ["--cp", "2"], dict(cp=2), precision="bf16"),
+    "ep-fsdp": Case("train_ep.py", 4, ["--ep", "2", "--num-experts", "4"], dict(ep=2)),
+    "ddp-muon": Case("train_ddp.py", 2, layout=dict(zero_stage=0), optimizer="muon"),
+    "hsdp-muon": Case(
+        "train_fsdp.py", 4, ["--replicate", "2"], dict(replicate=2), optimizer="muon"
+    ),
+}
+
+
+def layout_and_workload(case: Case) -> tuple[Layout, Workload]:
+    """The Layout and Workload the formulas take for this run."""
+    fields = dict(case.layout)
+    split = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1)
+    dp = case.world // split
+    layout = Layout(world_size=case.world, dp=dp, **fields)
+    rows = BATCH // dp // case.m  # sequences per micro-batch on one rank
+    workload = Workload(rows, SEQ, case.m, case.precision, optimizer=case.optimizer)
+    return layout, workload
+
+
+def measured(case: Case, corpus, cache_dir, out) -> list[dict]:
+    """Every rank's rows of the run's ledger."""
+    flags = case.flags + ["--comm-ledger", "--precision", case.precision]
+    flags += ["--optimizer", case.optimizer] if case.optimizer != "adamw" else []
+    argv = cmd(corpus, cache_dir, out, **QUIET, **case.overrides) + flags
+    proc = run_script(case.script, argv, world=case.world)
+    assert "communication ledger of step 3" in proc.stdout, proc.stdout
+    return json.loads((out / "comm_ledger.json").read_text())
+
+
+def key(row: dict) -> tuple:
+    return row["op"], row["group"], row["group_size"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_ledger_of_a_lesson_equals_the_formula_on_every_rank(name, corpus, cache_dir, tmp_path):
+    case = CASES[name]
+    out = tmp_path / "out"
+    rows = measured(case, corpus, cache_dir, out)
+    config = LlamaConfig(**json.loads((out / "config.json").read_text()))
+    layout, workload = layout_and_workload(case)
+    sums = {}  # (op, group, size) -> [measured, formula] bytes over the ranks, tolerated rows
+    for rank in range(case.world):
+        got = {key(r): r for r in rows if r["rank"] == rank}
+        want = {key(r): r for r in step_rows(config, layout, workload, rank, device="cpu")}
+        assert sorted(got) == sorted(want), f"rank {rank}: {got} != {want}"
+        for k, expected in want.items():
+            assert got[k]["calls"] == expected["calls"], (rank, k, got[k], expected)
+            tolerance = expected.get("tolerance", 0)
+            assert abs(got[k]["bytes"] - expected["bytes"]) <= tolerance, (rank, k, got[k])
+            if tolerance:
+                total = sums.setdefault(k, [0, 0])
+                total[0] += got[k]["bytes"]
+                total[1] += expected["bytes"]
+    for k, (got_total, want_total) in sums.items():
+        assert got_total == want_total, (k, got_total, want_total)  # every pair counted once
+    if name.startswith("ep"):
+        assert sums, "an expert-parallel step has its all-to-alls"
+
+
+def test_the_recorder_counts_known_collectives_with_their_buffers_bytes():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "tests/ledger_collectives.py"],
+        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["op"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    expect = {  # (calls, bytes) of tests/ledger_collectives.py's collectives
+        "all_reduce": (3, 40 + 24 + 16),  # dist's (fp32, fp64) and a functional one
+        "all_gather": (1, 80),  # its output
+        "reduce_scatter": (1, 40),  # its input
+        "all_to_all": (1, 40),
+        "broadcast": (1, 40),
+        "send": (1, 40),
+        "recv": (1, 40),
+    }
+    assert {op: (r["calls"], r["bytes"]) for op, r in rows.items()} == expect
+    assert {(r["group"], r["group_size"]) for r in rows.values()} == {("world", 2)}
+
+
+def test_train_dp_writes_an_empty_ledger_and_says_why_and_a_resumed_run_records_its_own(
+    corpus, cache_dir, tmp_path
+):
+    out = tmp_path / "out"
+    argv = cmd(corpus, cache_dir, out, **QUIET) + ["--comm-ledger"]
+    proc = run_script("train_dp.py", argv)
+    assert "no process group" in proc.stdout, proc.stdout
+    assert json.loads((out / "comm_ledger.json").read_text()) == []
+    # Extended from its last checkpoint (step 3), a run records its own third step, or refuses.
+    argv = cmd(corpus, cache_dir, out, **(QUIET | dict(max_steps=4))) + ["--comm-ledger"]
+    proc = run_script("train_dp.py", argv, expect_rc=1)
+    assert "--max-steps must be at least 6 (resumed at step 3), got 4" in proc.stderr
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-steps", "2"], "--max-steps must be at least 3"),
+        (["--compile"], "leave out --compile"),
+    ],
+)
+def test_comm_ledger_refuses_a_run_it_cannot_record(flags, message, tmp_path):
+    argv = ["--out-dir", str(tmp_path / "out"), "--check", "--comm-ledger", *flags]
+    proc = run_script("train_fsdp.py", argv, expect_rc=2)
+    assert message in proc.stderr, proc.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# The planner's traffic figures (lib/extras/memory_formulas.py) against step_rows, on the wire
+
+
+def wire(rows: list[dict], ops: tuple, groups: tuple) -> float:
+    """wire_bytes of the rows of these operations on these groups."""
+    return wire_bytes([r for r in rows if r["op"] in ops and r["group"] in groups])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("preset, world, replicate", [("7b", 8, 1), ("70b", 64, 8)])
+def test_the_planners_data_parallel_traffic_is_the_formulas_rows_on_the_wire(
+    preset, world, replicate, precision
+):
+    # What DDP, ZeRO-1, ZeRO-2, ZeRO-3 and HSDP send, as the planner prints it, equals the
+    # ledger's rows of those collectives sent round a ring: the same model, not two. (The step's
+    # own small sums, its target count, loss and gradient norm, are not in the planner's.)
+    config = LlamaConfig.from_preset(preset)
+    workload = Workload(1, 4096, 2, precision)
+    params = stage_parameters(config, 1, 1)[0]
+    planner = data_parallel_bytes(params, world, precision, 2, replicate)
+    data = ("all_gather", "reduce_scatter", "broadcast")
+    for strategy, stage in [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)]:
+        rows = step_rows(config, Layout(world, world, zero_stage=stage), workload)
+        big = [r for r in rows if r["bytes"] > 1e6]  # the gradients' and weights' collectives
+        assert wire_bytes(big) == pytest.approx(planner[strategy], rel=1e-9), strategy
+        assert wire(rows, data, ("world",)) <= planner[strategy]
+    if replicate > 1:
+        hsdp = Layout(world, world, replicate=replicate)
+        rows = [r for r in step_rows(config, hsdp, workload) if r["bytes"] > 1e6]
+        assert wire_bytes(rows) == pytest.approx(planner["hsdp"], rel=1e-9)
+        across = hsdp_across_groups_bytes(params, world, replicate)
+        assert wire(rows, ("all_reduce",), ("replicate",)) == pytest.approx(across, rel=1e-9)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planners_pipeline_and_context_traffic_is_the_formulas_rows_on_the_wire(precision):
+    config = LlamaConfig.from_preset("7b")
+    workload = Workload(1, 4096, 8, precision)
+    for layout, key, op_groups in [
+        (Layout(16, 2, cp=8), "context_parallel", (("all_gather", "reduce_scatter"), ("cp",))),
+        (Layout(8, 1, pp=8), "pipeline", (("send",), ("pp",))),
+        (Layout(16, 1, pp=4, schedule="interleaved", stages_per_rank=2), "pipeline", None),
+    ]:
+        planner = model_parallel_bytes(config, layout, workload)[key]
+        # (a middle stage of the pipeline: it sends both ways)
+        rows = step_rows(config, layout, workload, rank=layout.world_size // layout.pp)
+        ops, groups = op_groups or (("send",), ("pp",))
+        assert wire(rows, ops, groups) == pytest.approx(planner, rel=1e-9), (layout, key)
+
+
+@pytest.mark.quick
+def test_the_planners_tensor_and_expert_traffic_leaves_out_only_what_it_names():
+    # The planner counts TP's four all-reduces per layer and EP's four all-to-alls of the pairs;
+    # the rows add, per micro-batch, the embedding's and lm_head's all-reduces and loss_parallel's
+    # three numbers per token (TP), and the counts each MoE layer sends first (EP).
+    config = LlamaConfig.from_preset("7b")
+    workload = Workload(1, 4096, 4, "bf16")
+    layout = Layout(16, 2, tp=8)
+    planner = model_parallel_bytes(config, layout, workload)["tensor_parallel"]
+    ring, m, L = 2 * 7 / 8, 4, config.num_hidden_layers
+    loss_parallel = ring * m * 3 * 4096 * 4  # (and the gradient norms: 4 bytes a parameter)
+    assert wire(step_rows(config, layout, workload), ("all_reduce",), ("tp",)) == pytest.approx(
+        planner * (4 * L + 2) / (4 * L) + loss_parallel, rel=1e-6
+    )
+    moe = dataclasses.replace(config, num_local_experts=8, num_experts_per_tok=2)
+    layout = Layout(8, 8, ep=8)
+    planner = all_to_all_bytes(moe, layout, workload)
+    counts = 7 / 8 * 8 * moe.num_local_experts * L * m
+    assert wire(step_rows(moe, layout, workload), ("all_to_all",), ("ep",)) == pytest.approx(
+        planner + counts, rel=1e-9
+    )
