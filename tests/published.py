@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from lib.extras import step_time
+from lib.extras.comm_formulas import row, step_rows
 from lib.extras.memory_formulas import Workload, stage_parameters
 from lib.extras.step_time import GPUS, Cluster
 from lib.parallel.layout import Layout
@@ -24,7 +25,7 @@ def predict(entry: dict) -> dict:
     stage = step_time.STAGES[entry["strategy"]]
     layout = Layout(**entry["layout"], zero_stage=stage)
     workload = Workload(**entry["workload"])
-    rows = step_time.formula_rows(config, layout, workload)
+    rows = step_rows(config, layout, workload)
     comm = entry.get("comm", {})
     if comm.get("gradients") == "bf16 reduce-scatter and all-gather":
         rows = distributed_optimizer_rows(rows, config, layout)
@@ -47,10 +48,7 @@ def distributed_optimizer_rows(rows: list[dict], config: LlamaConfig, layout: La
     kept = [r for r in rows if r["group"] in model_parallel and r["op"] != "broadcast"]
     weights = 2 * max(stage_parameters(config, layout.tp, layout.pp))  # bf16 bytes, one GPU
     calls = math.ceil(weights / step_time.DDP_BUCKET_BYTES)
-    dp = [
-        step_time.row(op, "dp", layout.dp, calls, weights)
-        for op in ("reduce_scatter", "all_gather")
-    ]
+    dp = [row(op, "dp", layout.dp, calls, weights) for op in ("reduce_scatter", "all_gather")]
     return kept + (dp if layout.dp > 1 else [])
 
 

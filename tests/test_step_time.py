@@ -1,6 +1,8 @@
 """Specification of lib/extras/step_time.py, the planner's step-time model: its pieces against
-figures worked out by hand, its communication rows against the planner's traffic formulas, and
-its predictions against published step times (tests/data/published_step_times.json)."""
+figures worked out by hand, and its predictions against published step times
+(tests/data/published_step_times.json). Its communication rows are lib/extras/comm_formulas.py's
+step_rows, which tests/test_comm_ledger.py holds to what the lessons send and to the planner's
+traffic figures."""
 
 import dataclasses
 
@@ -9,6 +11,7 @@ from published import PUBLISHED, relative_errors
 
 from lib.extras import memory_formulas as formulas
 from lib.extras import step_time
+from lib.extras.comm_formulas import row, step_rows
 from lib.extras.memory_formulas import Workload
 from lib.extras.step_time import GPUS, Cluster
 from lib.metrics import flops_per_token
@@ -37,68 +40,21 @@ def test_each_published_row_is_predicted_within_15_percent_or_listed_as_a_miss(e
     assert entry["source"] and entry["published"]
 
 
-def test_the_planner_rows_carry_what_the_traffic_formulas_send():
-    # Each row's bytes on the wire (ring factors) add up to the planner's per-GPU traffic.
-    config = SHAPE
-    work = Workload(micro_batch_size=2, seq_length=128, micro_batches=3)
-    layout = Layout(
-        world_size=16, dp=2, tp=2, pp=2, cp=2, schedule="interleaved", stages_per_rank=1
-    )
-    sent = formulas.model_parallel_bytes(config, layout, work)
-    rows = step_time.formula_rows(config, dataclasses.replace(layout, zero_stage=3), work)
-
-    def wire(group: str) -> float:
-        return sum(
-            step_time.wire_factor(r["op"], r["group_size"]) * r["bytes"]
-            for r in rows
-            if r["group"] == group and r["op"] != "recv"
-        )
-
-    assert wire("tp") == pytest.approx(sent["tensor_parallel"])
-    assert wire("pp") == pytest.approx(sent["pipeline"])
-    assert wire("cp") == pytest.approx(sent["context_parallel"])
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp"])
-def test_the_data_parallel_rows_carry_what_data_parallel_bytes_sends(strategy):
-    work = Workload(micro_batch_size=2, seq_length=128, micro_batches=3)
-    replicate = 2 if strategy == "hsdp" else 1
-    layout = Layout(world_size=8, dp=8, replicate=replicate, zero_stage=step_time.STAGES[strategy])
-    rows = step_time.formula_rows(SHAPE, layout, work)
-    params = max(formulas.stage_parameters(SHAPE, 1, 1))
-    expected = formulas.data_parallel_bytes(params, 8, "bf16", 3, replicate)[strategy]
-    wire = sum(step_time.wire_factor(r["op"], r["group_size"]) * r["bytes"] for r in rows)
-    assert wire == pytest.approx(expected)
-
-
-def test_muon_rows_carry_what_muon_bytes_sends():
-    work = Workload(micro_batch_size=2, seq_length=128, optimizer="muon")
-    for stage, key in ((3, "sent_sharded"), (0, "sent_replicated")):
-        layout = Layout(world_size=4, dp=4, zero_stage=stage)
-        rows = [
-            r
-            for r in step_time.formula_rows(SHAPE, layout, work)
-            if r["op"] in ("all_to_all", "broadcast")
-        ]
-        wire = sum(step_time.wire_factor(r["op"], r["group_size"]) * r["bytes"] for r in rows)
-        assert wire == pytest.approx(formulas.muon_bytes(SHAPE, layout, work)[key])
-
-
 def test_a_group_inside_a_node_runs_on_nvlink_and_one_across_nodes_on_k_nics():
     layout = Layout(world_size=64, dp=8, tp=8)
     # tp: 8 consecutive ranks, one node; dp: stride 8, one rank per node: one NIC.
     assert step_time.group_span("tp", 8, layout) == 8
     assert step_time.group_span("dp", 8, layout) == 64
     gb = 1e9
-    tp = step_time.row("all_gather", "tp", 8, 1, gb)
-    dp = step_time.row("all_gather", "dp", 8, 1, gb)
+    tp = row("all_gather", "tp", 8, 1, gb)
+    dp = row("all_gather", "dp", 8, 1, gb)
     latency = step_time.LATENCY_NVLINK
     assert step_time.row_seconds(tp, layout, H100) == pytest.approx(7 / 8 * gb / 450e9 + latency)
     latency = step_time.LATENCY_NETWORK
     assert step_time.row_seconds(dp, layout, H100) == pytest.approx(7 / 8 * gb / 50e9 + latency)
     # FSDP over 64 ranks, 8 to a node: 8 NICs, at most NVLink's bandwidth.
     flat = Layout(world_size=64, dp=64)
-    wide = step_time.row("all_gather", "dp", 64, 1, gb)
+    wide = row("all_gather", "dp", 64, 1, gb)
     assert step_time.row_seconds(wide, flat, H100) == pytest.approx(63 / 64 * gb / 400e9 + latency)
     # HSDP 8 x 8: the shard group is a node; the replicas, one rank a node.
     hsdp = Layout(world_size=64, dp=64, replicate=8)
@@ -137,12 +93,12 @@ def test_the_bubble_is_the_schedules_share_of_the_step():
 def test_fsdp_hides_its_traffic_behind_compute_but_tensor_parallel_does_not():
     config, work = LlamaConfig.from_preset("7b"), Workload(micro_batch_size=1, seq_length=4096)
     fsdp = Layout(world_size=8, dp=8, zero_stage=3)
-    rows = step_time.formula_rows(config, fsdp, work)
+    rows = step_rows(config, fsdp, work)
     step = step_time.step_time(config, fsdp, work, H100, rows, "none")
     total = sum(step_time.row_seconds(r, fsdp, H100) for r in rows)
     assert 0 < step["exposed_comm_s"] < total / 10  # only the first gather and last scatter
     tp = Layout(world_size=8, dp=1, tp=8, zero_stage=3)
-    rows = step_time.formula_rows(config, tp, work)
+    rows = step_rows(config, tp, work)
     step = step_time.step_time(config, tp, work, H100, rows, "none")
     in_layer = sum(step_time.row_seconds(r, tp, H100) for r in rows if r["group"] == "tp")
     assert step["exposed_comm_s"] == pytest.approx(in_layer)  # dp 1: nothing else to send
@@ -151,7 +107,7 @@ def test_fsdp_hides_its_traffic_behind_compute_but_tensor_parallel_does_not():
 def test_overlapped_tensor_parallel_collectives_cost_only_what_compute_cannot_hide():
     config, work = LlamaConfig.from_preset("7b"), Workload(micro_batch_size=1, seq_length=4096)
     layout = Layout(world_size=8, dp=1, tp=8, zero_stage=3)
-    rows = step_time.formula_rows(config, layout, work)
+    rows = step_rows(config, layout, work)
     waited = step_time.step_time(config, layout, work, H100, rows, "none")
     hidden = step_time.step_time(config, layout, work, H100, rows, "none", overlap_tp=True)
     in_layer = sum(step_time.row_seconds(r, layout, H100) for r in rows if r["group"] == "tp")
@@ -163,7 +119,7 @@ def test_fsdp_reduces_the_gradients_behind_the_last_micro_batchs_backward_only()
     # 64 micro-batches: the whole compute could hide all of it, the last backward not the scatter.
     config, work = LlamaConfig.from_preset("7b"), Workload(seq_length=4096, micro_batches=64)
     layout = Layout(world_size=64, dp=8, tp=8, zero_stage=2)
-    rows = [r for r in step_time.formula_rows(config, layout, work) if r["group"] == "dp"]
+    rows = [r for r in step_rows(config, layout, work) if r["group"] == "dp"]
     step = step_time.step_time(config, layout, work, H100, rows, "none")
     seconds = {r["op"]: step_time.row_seconds(r, layout, H100) for r in rows}
     last_backward = step["compute_s"] * 2 / 3 / 64

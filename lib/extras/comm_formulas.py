@@ -141,8 +141,8 @@ class GroupNames:
 
     def of(self, dim: str) -> tuple[str, int]:
         """(name, size) of the group of mesh dimension `dim`, or "world" (the default group)."""
-        if dim == "world":
-            return self.world, self.layout.world_size
+        if dim == "world" or dim not in self.sizes:  # (no such dimension: every rank, as the
+            return self.world, self.layout.world_size  # experts of a dense layout's planner row)
         size = self.sizes[dim]
         return (self.world if size == self.layout.world_size else dim), size
 

@@ -3,7 +3,7 @@ on a named cluster, the tokens per second per GPU and the MFU that gives, and wh
 (compute, communication left exposed, the pipeline's bubble, the optimizer step).
 
     cluster = Cluster(GPUS["h100"], gpus_per_node=8)
-    rows = formula_rows(config, layout, workload)  # what one rank sends in a step
+    rows = step_rows(config, layout, workload)  # what one rank sends in a step (lib/extras/)
     step = step_time(config, layout, workload, cluster, rows, recompute="full")
     step["step_time_s"], step["tokens_per_sec_per_gpu"], step["mfu"]
 
@@ -17,10 +17,9 @@ is held against (tests/data/published_step_times.json).
 import math
 from dataclasses import dataclass, replace
 
+from lib.extras.comm_formulas import step_rows
 from lib.extras.memory_formulas import (
-    ACTIVATION_BYTES,
     Workload,
-    expert_parameters,
     hidden_matrices,
     stage_parameters,
 )
@@ -90,121 +89,6 @@ class Cluster:
 
 # -------------------------------------------------------------------------------------------------
 # What one rank sends in a step, from the planner's formulas
-
-
-def formula_rows(config: LlamaConfig, layout: Layout, workload: Workload) -> list[dict]:
-    """The communication rows of one training step of one rank, {op, group, group_size, calls,
-    bytes} as --comm-ledger records them, from the formulas of lib/extras/memory_formulas.py (a
-    test holds them to data_parallel_bytes, model_parallel_bytes, all_to_all_bytes,
-    hsdp_across_groups_bytes and muon_bytes). bytes: the whole buffer of each call, summed.
-
-    The strategy is layout.zero_stage: 0 DDP, 1 ZeRO-1, 2 and 3 FSDP's (HSDP with replicate > 1).
-    MERGE: lib/extras/comm_formulas.step_rows(config, layout, workload) replaces this function:
-    the same rows, with the ledger's group names ("world" for the default group)."""
-    rows = data_parallel_rows(config, layout, workload)
-    rows += model_parallel_rows(config, layout, workload)
-    if workload.optimizer == "muon":
-        rows += muon_rows(config, layout, workload)
-    return [row for row in rows if row["calls"] and row["group_size"] > 1]
-
-
-def row(op: str, group: str, size: int, calls: int, nbytes: float) -> dict:
-    """One row of the ledger's schema."""
-    return {"op": op, "group": group, "group_size": size, "calls": calls, "bytes": nbytes}
-
-
-def data_parallel_rows(config: LlamaConfig, layout: Layout, workload: Workload) -> list[dict]:
-    """DDP's bucketed all-reduces, ZeRO-1's broadcasts, FSDP's all-gathers and reduce-scatters
-    (HSDP: within a shard group, then an all-reduce across the replicas), for the heaviest stage's
-    parameters and, apart, the experts' (sharded over the ranks that hold the same ones)."""
-    tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
-    experts = expert_parameters(config)
-    params = max(stage_parameters(config, tp, pp)) - experts  # on one GPU, experts apart
-    ranks = layout.dp * cp  # the ranks that hold the same part of the model
-    name = "dp" + ("+cp" if cp > 1 else "") + ("+ep" if ep > 1 else "")
-    units = math.ceil(config.num_hidden_layers / pp) + 1  # FSDP's units: each layer, the root
-    rows = shard_rows(params, ranks, name, units, layout, workload)
-    if experts:  # experts: plain ZeRO-3 (or DDP) over the ranks that hold the same ones
-        flat = replace(layout, replicate=1)
-        rows += shard_rows(experts / ep, ranks // ep, "dp", units, flat, workload)
-    return rows
-
-
-def shard_rows(
-    params: float, ranks: int, name: str, units: int, layout: Layout, workload: Workload
-) -> list[dict]:
-    """The data-parallel rows of `params` parameters on one GPU held alike by `ranks` ranks."""
-    m, stage = workload.micro_batches, layout.zero_stage
-    weights = params * (2 if workload.precision in ("bf16", "fp16", "paper") else 4)
-    grads = params * 4  # reduced in fp32
-    if stage <= 1:  # DDP: buckets all-reduced during the last micro-batch's backward
-        rows = [row("all_reduce", name, ranks, math.ceil(grads / DDP_BUCKET_BYTES), grads)]
-        if stage == 1:  # ZeroRedundancyOptimizer: each owner broadcasts its updated fp32 weights
-            rows.append(row("broadcast", name, ranks, ranks, params * 4))
-        return rows
-    gathers = m * units * (2 if stage == 3 else 1)  # ZeRO-3 gathers again for the backward
-    shard = ranks // layout.replicate
-    if layout.replicate == 1:
-        return [
-            row("all_gather", name, ranks, gathers, gathers // units * weights),
-            row("reduce_scatter", name, ranks, units, grads),
-        ]
-    shard_name = name.replace("dp", "shard")
-    return [
-        row("all_gather", shard_name, shard, gathers, gathers // units * weights),
-        row("reduce_scatter", shard_name, shard, units, grads),
-        row("all_reduce", "replicate", layout.replicate, units, grads / shard),
-    ]
-
-
-def model_parallel_rows(config: LlamaConfig, layout: Layout, workload: Workload) -> list[dict]:
-    """Tensor parallelism's all-reduces (sequence parallel: reduce-scatters and all-gathers),
-    the pipeline's sends and receives, context parallelism's key and value gathers, expert
-    parallelism's all-to-alls."""
-    tp, pp, cp, ep, m = layout.tp, layout.pp, layout.cp, layout.ep, workload.micro_batches
-    e = ACTIVATION_BYTES[workload.precision]
-    tokens = workload.seq_length * workload.micro_batch_size  # of one micro-batch
-    activation = tokens / cp * config.hidden_size * e  # one s*b*h tensor of this rank's tokens
-    layers = math.ceil(config.num_hidden_layers / pp)
-    # Two per layer in forward (attention, MLP), two in backward.
-    calls = 4 * layers * m
-    if layout.sequence_parallel:
-        rows = [
-            row("all_gather", "tp", tp, calls, calls * activation),
-            row("reduce_scatter", "tp", tp, calls, calls * activation),
-        ]
-    else:
-        rows = [row("all_reduce", "tp", tp, calls, calls * activation)]
-    if pp > 1:  # activations forward, their gradients backward, per micro-batch and chunk
-        chunks = layout.stages_per_rank if layout.schedule == "interleaved" else 1
-        rows += [
-            row("send", "pp", pp, 2 * m * chunks, 2 * m * chunks * activation),
-            row("recv", "pp", pp, 2 * m * chunks, 2 * m * chunks * activation),
-        ]
-    # Context parallel: each layer gathers the keys and values of the whole sequence (forward)
-    # and reduce-scatters their gradients (backward), tp-split.
-    kv = tokens * config.num_key_value_heads * config.head_dim / tp * e
-    rows += [
-        row("all_gather", "cp", cp, 2 * layers * m, 2 * kv * layers * m),
-        row("reduce_scatter", "cp", cp, 2 * layers * m, 2 * kv * layers * m),
-    ]
-    if config.num_local_experts:  # dispatch and combine, forward and backward, per MoE layer
-        pairs = tokens * config.num_experts_per_tok * config.hidden_size * e
-        rows.append(row("all_to_all", "ep", ep, 4 * layers * m, 4 * pairs * layers * m))
-    return rows
-
-
-def muon_rows(config: LlamaConfig, layout: Layout, workload: Workload) -> list[dict]:
-    """Muon's exchange (lib/extras/muon.py): sharded (FSDP, TP, CP) each rank's pieces go to the
-    owners in fp32 and the results come back, one all-to-all each way; replicated (DDP, ZeRO-1)
-    each owner broadcasts its results."""
-    hidden = hidden_matrices(config)[1] / layout.pp
-    n = layout.dp * layout.cp * layout.tp
-    b = 2 if workload.precision == "bf16" else 4
-    group = "+".join(d for d, size in (("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp)))
-    if layout.zero_stage <= 1 and layout.tp == 1 and layout.cp == 1:
-        return [row("broadcast", group, n, n, b * hidden)]
-    return [row("all_to_all", group, n, 2, (4 + b) * hidden / n)]
 
 
 def muon_flops(config: LlamaConfig) -> float:
@@ -336,12 +220,12 @@ def step_time(
     overlap_tp: bool = False,
 ) -> dict:
     """One optimizer step on `cluster`: {step_time_s, tokens_per_sec_per_gpu, mfu, and where the
-    time goes: compute_s, exposed_comm_s, bubble_s, optimizer_s}. `rows`: what one rank sends
-    in the step (formula_rows, or a --comm-ledger's); recompute: "none", "full" (activation
-    checkpointing: one more forward) or "selective" (torchtitan's policy: every second matmul
-    of a layer). overlap_tp: tensor parallelism's collectives run under the matmuls beside them
-    (torchtitan's AsyncTP, Megatron-LM's --tp-comm-overlap; not this suite's lessons), exposed
-    only beyond the compute. The pipeline's stages are taken as equal, each 1/pp of the FLOPs."""
+    time goes: compute_s, exposed_comm_s, bubble_s, optimizer_s}. `rows`: what one rank sends in the
+    step (comm_formulas.step_rows, or a --comm-ledger's); recompute: "none", "full" (activation
+    checkpointing: one more forward) or "selective" (torchtitan's policy: every second matmul of a
+    layer). overlap_tp: tensor parallelism's collectives run under the matmuls beside them
+    (torchtitan's AsyncTP, Megatron-LM's --tp-comm-overlap; not this suite's lessons), exposed only
+    beyond the compute. The pipeline's stages are taken as equal, each 1/pp of the FLOPs."""
     gpu, world = cluster.gpu, layout.world_size
     rate = gpu.peak_flops * cluster.figure("matmul_efficiency")
     tokens = workload.micro_batch_size * workload.seq_length * workload.micro_batches
@@ -438,6 +322,9 @@ def optimizer_seconds(
 
 
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}
+# step_rows counts each layer's collectives one by one: past this many layers (no model comes near:
+# Llama 3.1 405B has 126) the plan gives no step time rather than count them.
+COUNTED_LAYERS = 100_000
 STEP_FIELDS = ("step_time_s", "tokens_per_sec_per_gpu", "mfu", "compute_s", "exposed_comm_s")
 STEP_FIELDS += ("bubble_s", "optimizer_s", "recompute")
 
@@ -450,11 +337,11 @@ def add_step_times(
     cluster: Cluster,
     recompute: str,
 ) -> None:
-    """Each strategy row of memory.plan gains step_time's fields (None without a model shape:
-    a bare parameter count has no FLOPs per token). recompute "auto": activation checkpointing
-    only where the row does not fit the GPU without it."""
+    """Each strategy row of memory.plan gains step_time's fields (None without a model shape, as
+    a bare parameter count has no FLOPs per token, or past COUNTED_LAYERS). recompute "auto":
+    activation checkpointing only where the row does not fit the GPU without it."""
     for name, plan_row in strategies.items():
-        if config is None:
+        if config is None or config.num_hidden_layers > COUNTED_LAYERS:
             plan_row.update(dict.fromkeys(STEP_FIELDS))
             continue
         flat = 1 if name != "hsdp" else layout.replicate  # ZeRO's rows shard over all ranks
@@ -462,7 +349,7 @@ def add_step_times(
         chosen = recompute
         if recompute == "auto":
             chosen = "none" if plan_row.get("fits", True) else "full"
-        rows = formula_rows(config, strategy, workload)
+        rows = step_rows(config, strategy, workload)  # (lib/extras/comm_formulas.py)
         plan_row.update(step_time(config, strategy, workload, cluster, rows, chosen))
 
 
