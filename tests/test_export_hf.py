@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 import data
 from lib import exits
 from lib.checkpoints import files
-from lib.checkpoints import out_dir as out_dir_files
+from lib.checkpoints import model_pt as final_files
 from lib.checkpoints.finished_run import load_model
 from lib.extras.sampling import generate_text
 from tools import evaluate, export_hf
@@ -372,7 +372,7 @@ def test_a_failed_write_leaves_no_folder_behind(exported, tmp_path, monkeypatch,
         with pytest.raises(ValueError, match="No space left on device.*nothing was written"):
             export_hf.export(str(out), str(dst))
     else:
-        monkeypatch.setattr(out_dir_files, "atomic_write_text", disk_full)  # after model.pt
+        monkeypatch.setattr(final_files, "atomic_write_text", disk_full)  # after model.pt
         with pytest.raises(ValueError, match="No space left on device.*nothing was written"):
             export_hf.import_hf(str(hf_dir), str(dst))
     assert list(tmp_path.iterdir()) == []  # neither dst nor its temporary folder
