@@ -205,12 +205,7 @@ def check_layout(rank: int, world: int, name: str) -> None:
     counted = muon.newton_schulz
     muon.newton_schulz = lambda g, **kw: calls.append(IN_FLIGHT[0]) or counted(g, **kw)
     try:
-        for step_grads in grads:
-            for p, q, g in zip(params, reference, step_grads, strict=True):
-                p.grad, q.grad = place(g), g.clone()
-            one_process.step()
-            calls.clear()
-            optimizer.step()
+        step_both(grads, params, reference, place, one_process, optimizer, calls)
     finally:
         muon.newton_schulz = counted
     every = [None] * world
@@ -259,12 +254,7 @@ def stacks_worker(rank: int, world: int, port: int) -> None:
         optimizer = muon_optimizer(params)
         calls, counted = [], muon.newton_schulz
         muon.newton_schulz = lambda g, **kw: calls.append(len(g)) or counted(g, **kw)
-        for step_grads in grads:
-            for p, q, g in zip(params, reference, step_grads, strict=True):
-                p.grad, q.grad = place(g), g.clone()
-            one_process.step()
-            calls.clear()
-            optimizer.step()
+        step_both(grads, params, reference, place, one_process, optimizer, calls)
         every = [None] * world
         dist.all_gather_object(every, (calls, optimizer.newton_schulz_matrices))
         assert sorted(sum((c for c, _ in every), [])) == [3, 4, 4], every  # each stack once
@@ -418,3 +408,14 @@ def test_resuming_with_another_optimizer_is_refused_naming_it(trained, corpus, c
     shutil.copytree(trained(DP, **MUON), out)  # the finished run, resumed with more steps
     argv = cmd(corpus, cache_dir, out, max_steps=12)  # (AdamW, the default)
     assert_refused(DP, argv, "--optimizer 'muon' (now 'adamw')", out, cache_dir)
+
+
+def step_both(grads, params, reference, place, one_process, optimizer, calls: list) -> None:
+    """Each step's gradients (`place`d on `params`, whole on `reference`), then a step of the
+    one-process optimizer and of ours, `calls` cleared before ours."""
+    for step_grads in grads:
+        for p, q, g in zip(params, reference, step_grads, strict=True):
+            p.grad, q.grad = place(g), g.clone()
+        one_process.step()
+        calls.clear()
+        optimizer.step()

@@ -196,16 +196,7 @@ def test_a_muon_runs_learning_rate_is_plotted_beside_adamws(tmp_path, monkeypatc
         if "lr" in record:
             record["muon_lr"] = 0.02
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    drawn = []
-    import matplotlib.axes
-
-    real = matplotlib.axes.Axes.plot
-
-    def plot(self, *args, **kwargs):  # matplotlib's, recording each line's label
-        drawn.append(kwargs.get("label"))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    drawn = drawn_labels(monkeypatch)
     plot_metrics.plot({"muon": plot_metrics.read_metrics(str(out))}, str(tmp_path / "p.png"))
     assert "muon Muon" in drawn, drawn
 
@@ -220,16 +211,7 @@ def test_zero_shot_tasks_get_a_panel_of_their_own(tmp_path, monkeypatch):
         if "val_loss" in record:
             record.update(hellaswag_acc=0.25, hellaswag_acc_norm=0.3, winogrande_acc=0.5)
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    drawn = []
-    import matplotlib.axes
-
-    real = matplotlib.axes.Axes.plot
-
-    def plot(self, *args, **kwargs):  # matplotlib's, recording each line's label
-        drawn.append(kwargs.get("label"))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    drawn = drawn_labels(monkeypatch)
     plot_metrics.plot({"run": plot_metrics.read_metrics(str(out))}, str(tmp_path / "p.png"))
     assert {"run hellaswag_acc_norm", "run winogrande_acc"} <= set(drawn), drawn
     assert "run hellaswag_acc" not in drawn
@@ -241,3 +223,17 @@ def test_a_task_figure_that_is_not_a_number_is_named(tmp_path):
         f.write(json.dumps({"step": 30, "val_loss": 1.0, "piqa_acc": "high"}) + "\n")
     with pytest.raises(ValueError, match="\"piqa_acc\" is 'high', not a number"):
         plot_metrics.read_metrics(str(out))
+
+
+def drawn_labels(monkeypatch) -> list:
+    """The label of each line matplotlib draws from now on (its Axes.plot, recording them)."""
+    import matplotlib.axes
+
+    drawn, real = [], matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        drawn.append(kwargs.get("label"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    return drawn
