@@ -42,7 +42,6 @@ from model import LlamaConfig, LlamaForPretraining
 FIRST_BUCKET_BYTES = 1024**2  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 * 1024**2  # DDP's bucket_cap_mb default (25 MiB)
 TOKENS, LOSS, NORM = 8, 4, 4  # bytes: the step's target count (int64), loss sum and norms (fp32)
-PIPELINE_LOSS = 8  # train_pp.py's loss sum, a float64 of training.batch_totals
 # The matrices tensor parallelism splits by rows of their weight (ColwiseParallel: Shard(0)) and
 # by columns (RowwiseParallel: Shard(1)); the norms' gains stay whole.
 COLWISE = ("wq", "wk", "wv", "w1", "w3", "lm_head", "tok_embeddings")
@@ -267,8 +266,8 @@ def loss_rows(layout: Layout, names: GroupNames) -> list[dict]:
         return [row("all_reduce", name, size, 2, TOKENS + LOSS)]
     pp_name, pp = names.of("pp")
     return [
-        row("all_reduce", name, size, 2, TOKENS + PIPELINE_LOSS),
-        row("all_reduce", pp_name, pp, 1, PIPELINE_LOSS),
+        row("all_reduce", name, size, 2, TOKENS + LOSS),
+        row("all_reduce", pp_name, pp, 1, LOSS),
     ]
 
 
@@ -470,10 +469,11 @@ def muon_rows(
     config: LlamaConfig, layout: Layout, names: GroupNames, rank: int, device: str
 ) -> list[dict]:
     """--optimizer muon's exchange (lib/extras/muon.py), each hidden matrix orthogonalised by its
-    owner (assign_owners, from the matrices' shapes alone): DDP's replicas broadcast each rank's
-    results, one broadcast per owner; sharded matrices (FSDP, HSDP, TP, CP, a stage's dp ranks,
-    EP's attention) take two all-to-alls, the pieces (fp32, the gradients' dtype) to their owners
-    (HSDP: from the owner's replica row), and each rank's pieces of the results back. ZeRO-1's
+    owner (assign_owners, from the matrices' shapes alone), in rounds of one matrix per owner
+    (Exchange.rounds, unbatched): DDP's replicas broadcast each result; sharded matrices (FSDP,
+    HSDP, TP, CP, a stage's dp ranks, EP's attention) take two all-to-alls a round, the pieces
+    (fp32, the gradients' dtype) to their owners (HSDP: from the owner's replica row), and each
+    rank's pieces of the results back. ZeRO-1's
     optimizers and whole experts orthogonalise their own: no traffic. The results travel in
     Newton-Schulz's dtype: bf16 on a GPU, fp32 on a CPU (`device`)."""
     from lib.extras.muon import assign_owners, is_hidden_matrix, newton_schulz_flops
@@ -493,7 +493,7 @@ def muon_rows(
             return []
         owners = assign_owners([newton_schulz_flops(s) for s in shapes], layout.world_size)
         numel = sum(math.prod(s) for s in shapes)
-        return [row("broadcast", *names.of("world"), len(set(owners)), numel * b)]
+        return [row("broadcast", *names.of("world"), len(shapes), numel * b)]
     # The matrices' mesh: FSDP's dimensions (the pipeline's: of one stage) and tp.
     fsdp = names.fsdp()[::-1]  # (in the mesh's order: HSDP's replicas, then its shard groups)
     dims = [d for d in fsdp if d[1] > 1] + ([names.of("tp")] if layout.tp > 1 else [])
@@ -510,7 +510,8 @@ def muon_rows(
     group = dims[0] if len(dims) == 1 else ("+".join(n for n, _ in dims), ranks)
     if len(dims) > 2 or ranks == layout.world_size and len(dims) != 2:
         group = (names.world, ranks)
-    return [row("all_to_all", *group, 2, 4 * to_owners + b * results)]
+    rounds = max(owners.count(r) for r in range(ranks))  # (Exchange.rounds: one matrix each)
+    return [row("all_to_all", *group, 2 * rounds, 4 * to_owners + b * results)]
 
 
 def piece(shape: torch.Size, index: int, ranks: int, dims: int) -> int:
