@@ -1,7 +1,7 @@
 """Pretrain a Llama with torchrun + tensor parallelism (Megatron-style), FSDP2 across groups.
 
     torchrun --standalone --nproc_per_node=8 train_tp.py --model 1b --tp 4   # 2D: dp 2 x tp 4
-    SCRIPT=train_tp.py NNODES=4 ... ./run_ddp.sh --tp 8 --replicate 4      # 70b: TP in a node
+    SCRIPT=train_tp.py NNODES=16 ... ./run_ddp.sh --model 70b --tp 8 --replicate 2  # HSDP over TP
 
 What this adds to train_fsdp.py: the ranks form a (dp, tp) grid, and the tp consecutive ranks of
 a group (one node: TP talks in every layer) read the same samples. parallelize_module splits
