@@ -160,6 +160,7 @@ def run_script(
     torchrun: bool | None = None,
     preexec_fn=None,
     nonfinite: str | None = None,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `script` as a user would: `python script` for world 1, torchrun for more ranks (or
     for one, with torchrun=True).
@@ -167,9 +168,11 @@ def run_script(
     Asserts the exit code (unless expect_rc is None) and shows the run's output if it differs.
     preexec_fn: run in the child before the script starts (subprocess.run's), e.g. to set limits.
     nonfinite: make these steps' losses NaN (tests/nonfinite.py), e.g. "2" or "2-".
+    env: variables over launch_env's (e.g. PYTHONPATH for a script of tests/ that imports lib/).
     """
     proc = subprocess.run(
-        script_command(script, argv, world, torchrun, nonfinite), cwd=REPO, env=launch_env(),
+        script_command(script, argv, world, torchrun, nonfinite), cwd=REPO,
+        env=launch_env(**(env or {})),
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, preexec_fn=preexec_fn,
     )  # fmt: skip
     if expect_rc is not None:

@@ -13,18 +13,14 @@ EP with HSDP is in test_ep.py's layouts (its reference is a mixture of experts).
 """
 
 import re
-import subprocess
-import sys
 
 import pytest
 from harness import (
     DP,
-    LAUNCH_TIMEOUT,
     REPO,
     assert_same_losses,
     assert_state_dicts_close,
     cmd,
-    launch_env,
     load_weights,
     read_metrics,
     run_script,
@@ -100,16 +96,7 @@ def test_fp16_trains_like_one_process_in_fp16(name, trained, corpus, cache_dir, 
 def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_holds_an_inf(layout):
     # What fp16 under sharding rests on: an overflow in one rank's shard of a gradient makes every
     # rank skip the step (else the ranks' weights would part ways, silently).
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*argv, str(REPO / "tests" / "scaler_agrees.py"), layout],
-        cwd=REPO,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("tests/scaler_agrees.py", [layout], world=2)
     assert sorted(re.findall(r"rank \d: skipped \w+", proc.stdout)) == [
         "rank 0: skipped True",
         "rank 1: skipped True",
@@ -119,13 +106,8 @@ def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_holds_an_inf(
 def test_init_from_moves_only_each_ranks_own_slices_of_model_pt(tmp_path):
     # tests/init_from_slices.py: train_tp.py's 2-D layout on 4 ranks (FSDP's shards of TP's
     # shards). Before: every rank moved every whole tensor to its device, then sliced it.
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    proc = subprocess.run(
-        [*argv, str(REPO / "tests" / "init_from_slices.py"), str(tmp_path)],
-        cwd=REPO, env=launch_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"PYTHONPATH": str(REPO)}
+    proc = run_script("tests/init_from_slices.py", [str(tmp_path)], world=4, env=env)
     lines = re.findall(
         r"rank \d: moved (\d+), holds (\d+), whole (\d+), same (True|False)", proc.stdout
     )

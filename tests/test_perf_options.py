@@ -11,13 +11,12 @@ flex_attention path in test_model.py.)
 
 import os
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import DDP, DP, LAUNCH_TIMEOUT, REPO, cmd, launch_env, run_script
+from harness import DDP, DP, REPO, cmd, run_script
 
 import masks
 from lib import exits, flags, training
@@ -360,13 +359,7 @@ def test_a_size_is_reserved_before_it_is_probed_and_the_reservation_predicted():
 
 def test_a_size_one_rank_cannot_reserve_is_run_by_no_rank_and_both_choose_the_same():
     # tests/agree_on_a_size.py: rank 1 cannot reserve 4 sequences; under 2 gloo ranks.
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*argv, str(REPO / "tests" / "agree_on_a_size.py")],
-        cwd=REPO, env=launch_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("tests/agree_on_a_size.py", [], world=2, env={"PYTHONPATH": str(REPO)})
     lines = sorted(re.findall(r"rank \d: best \w+, probed \[[^]]*\], peaks \{[^}]*\}", proc.stdout))
     peaks = "{1: 20.0, 2: 30.0, 4: None}"
     assert lines == [f"rank {r}: best 2, probed [1, 2], peaks {peaks}" for r in (0, 1)], lines

@@ -7,13 +7,11 @@ files the tests write (a last-word task, LAMBADA's kind, is built in memory).
 import json
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import TEXTS, tiny_model, tiny_tokenizer
-from harness import DP, LAUNCH_TIMEOUT, REPO, cmd, launch_env, run_script
+from harness import DP, REPO, cmd, run_script
 
 from lib.extras import evaluation, training_tasks
 from lib.extras.eval_tasks import choice_example
@@ -111,16 +109,8 @@ def test_shards_of_the_rows_give_tools_evaluates_figures(tmp_path):
 def test_row_scores_on_the_vocabulary_shards_of_tp_are_the_whole_logits():
     # train_tp.py's logits are sharded over the vocabulary (loss_parallel): the greedy check
     # must see the largest logit of either shard.
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*argv, str(REPO / "tests" / "row_scores_sharded.py")],
-        cwd=REPO,
-        env={**launch_env(), "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"PYTHONPATH": str(REPO)}
+    proc = run_script("tests/row_scores_sharded.py", [], world=2, env=env)
     # (Two processes print to one pipe: a line's newline may come after the other's line.)
     assert sorted(re.findall(r"rank \d: (?:same|differ)", proc.stdout)) == [
         "rank 0: same",
