@@ -32,5 +32,6 @@ def reserve(n: int, predicted: float) -> bool:
 
 
 best, peaks = auto_batch.search_micro_batch_size(16, peak_bytes, 1000, reserve, baseline=10)
-print(f"rank {rank}: best {best}, probed {probed}, peaks {peaks}", flush=True)
+line = f"rank {rank}: best {best}, probed {probed}, peaks {peaks}"
+print(line + "\n", end="", flush=True)  # one write (tests/scaler_agrees.py says why)
 dist.destroy_process_group()

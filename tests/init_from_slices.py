@@ -62,5 +62,6 @@ torch.Tensor.to = to
 holds = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 whole = sum(t.numel() * t.element_size() for t in source.values())
 same = all(torch.equal(p.full_tensor(), source[name]) for name, p in model.named_parameters())
-print(f"rank {rank}: moved {sum(moved)}, holds {holds}, whole {whole}, same {same}", flush=True)
+line = f"rank {rank}: moved {sum(moved)}, holds {holds}, whole {whole}, same {same}"
+print(line + "\n", end="", flush=True)  # one write (tests/scaler_agrees.py says why)
 dist.destroy_process_group()

@@ -39,5 +39,7 @@ scaler.update()
 unchanged = all(
     torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters(), strict=True)
 )
-print(f"rank {rank}: skipped {unchanged}", flush=True)
+# One write, line and newline: unbuffered (PYTHONUNBUFFERED), print writes them apart, and the
+# other rank's line could come between them.
+print(f"rank {rank}: skipped {unchanged}\n", end="", flush=True)
 dist.destroy_process_group()
