@@ -14,6 +14,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from lib.exits import end_process
 from lib.extras import auto_batch
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
@@ -35,3 +36,4 @@ best, peaks = auto_batch.search_micro_batch_size(16, peak_bytes, 1000, reserve, 
 line = f"rank {rank}: best {best}, probed {probed}, peaks {peaks}"
 print(line + "\n", end="", flush=True)  # one write (tests/scaler_agrees.py says why)
 dist.destroy_process_group()
+end_process(0)  # no interpreter teardown: it can abort after a group (lib/exits.py)

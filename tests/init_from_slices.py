@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lib import training
 from lib.checkpoints import finished_run
+from lib.exits import end_process
 from lib.parallel import tensor_parallel
 from model import LlamaConfig, LlamaForPretraining
 
@@ -65,3 +66,4 @@ same = all(torch.equal(p.full_tensor(), source[name]) for name, p in model.named
 line = f"rank {rank}: moved {sum(moved)}, holds {holds}, whole {whole}, same {same}"
 print(line + "\n", end="", flush=True)  # one write (tests/scaler_agrees.py says why)
 dist.destroy_process_group()
+end_process(0)  # no interpreter teardown: it can abort after a group (lib/exits.py)

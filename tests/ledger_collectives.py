@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lib.exits import end_process  # noqa: E402
 from lib.extras.comm_ledger import CommLedger  # noqa: E402
 
 
@@ -35,3 +36,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # no interpreter teardown: it can abort after a group (lib/exits.py)

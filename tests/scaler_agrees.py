@@ -15,6 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from lib.exits import end_process
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -43,3 +45,4 @@ unchanged = all(
 # other rank's line could come between them.
 print(f"rank {rank}: skipped {unchanged}\n", end="", flush=True)
 dist.destroy_process_group()
+end_process(0)  # no interpreter teardown: it can abort after a group (lib/exits.py)

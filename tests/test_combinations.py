@@ -96,7 +96,7 @@ def test_fp16_trains_like_one_process_in_fp16(name, trained, corpus, cache_dir, 
 def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_holds_an_inf(layout):
     # What fp16 under sharding rests on: an overflow in one rank's shard of a gradient makes every
     # rank skip the step (else the ranks' weights would part ways, silently).
-    proc = run_script("tests/scaler_agrees.py", [layout], world=2)
+    proc = run_script("tests/scaler_agrees.py", [layout], world=2, env={"PYTHONPATH": str(REPO)})
     assert sorted(re.findall(r"rank \d: skipped \w+", proc.stdout)) == [
         "rank 0: skipped True",
         "rank 1: skipped True",
