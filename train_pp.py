@@ -49,7 +49,6 @@ def main():
     # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
     # accumulation steps are the m micro-batches the schedule streams through each pipeline.
     layout = pipeline.setup(parser, args, world_size, device)  # checked; the device mesh
-    # No fp16 (refused): a rank's grad scaler sees only its own stages, so cannot skip for all.
     settings = pipeline.run_settings(parser, args, layout, device)  # checked
     dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and which this rank is in
     if flags.check_only(parser, args):  # --check: every flag passed; nothing is run
@@ -102,8 +101,9 @@ def main():
     # Built on the shards, AdamW's state is sharded like them (in CPU memory with offload).
     optimizer = training.build_optimizer(model, args, "cpu" if offload else device.type)
     scheduler = training.build_scheduler(optimizer, args)
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "fp16")
     # What a checkpoint holds and a resume restores, with the step, RNG and data position.
-    state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
+    state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
     start_step, data_position = checkpoints.resume(resume_path, state)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
@@ -161,17 +161,20 @@ def main():
         dist.all_reduce(global_tokens, group=layout.dp_group)
         # One batch for the whole pipeline: the schedule cuts it back into the m micro-batches.
         x, y = (torch.cat(tensors) for tensors in zip(*micro_batches, strict=True))  # (m * rows, T)
-        # FSDP divides by dp, as DDP does; the factor dp undoes that.
-        step_loss = run_schedule(x, y, layout.dp / global_tokens, train=True)
+        # FSDP divides by dp, as DDP does; the factor dp undoes that (x fp16's loss scale).
+        step_loss = run_schedule(x, y, scaler.scale(layout.dp / global_tokens), train=True)
         # The global loss, on every rank (queued, no wait): all ranks take the same decisions.
         dist.all_reduce(step_loss, group=pp_group)  # the last stage's (the others hold zeros)
         dist.all_reduce(step_loss, group=layout.dp_group)
+        pipeline.unscale_(scaler, optimizer, pp_group)  # (scaler.unscale_, agreed by every stage)
         if args.sequence_parallel:  # the norms' gradients are Partial sums: add them up first
             tensor_parallel.replicate_partial_grads(model.parameters())
         # Each rank holds its own stages' gradients: their squared norms add up over the pipeline.
         grad_norm = pipeline.clip_grad_norm_(model.parameters(), settings.max_grad_norm, pp_group)
-        if loop.step_ok(step, step_loss, grad_norm):
-            optimizer.step()
+        # Under fp16 an infinite gradient is the grad scaler's business (it skips that step).
+        if loop.step_ok(step, step_loss, None if scaler.is_enabled() else grad_norm):
+            scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Log, evaluate, save and stop on a signal, each when it is due (lib/loop.py).

@@ -297,14 +297,12 @@ def run_settings(
     replicas: int = 1,
     default_micro_batch_size: int | None = None,
     context_parallel: bool = False,
-    fp16: bool = True,
 ) -> RunSettings:
     """Check the flags against each other, the processes and the device (ValueError through
     parser.error); return the settings. devices: how many share one global batch (GPUs under
     DataParallel, ranks under DDP, data-parallel groups under TP and PP); replicas and
     context_parallel: as masks.resolve_attention takes them; default_micro_batch_size: the
-    micro-batch without --micro-batch-size (None: --batch-size / devices); fp16=False: refuse
-    --precision fp16 (train_pp.py: each rank's grad scaler sees only its own stages). With
+    micro-batch without --micro-batch-size (None: --batch-size / devices). With
     --micro-batch-size auto, the micro-batch is None until auto_batch.auto_micro_batch_size has
     measured it on the GPU."""
     # Each number's own range was checked as it was parsed (number_arg).
@@ -315,9 +313,6 @@ def run_settings(
         longer = f"--warmup-steps {args.warmup_steps} is more than --max-steps {args.max_steps}"
         never = f"the learning rate rises for the whole run and never reaches --lr {args.lr}"
         print(f"warning: {longer}: {never}", file=sys.stderr)
-    if not fp16 and args.precision == "fp16":
-        refused = f"{parser.prog} supports --precision bf16 or fp32: fp16's grad scaler would"
-        parser.error(f"{refused} need every pipeline stage to agree to skip a step; use bf16")
     auto = args.micro_batch_size == "auto"
     micro = default_micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
     if auto or micro is None:

@@ -60,8 +60,9 @@ def test_a_combination_on_4_ranks_trains_like_one_process(
     assert_same_losses(out, reference)
 
 
-# fp16 trains under every lesson whose sharding torch's grad scaler supports (for DTensor gradients
-# it reduces its inf/NaN check over their mesh, so every rank agrees to skip a step); against
+# fp16 trains under every sharding lesson (for DTensor gradients torch's grad scaler reduces its
+# inf/NaN check over their mesh, so every rank agrees to skip a step; a pipeline's stages agree
+# through pipeline.unscale_, tests/scaler_agrees.py); against
 # train_dp.py in fp16, with fp16's bounds: activations are rounded to 11 bits (unit roundoff
 # 4.9e-4), so the ranks' partial sums round apart, and AdamW turns such a difference in a near-zero
 # gradient into a step of --lr (1e-3). Measured (FSDP, TP and CP on 2 ranks against train_dp.py, 8
@@ -73,6 +74,7 @@ FP16 = {
     "fsdp": ("train_fsdp.py", []),
     "tp": ("train_tp.py", ["--tp", "2"]),
     "cp": ("train_cp.py", ["--cp", "2"]),
+    "pp": ("train_pp.py", ["--pp", "2"]),
 }
 
 
@@ -92,14 +94,26 @@ def test_fp16_trains_like_one_process_in_fp16(name, trained, corpus, cache_dir, 
         assert [r[key] for r in got] == pytest.approx([r[key] for r in expected], rel=rtol), key
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "pp"])
 def test_the_grad_scaler_skips_a_step_on_every_rank_when_one_shard_holds_an_inf(layout):
     # What fp16 under sharding rests on: an overflow in one rank's shard of a gradient makes every
-    # rank skip the step (else the ranks' weights would part ways, silently).
+    # rank skip the step and halve its scale (else the ranks' weights would part ways, silently;
+    # and a pipeline's stages must keep one scale, which the last stage's loss carries to all).
     proc = run_script("tests/scaler_agrees.py", [layout], world=2, env={"PYTHONPATH": str(REPO)})
-    assert sorted(re.findall(r"rank \d: skipped \w+", proc.stdout)) == [
-        "rank 0: skipped True",
-        "rank 1: skipped True",
+    assert sorted(re.findall(r"rank \d: skipped \w+, scale [\d.]+", proc.stdout)) == [
+        "rank 0: skipped True, scale 32768.0",
+        "rank 1: skipped True, scale 32768.0",
+    ], proc.stdout
+
+
+def test_a_pipeline_stage_alone_would_step_past_another_stages_inf():
+    # Why train_pp.py calls pipeline.unscale_: torch's scaler checks only this rank's gradients,
+    # and a pipeline's stages share no mesh, so the stage without the inf steps and keeps its scale.
+    env = {"PYTHONPATH": str(REPO)}
+    proc = run_script("tests/scaler_agrees.py", ["pp-alone"], world=2, env=env)
+    assert sorted(re.findall(r"rank \d: skipped \w+, scale [\d.]+", proc.stdout)) == [
+        "rank 0: skipped False, scale 65536.0",
+        "rank 1: skipped True, scale 32768.0",
     ], proc.stdout
 
 

@@ -78,7 +78,7 @@ CASES = {
     "pp-gpipe": Case(
         "train_pp.py", 2, ["--pp", "2", "--schedule", "gpipe"], dict(pp=2, schedule="gpipe"), m=8
     ),
-    "pp-1f1b-fsdp": Case("train_pp.py", 4, ["--pp", "2"], dict(pp=2), m=4),
+    "pp-1f1b-fsdp-fp16": Case("train_pp.py", 4, ["--pp", "2"], dict(pp=2), m=4, precision="fp16"),
     "pp-interleaved-tp": Case(
         "train_pp.py",
         4,

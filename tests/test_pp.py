@@ -205,10 +205,9 @@ def pipeline_args(corpus, cache_dir, *extra):
         (4, ("--pp", "2", "--schedule", "interleaved", "--stages-per-rank", "3"),
          "the model has 4 layers, fewer than the 6 pipeline stages"),
         (2, ("--pp", "2", "--model", "1b"), "ties lm_head to the token embeddings"),
-        (2, ("--pp", "2", "--precision", "fp16"), "supports --precision bf16 or fp32"),
         (2, ("--pp", "2", "--micro-batch-size", "8"), "1f1b needs at least as many micro-batches"),
     ],
-    ids=["pp-does-not-divide-world", "more-stages-than-layers", "tied-embeddings", "fp16",
+    ids=["pp-does-not-divide-world", "more-stages-than-layers", "tied-embeddings",
          "too-few-micro-batches"],
 )  # fmt: skip
 def test_bad_pipeline_flags_are_refused(corpus, cache_dir, world, flags, message):

@@ -29,8 +29,8 @@ from model import LlamaConfig
 
 @dataclasses.dataclass
 class TrainingState:
-    """What a checkpoint holds besides the step, RNG and data position. scaler: None in the sharded
-    lessons (they refuse fp16); config and tokenizer: what a resume checks is the same run's."""
+    """What a checkpoint holds besides the step, RNG and data position. scaler: fp16's grad scaler
+    (None where a caller has none); config and tokenizer: what a resume checks is the same run's."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer

@@ -35,7 +35,7 @@ from collections import defaultdict
 
 import torch
 
-from lib.extras.memory_formulas import Workload
+from lib.extras.memory_formulas import STREAM_BYTES, Workload
 from lib.parallel.layout import Layout
 from model import LlamaConfig, LlamaForPretraining
 
@@ -350,6 +350,8 @@ def norm_rows(shapes: Shapes, layout: Layout, names: GroupNames, precision: str)
         # The grad scaler's check for inf and NaN in sharded gradients: one fp32 flag reduced over
         # each mesh dimension that splits them, as the norm is.
         rows += [row("all_reduce", g, n, 1, 4) for g, n in groups]
+        if layout.pp > 1:  # pipeline.unscale_: whether any stage overflowed, one fp32 flag
+            rows.append(row("all_reduce", *names.of("pp"), 1, 4))
     return rows
 
 
@@ -376,9 +378,9 @@ def tensor_parallel_rows(
     group = names.of("tp")
     first, last, layers = stage_contents(config, layout, rank)
     act, e = activation_sizes(config, workload)
-    # The residual stream's dtype: bf16 where FSDP casts the weights to bf16 (the norms' and the
-    # embedding's outputs too), else fp32; the outputs of wo and w2 are the matmuls' (e).
-    s = 2 if workload.precision in ("bf16", "paper") else 4
+    # The residual stream's dtype (STREAM_BYTES: the norms' and the embedding's outputs too); the
+    # outputs of wo and w2 are the matmuls' (e).
+    s = STREAM_BYTES[workload.precision]
     # Per micro-batch, each way (forward's all-gathers are backward's reduce-scatters): the
     # attention's and the MLP's inputs (the stream's dtype) and the outputs of wo and w2 (the
     # matmuls'), each layer; the embedding's output and lm_head's input (the stream's).
@@ -411,7 +413,8 @@ def pipeline_rows(
     """The pipeline's point-to-point traffic: per micro-batch, each stage but the last sends its
     output activations on, each but the first sends their gradients back, and receives the same;
     a rank counts its own stages' (interleaved: several). One (b, T, d) tensor each (sequence
-    parallel: this rank's T / tp positions of it), in the stages' autocast dtype."""
+    parallel: this rank's T / tp positions of it), in the residual stream's dtype (STREAM_BYTES:
+    fp32 under fp16's autocast)."""
     if layout.pp == 1:
         return []
     from lib.parallel.pipeline import stage_ids_of_rank
@@ -420,8 +423,9 @@ def pipeline_rows(
     pp_rank = rank // (layout.world_size // layout.pp)
     ids = stage_ids_of_rank(pp_rank, layout.pp, layout.stages_per_rank)
     sends = sum((s < stages - 1) + (s > 0) for s in ids) * workload.micro_batches
-    act, e = activation_sizes(config, workload)
-    nbytes = e * act // (layout.tp if layout.sequence_parallel else 1)
+    act, _ = activation_sizes(config, workload)
+    split = layout.tp if layout.sequence_parallel else 1
+    nbytes = STREAM_BYTES[workload.precision] * act // split
     group = names.of("pp")
     return [row("send", *group, sends, sends * nbytes), row("recv", *group, sends, sends * nbytes)]
 

@@ -22,6 +22,11 @@ BYTES_PER_PARAM = {
 }
 # Bytes per stored activation element.
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "paper": 2}
+# The residual stream's bytes per element, what a pipeline stage sends on: bf16 where FSDP casts
+# the weights to bf16 (the embedding's and the layers' outputs are bf16 then); fp32 otherwise, fp16
+# included (fp32 weights under autocast: the embedding's output is fp32, and adding a 16-bit
+# matmul's output to it keeps it so).
+STREAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 4, "paper": 2}
 
 
 @dataclass(frozen=True)
@@ -229,7 +234,8 @@ def model_parallel_bytes(config: LlamaConfig, layout: Layout, workload: Workload
     # same bytes.
     tensor_parallel = 4 * 2 * (tp - 1) / tp * activation * layers * m
     chunks = layout.stages_per_rank if layout.schedule == "interleaved" else 1
-    pipeline = 2 * activation * m * chunks if pp > 1 else 0.0
+    stream = activation * STREAM_BYTES[workload.precision] / e  # the residual stream's bytes
+    pipeline = 2 * stream * m * chunks if pp > 1 else 0.0
     # Context parallel: all-gather the keys and values of every layer (forward), and
     # reduce-scatter their gradients (backward); the whole sequence's K and V, tp-split.
     kv = tokens * config.num_key_value_heads * config.head_dim / tp

@@ -1,11 +1,12 @@
 """The pipeline of train_pp.py: its flags and their checks, the model cut into stages of
 consecutive layers, which stages each rank holds, the loss of the last stage, gradient clipping
-over the pipeline's ranks. The PipelineStages
+over the pipeline's ranks, and fp16's skipped steps agreed on by every stage. The PipelineStages
 and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
 """
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -117,9 +118,7 @@ def run_settings(parser, args, layout: Layout, device) -> flags.RunSettings:
     """flags.run_settings for a pipeline: one sequence per micro-batch unless --micro-batch-size
     says otherwise (many micro-batches, a small bubble: Megatron-LM's and torchtitan's default),
     sdpa attention, and as many micro-batches as the schedule needs (parser.error if not)."""
-    run = flags.run_settings(
-        parser, args, layout.dp, device, default_micro_batch_size=1, fp16=False
-    )
+    run = flags.run_settings(parser, args, layout.dp, device, default_micro_batch_size=1)
     run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
     m, pp = run.accumulation, layout.pp
     if args.schedule == "1f1b" and m < pp:
@@ -374,7 +373,30 @@ def evaluate(run_schedule, loader, loss_fn: PipelineLoss, is_last: bool) -> torc
 
 
 # -------------------------------------------------------------------------------------------------
-# Gradient clipping over the pipeline
+# Gradient clipping and fp16's grad scaler over the pipeline
+
+
+def unscale_(scaler, optimizer, pp_group) -> None:
+    """scaler.unscale_(optimizer) for a model split over the pipeline: if any stage's gradients
+    hold an inf or NaN, every rank's scaler finds one, skips the step and lowers its scale.
+
+    torch's grad scaler skips a step whose gradients are not finite. For DTensor gradients it
+    reduces that check over their mesh (a stage's dp x tp ranks), but a pipeline's stages hold
+    other parameters, on no common mesh: alone, the stage that overflowed would skip and the
+    others step. And the scale must stay the same on every stage, as the last stage's loss
+    carries it into every stage's gradients. So the pp group first agrees (an all-reduce of one
+    flag) and, if any stage overflowed, each rank puts an inf into one of its own gradients."""
+    if scaler.is_enabled():
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
+        largest = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)  # inf/NaN: not finite
+        overflow = (~largest.isfinite()).float()
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=pp_group)
+        first = next((g for g in grads if g.numel()), None)
+        if first is not None:  # (no sync: the flag stays on the device)
+            corner = (0,) * first.dim()
+            first[corner] = torch.where(overflow > 0, math.inf, first[corner])
+    scaler.unscale_(optimizer)
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
