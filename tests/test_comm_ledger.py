@@ -75,8 +75,13 @@ CASES = {
         precision="bf16",
     ),
     "tp-hsdp": Case("train_tp.py", 4, ["--tp", "2", "--replicate", "2"], dict(tp=2, replicate=2)),
-    "pp-gpipe": Case(
-        "train_pp.py", 2, ["--pp", "2", "--schedule", "gpipe"], dict(pp=2, schedule="gpipe"), m=8
+    "pp-gpipe-bf16": Case(
+        "train_pp.py",
+        2,
+        ["--pp", "2", "--schedule", "gpipe"],
+        dict(pp=2, schedule="gpipe"),
+        m=8,
+        precision="bf16",
     ),
     "pp-1f1b-fsdp-fp16": Case("train_pp.py", 4, ["--pp", "2"], dict(pp=2), m=4, precision="fp16"),
     "pp-interleaved-tp": Case(
