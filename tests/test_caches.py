@@ -321,10 +321,11 @@ def test_a_corpus_made_again_under_a_run_tokenizing_it_loses_nothing_of_that_run
     reference = pipeline(corpus, tmp_path / "reference")
     windows = hashlib.sha256(reference["windows"][:]["window"].tobytes()).hexdigest()
     cache = tmp_path / "cache"
-    code = PAUSED_CHILD.format(repo=str(REPO), corpus=str(corpus), cache=str(cache),
-                               vocab=VOCAB, seq=SEQ)  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    code = PAUSED_CHILD.format(
+        repo=str(REPO), corpus=str(corpus), cache=str(cache), vocab=VOCAB, seq=SEQ
+    )
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    child = subprocess.Popen([sys.executable, "-c", code], text=True, **pipes)
     try:
         assert child.stdout.readline() == "paused\n"  # (else it ended: its error below)
         [corpus_file] = cache.rglob("json-train.arrow")
@@ -344,7 +345,10 @@ def test_a_corpus_made_again_under_a_run_tokenizing_it_loses_nothing_of_that_run
         err = capsys.readouterr().err
         assert err.startswith(f"warning: {corpus_file} (the corpus as read, cached) is damaged")
     finally:
-        out, child_err = child.communicate("go\n", timeout=300)
+        try:
+            out, child_err = child.communicate("go\n", timeout=300)
+        finally:
+            child.kill()  # (if it never ended: ended already, nothing happens)
     assert child.returncode == 0 and "Traceback" not in child_err, child_err
     assert out.splitlines()[-1] == windows  # the tokenizing run's windows are the right ones
     assert lost == []  # nothing it had made or was making was deleted under it
