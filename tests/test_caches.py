@@ -5,6 +5,7 @@ used; a damaged one, or one that cannot be verified, is made again with a one-li
 never used as it is."""
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -26,10 +27,11 @@ WHAT = {"corpus": "the corpus as read", "kept": "the documents kept", "tokens": 
         "windows": "the packed windows"}  # fmt: skip
 
 
-def write_corpus(folder: Path) -> Path:
+def write_corpus(folder: Path, documents: int = 60) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rows = [
-        {"text": f"def f_{i}(x):\n    return x * {i} + {i * i}\n" * (i % 4 + 1)} for i in range(60)
+        {"text": f"def f_{i}(x):\n    return x * {i} + {i * i}\n" * (i % 4 + 1)}
+        for i in range(documents)
     ]
     rows[7]["text"] = "   "  # dropped: the documents kept are a file of their own (an index)
     (folder / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -116,7 +118,9 @@ def test_a_damaged_cache_file_is_made_again_with_a_one_line_warning(
     # --data for the corpus.
     corpus, _, expected = first_run
     cache = copy_cache(first_run, tmp_path)
-    path = cached_files(pipeline(corpus, cache))[step]
+    before = cached_files(pipeline(corpus, cache))
+    path = before[step]
+    others = {p: os.stat(p).st_ino for p in before.values() if p != path}
     capsys.readouterr()
     if damage == "flipped_byte":
         flip_a_byte(path)
@@ -131,6 +135,8 @@ def test_a_damaged_cache_file_is_made_again_with_a_one_line_warning(
     assert ("has checksums that cannot be read" if damage == "checksums_garbled" else
             "is damaged: its bytes are not those written") in err  # fmt: skip
     assert contents(made) == expected
+    # Only that file is made again: the others (for the corpus, every cache made from it) stay.
+    assert {p: os.stat(p).st_ino for p in others} == others
     assert contents(pipeline(corpus, cache)) == expected and capsys.readouterr().err == ""
 
 
@@ -144,14 +150,20 @@ def test_a_cache_from_before_checksums_is_made_again_once(first_run, tmp_path, c
         sums.unlink()
     made = pipeline(corpus, cache)
     lines = capsys.readouterr().err.splitlines()
-    corpus_file = cached_files(made)["corpus"]
-    # The corpus as read is prepared anew, and everything made from it with it (datasets
-    # empties its folder), the tokenizer trained again: a warning for each of the two.
-    assert lines[0] == (f"warning: {corpus_file} (the corpus as read, cached) has no checksums "
-                        f"(a cache from before them, or one whose writing was cut short): "
-                        f"making it again"), lines  # fmt: skip
-    assert lines[1].startswith("warning: the cached tokenizer ") and len(lines) == 2, lines
-    assert "has no checksums (a cache from before them)" in lines[1]
+    # Each is made again, with a warning of its own: the corpus as read is prepared anew beside
+    # its folder (the caches made from it stay there, each checked as it is reached), the
+    # tokenizer trained again.
+    made_files = cached_files(made)
+    steps = ["corpus", "kept", "tokenizer", "tokens", "windows"]
+    assert len(lines) == len(steps), lines
+    for line, step in zip(lines, steps, strict=True):
+        if step == "tokenizer":
+            assert line.startswith("warning: the cached tokenizer ") and (
+                "has no checksums (a cache from before them)" in line), line  # fmt: skip
+        else:
+            assert line == (f"warning: {made_files[step]} ({WHAT[step]}, cached) has no checksums "
+                            f"(a cache from before them, or one whose writing was cut short): "
+                            f"making it again"), line  # fmt: skip
     assert contents(made) == expected
     Path(f"{cached_files(made)['tokens']}{files.SUMS}").unlink()  # (one file's, cut short)
     assert contents(pipeline(corpus, cache)) == expected
@@ -217,13 +229,16 @@ def test_a_prepared_corpus_missing_its_file_is_made_again(first_run, tmp_path, c
     # '.../json-train.arrow'", blaming the data for a file deleted from the cache.
     corpus, _, expected = first_run
     cache = copy_cache(first_run, tmp_path)
-    path = cached_files(pipeline(corpus, cache))["corpus"]
+    before = cached_files(pipeline(corpus, cache))
+    path = before.pop("corpus")
+    others = {p: os.stat(p).st_ino for p in before.values()}
     capsys.readouterr()
     os.remove(path)
     assert contents(pipeline(corpus, cache)) == expected
     err = capsys.readouterr().err
     assert err.startswith(f"warning: {os.path.dirname(path)} (the corpus as read, cached) lacks a")
     assert err.count("\n") == 1 and err.rstrip().endswith("making it again"), err
+    assert {p: os.stat(p).st_ino for p in others} == others  # (the caches made from it stay)
 
 
 @pytest.mark.quick
@@ -270,3 +285,72 @@ def test_a_damaged_cache_file_that_cannot_be_removed_is_refused_in_one_line(
     message = str(error.value)
     assert message.startswith(f"{path} (the tokens, cached) is damaged") and "\n" not in message
     assert "cannot be removed (Permission denied): remove it by hand, or choose another" in message
+
+
+# A run paused in its tokenizing map (the encoder held at its second batch, the first written,
+# until a line comes on stdin): a moment of the test's choosing, not a race, for another run to
+# find the corpus damaged and make it again.
+PAUSED_CHILD = """
+import functools, hashlib, sys
+sys.path.insert(0, {repo!r})
+import data, datasets
+datasets.disable_progress_bars()
+encode, batches = data._encode_batch, []
+
+@functools.wraps(encode)  # (the tokens' cache key is the same: it reads the wrapped source)
+def encode_after_a_pause(texts, **ids):
+    batches.append(len(texts))
+    if len(batches) == 2:
+        print("paused", flush=True)
+        sys.stdin.readline()
+    return encode(texts, **ids)
+
+data._encode_batch = encode_after_a_pause
+docs = data.load_corpus({corpus!r}, cache_dir={cache!r})
+tokens = data.tokenize(docs, data.get_tokenizer(docs, {vocab}, {cache!r}))
+windows = data.PretrainingDataset(tokens, {seq}).rows[:]["window"]
+print(hashlib.sha256(windows.tobytes()).hexdigest())
+"""
+
+
+def test_a_corpus_made_again_under_a_run_tokenizing_it_loses_nothing_of_that_run(tmp_path, capsys):
+    # Once: datasets prepared the damaged corpus anew in a folder of its own and renamed that
+    # over the old one (shutil.rmtree first), deleting under the tokenizing run the file its map
+    # was writing (FileNotFoundError at datasets' rename) and every cache made from the corpus.
+    corpus = write_corpus(tmp_path / "corpus", documents=200)  # (tokenized in 4 map batches)
+    reference = pipeline(corpus, tmp_path / "reference")
+    windows = hashlib.sha256(reference["windows"][:]["window"].tobytes()).hexdigest()
+    cache = tmp_path / "cache"
+    code = PAUSED_CHILD.format(
+        repo=str(REPO), corpus=str(corpus), cache=str(cache), vocab=VOCAB, seq=SEQ
+    )
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    child = subprocess.Popen([sys.executable, "-c", code], text=True, **pipes)
+    try:
+        assert child.stdout.readline() == "paused\n"  # (else it ended: its error below)
+        [corpus_file] = cache.rglob("json-train.arrow")
+        folder = corpus_file.parent
+        theirs = [p for p in folder.iterdir() if not p.name.startswith(("json-", "dataset_info"))]
+        made = {p: p.stat().st_ino for p in theirs}  # (the corpus aside: it is made again)
+        assert any(p.name.startswith("tmp") for p in made), made  # (the map's file, being written)
+        # A damaged copy renamed over it (flipped in place, the byte would be flipped under the
+        # tokenizing run too, which had found the file whole and maps it).
+        shutil.copy(corpus_file, tmp_path / "copy.arrow")
+        flip_a_byte(str(tmp_path / "copy.arrow"))
+        os.replace(tmp_path / "copy.arrow", corpus_file)
+        files._cached_ok.clear()
+        docs = data.load_corpus(str(corpus), cache_dir=str(cache))  # made again meanwhile
+        assert docs["text"] == reference["docs"]["text"]
+        lost = [p.name for p, inode in made.items() if not p.exists() or p.stat().st_ino != inode]
+        err = capsys.readouterr().err
+        assert err.startswith(f"warning: {corpus_file} (the corpus as read, cached) is damaged")
+    finally:
+        try:
+            out, child_err = child.communicate("go\n", timeout=300)
+        finally:
+            child.kill()  # (if it never ended: ended already, nothing happens)
+    assert child.returncode == 0 and "Traceback" not in child_err, child_err
+    assert out.splitlines()[-1] == windows  # the tokenizing run's windows are the right ones
+    assert lost == []  # nothing it had made or was making was deleted under it
+    assert contents(pipeline(corpus, cache)) == contents(reference)  # and all of it is whole
+    assert capsys.readouterr().err == ""

@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import sys
 import zlib
 from collections.abc import Callable
@@ -230,6 +231,11 @@ def load_cached(path: str, name=None, *, split: str, cache_dir: str, streaming=F
     builder = datasets.load_dataset_builder(path, name, cache_dir=cache_dir, **kwargs)
     folder = builder.cache_dir
     os.makedirs(os.path.dirname(folder), exist_ok=True)
+    # The lock order, so that runs sharing a cache never wait on each other in a circle: a
+    # process holds one of ours at a time (this one while it checks, prepares and reads the
+    # corpus; cached_step's while it makes a step), datasets' own only under it. None is held
+    # across a collective (main_process_first waits outside them) or while training: the ranks
+    # of a node wait at most for the steps that other runs are making now.
     with one_at_a_time(f"{folder}_sums.lock"):
         return _load_checked(builder, folder, split)
 
@@ -237,22 +243,46 @@ def load_cached(path: str, name=None, *, split: str, cache_dir: str, streaming=F
 def _load_checked(builder, folder: str, split: str):
     """load_cached's split, its builder's folder checked, prepared, read and summed."""
     info = os.path.join(folder, "dataset_info.json")  # datasets' sign of a prepared folder
-    if os.path.isfile(info):
-        for found in sorted(glob.glob(os.path.join(glob.escape(folder), "*.arrow"))):
-            if not os.path.basename(found).startswith("cache-"):  # (a map's: cached_step checks it)
-                check_cached(found, "the corpus as read", [found, info])  # (datasets prepares anew)
-    builder.download_and_prepare()
+    whole = os.path.isfile(info) and all(
+        check_cached(found, "the corpus as read", [])
+        for found in sorted(glob.glob(os.path.join(glob.escape(folder), "*.arrow")))
+        if not os.path.basename(found).startswith("cache-")  # (a map's: cached_step checks it)
+    )
+    if not whole and os.path.isdir(folder):
+        _remake_beside(builder, folder)
+    builder.download_and_prepare()  # (a folder prepared: only its info read)
     try:
         ds = builder.as_dataset(split=split)
     except FileNotFoundError as e:  # a file of the prepared folder deleted (by hand, a cleanup)
         lacks = f"lacks a file ({str(e).strip().splitlines()[0]})"
         warning = f"warning: {folder} (the corpus as read, cached) {lacks}: making it again"
         print(warning, file=sys.stderr)
-        os.remove(info)  # (datasets then prepares the folder anew)
+        _remake_beside(builder, folder)
         builder.download_and_prepare()
         ds = builder.as_dataset(split=split)
     sum_cached(ds, lambda file: os.path.dirname(file) == folder)
     return ds
+
+
+def _remake_beside(builder, folder: str) -> None:
+    """The corpus as read prepared anew beside `folder`, its files then renamed into it, each
+    over the old one (atomic). Not datasets' own re-prepare, which deletes the folder and renames
+    the new one into its place: with it went the files that other runs were making or reading
+    there (their tokens, their windows; one then crashed at its map's rename). Here a run reading
+    an old file keeps it (mapped: an unlinked file lives on while mapped), one that opens it anew
+    finds the new one, the same documents, and every cache made from them stays."""
+    beside = f"{folder}.remade"
+    for cut_short in (beside, f"{beside}.incomplete"):  # (load_cached's lock: no other makes it)
+        shutil.rmtree(cut_short, ignore_errors=True)
+    builder.download_and_prepare(output_dir=beside)
+    for name in sorted(os.listdir(beside)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, f"{name}{SUMS}"))  # (summed anew once read)
+        os.replace(os.path.join(beside, name), os.path.join(folder, name))
+    os.rmdir(beside)
+    for lock in (f"{beside}_builder.lock", f"{beside}.incomplete_info.lock"):  # (datasets' own)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
 
 
 @contextlib.contextmanager
@@ -276,20 +306,20 @@ def one_at_a_time(lock: str):
             fcntl.lockf(f, fcntl.LOCK_UN)
 
 
-def check_cached(path: str, what: str, remove: list[str]) -> None:
-    """Nothing if the cache file `path` is whole (by its checksums); else a one-line warning,
+def check_cached(path: str, what: str, remove: list[str]) -> bool:
+    """True if the cache file `path` is whole (by its checksums); else False, a one-line warning,
     and the files `remove` (and their checksums) removed, for datasets to make them again."""
     stat = os.stat(path)
     seen = (path, stat.st_ino, stat.st_mtime_ns, stat.st_size)
     if seen in _cached_ok:
-        return
+        return True
     sums = f"{path}{SUMS}"
     why = "has no checksums (a cache from before them, or one whose writing was cut short)"
     if os.path.isfile(sums):
         try:
             verify_sums(sums)
             _cached_ok.add(seen)
-            return
+            return True
         except ValueError as e:  # (verify_sums names the file it found damaged)
             damaged = str(e).startswith(f"{path} is damaged")
             why = (
@@ -303,6 +333,7 @@ def check_cached(path: str, what: str, remove: list[str]) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(gone)
         print(f"warning: {path} ({what}, cached) {why}: making it again", file=sys.stderr)
+        return False
     except OSError as e:  # a cache shared with another user, read-only to this one
         raise ValueError(
             f"{path} ({what}, cached) {why}, and cannot be removed ({e.strerror or e}): remove "
