@@ -106,6 +106,8 @@ def main():
     state = TrainingState(model, optimizer, scheduler, None, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
     start_step, data_position = checkpoints.resume(resume_path, state)
+    # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
+    settings, layout = pipeline.measured(settings, args, layout, state, attn_mask, device)
     # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
     # the schedule orders the m micro-batches' forwards, backwards and sends (loss normalised).
     num_stages, m = layout.pp * layout.stages_per_rank, settings.accumulation
