@@ -4,7 +4,8 @@ micro-batch that fits; and of tools/profile_step.py's reference, the yardstick o
 
 Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
 What is held here: the decisions around them; the search on an injected memory model, and
-auto_micro_batch_size on a CPU whose torch.cuda memory counters are simulated; and the clear
+auto_micro_batch_size on a CPU whose torch.cuda memory counters are simulated (train_pp.py's
+probes through its pipeline on two gloo ranks: tests/pipeline_auto.py); and the clear
 refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, the model's
 flex_attention path in test_model.py.)
 """

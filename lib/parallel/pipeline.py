@@ -193,8 +193,8 @@ def measured(settings, args, layout: Layout, state, attn_mask, device):
 def probe_schedule(stage_models: list, layout: Layout, schedule: str, m: int, device):
     """A schedule of m micro-batches over this rank's stage models, built as train_pp.py builds
     the one it trains with, for a probe of --micro-batch-size auto. Its PipelineStages are new:
-    each infers the shapes it sends and receives at its first step (torch 2.11 to 2.13), so a
-    stage that has run one micro-batch size cannot run another."""
+    a stage infers the shapes it sends and receives from the micro-batches of its first step, so
+    no stage runs two sizes (and the lesson builds its own for the size chosen)."""
     pp_group, num_stages = layout.mesh["pp"].get_group(), layout.pp * layout.stages_per_rank
     stages = [PipelineStage(s, s.index, num_stages, device, group=pp_group) for s in stage_models]
     runs = stages if schedule == "interleaved" else stages[0]
