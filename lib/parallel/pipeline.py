@@ -119,11 +119,12 @@ def run_settings(parser, args, layout: Layout, device) -> flags.RunSettings:
         parser, args, layout.dp, device, default_micro_batch_size=1, fp16=False
     )
     run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
-    per_pipeline, auto = args.batch_size // layout.dp, args.micro_batch_size == "auto"
-    sizes = [n for n in range(1, per_pipeline + 1) if per_pipeline % n == 0]
-    counts = [per_pipeline // n for n in sizes] if auto else [run.accumulation]
+    counts = [run.accumulation]  # micro-batches per step
+    auto, share = args.micro_batch_size == "auto", args.batch_size // layout.dp
+    if auto:  # measured later, among the sizes that divide a pipeline's share: 1 (the most) first
+        counts = [share // n for n in range(1, share + 1) if share % n == 0]
     problems = [schedule_refusal(args.schedule, m, layout.pp) for m in counts]
-    if all(problems):  # (auto: the first is 1 sequence per micro-batch, the most micro-batches)
+    if all(problems):
         remedy = "raise --batch-size" if auto else SCHEDULE_REMEDIES[args.schedule]
         parser.error(f"{problems[0]}; {remedy}")
     return run
