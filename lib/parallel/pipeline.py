@@ -121,7 +121,7 @@ def run_settings(parser, args, layout: Layout, device) -> flags.RunSettings:
     run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
     counts = [run.accumulation]  # micro-batches per step
     auto, share = args.micro_batch_size == "auto", args.batch_size // layout.dp
-    if auto:  # measured later, among the sizes that divide a pipeline's share: 1 (the most) first
+    if auto:  # measured later among the divisors of a pipeline's share; 1 sequence each first
         counts = [share // n for n in range(1, share + 1) if share % n == 0]
     problems = [schedule_refusal(args.schedule, m, layout.pp) for m in counts]
     if all(problems):
