@@ -46,8 +46,7 @@ def main():
     if not args.check:  # (--check: one process checks the flags, with no group)
         options = distributed.group_options(args, device)  # backend, store (torchrun's), GPU
         dist.init_process_group(rank=rank, world_size=world_size, **options)
-    # The grid: pp x dp x tp ranks, v stages per rank. Only the dp pipelines split the batch; its
-    # accumulation steps are the m micro-batches the schedule streams through each pipeline.
+    # The grid: pp x dp x tp ranks. Only the dp pipelines split the batch, each in m micro-batches.
     layout = pipeline.setup(parser, args, world_size, device)  # checked; the device mesh
     settings = pipeline.run_settings(parser, args, layout, device)  # checked
     dp, dp_rank = layout.dp, layout.dp_rank  # the data-parallel groups, and which this rank is in
@@ -106,8 +105,9 @@ def main():
     state = TrainingState(model, optimizer, scheduler, scaler, config, tokenizer)
     # dcp.load: each rank reads just its shards' pieces, however many ranks wrote them (lib/).
     start_step, data_position = checkpoints.resume(resume_path, state)
-    # A PipelineStage per stage sends activations and gradients to its neighbours in the pp group;
-    # the schedule orders the m micro-batches' forwards, backwards and sends (loss normalised).
+    # --micro-batch-size auto: the largest that fits, measured with the model as it trains.
+    settings, layout = pipeline.measured(settings, args, layout, state, attn_mask, device)
+    # Each stage sends activations on and gradients back; the schedule orders its m micro-batches.
     num_stages, m = layout.pp * layout.stages_per_rank, settings.accumulation
     stages = [PipelineStage(s, s.index, num_stages, device, group=pp_group) for s in stage_models]
     loss_fn = pipeline.PipelineLoss()  # the summed cross-entropy x loss_fn.scale

@@ -275,4 +275,5 @@ def test_the_readme_names_each_lessons_reading_set(lesson):
     # beside it, and their lines to the nearest hundred (reading_set_row prints the current row).
     readme = (Path(REPO) / "README.md").read_text()
     assert ", ".join(f"`{f}`" for f in core()) in readme, f"the core is now {core()}"
-    assert reading_set_row(lesson) in readme, f"README.md's row is now:\n{reading_set_row(lesson)}"
+    row = reading_set_row(lesson)
+    assert readme.count(row) == 1, f"README.md's row, once, is now:\n{row}"

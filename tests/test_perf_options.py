@@ -4,11 +4,13 @@ micro-batch that fits; and of tools/profile_step.py's reference, the yardstick o
 
 Their GPU halves (FlexAttention's backward pass, GPU memory measurements) cannot run on a CPU.
 What is held here: the decisions around them; the search on an injected memory model, and
-auto_micro_batch_size on a CPU whose torch.cuda memory counters are simulated; and the clear
+auto_micro_batch_size on a CPU whose torch.cuda memory counters are simulated (train_pp.py's
+probes through its pipeline on two gloo ranks: tests/pipeline_auto.py); and the clear
 refusals a CPU run gives. (The BlockMask itself is specified in test_masks.py, the model's
 flex_attention path in test_model.py.)
 """
 
+import json
 import os
 import re
 import sys
@@ -16,7 +18,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import DDP, DP, REPO, cmd, run_script
+from harness import (
+    DDP,
+    DP,
+    REPO,
+    assert_state_dicts_equal,
+    cmd,
+    load_weights,
+    read_metrics,
+    run_script,
+)
 
 import masks
 from lib import exits, flags, training
@@ -128,6 +139,17 @@ def test_a_size_predicted_over_budget_from_the_last_two_probes_is_never_probed()
     assert probe.probed == [1, 2, 4, 8]
 
 
+def test_a_size_the_run_cannot_take_is_neither_probed_nor_predicted_from():
+    # (train_pp.py: a size whose count of micro-batches the schedule refuses.) 4 is passed over;
+    # 6 is predicted from 2 and 3 (6 <= 6.5), probed, and chosen.
+    probe = Probe(base=0, per_sequence=1)
+    asked = []
+    allowed = lambda n: asked.append(n) or n != 4
+    best, peaks = auto_batch.search_micro_batch_size(12, probe, 6.5, allowed=allowed)
+    assert (best, probe.probed, list(peaks)) == (6, [1, 2, 3, 6], [1, 2, 3, 6])
+    assert asked == [1, 2, 3, 4, 6, 12]  # each as the search reached it; 12 predicted over
+
+
 def test_the_search_finds_nothing_when_one_sequence_does_not_fit():
     probe = Probe(base=50, per_sequence=10)
     assert auto_batch.search_micro_batch_size(4, probe, budget=55) == (None, {1: 60})
@@ -234,9 +256,10 @@ def test_micro_batch_size_takes_a_number_or_auto_and_nothing_else():
     [
         (DP, ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU memory"),
         ("train_fsdp.py", ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU"),
+        ("train_pp.py", ["--micro-batch-size", "auto"], "--micro-batch-size auto measures GPU"),
         (DDP, ["--document-mask", "--attention", "flex"], "--attention flex needs a CUDA GPU"),
     ],
-    ids=["auto_dp", "auto_fsdp", "flex_ddp"],
+    ids=["auto_dp", "auto_fsdp", "auto_pp", "flex_ddp"],
 )
 def test_gpu_only_choices_on_cpu_exit_with_a_usage_error(corpus, cache_dir, tmp_path, script,
                                                          flags, message):  # fmt: skip
@@ -363,3 +386,76 @@ def test_a_size_one_rank_cannot_reserve_is_run_by_no_rank_and_both_choose_the_sa
     lines = sorted(re.findall(r"rank \d: best \w+, probed \[[^]]*\], peaks \{[^}]*\}", proc.stdout))
     peaks = "{1: 20.0, 2: 30.0, 4: None}"
     assert lines == [f"rank {r}: best 2, probed [1, 2], peaks {peaks}" for r in (0, 1)], lines
+
+
+# -------------------------------------------------------------------------------------------------
+# --micro-batch-size auto in train_pp.py: each size probed through the pipeline's own schedule,
+# on 2 gloo ranks whose GPU memory counters tests/pipeline_auto.py simulates (rank 1 needs 1000 +
+# 200 bytes per sequence of a micro-batch, rank 0 1000 + 100; the budget is 0.9 of the memory).
+
+
+@pytest.fixture(scope="module")
+def pipeline_auto() -> tuple[str, dict]:
+    """(stdout, {(case, rank): what the rank found}) of tests/pipeline_auto.py's cases."""
+    proc = run_script("tests/pipeline_auto.py", [], world=2, env={"PYTHONPATH": str(REPO)})
+    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc.stdout, {(r["case"], r["rank"]): r for r in found}
+
+
+def pipeline_choice(found: dict, case: str) -> tuple:
+    """(size, micro-batches, sizes probed) of a case, the same on both ranks."""
+    ranks = (found[case, 0], found[case, 1])
+    choices = {(r["chose"], r["accumulation"], tuple(r["probed"])) for r in ranks}
+    assert len(choices) == 1, f"the ranks chose differently: {choices}"
+    return choices.pop()
+
+
+def test_pipeline_auto_takes_the_largest_size_that_fits_on_every_rank(pipeline_auto):
+    # 16 sequences per step: 4 (rank 1: 1800 <= 2000) fits every rank; 8 fits rank 0 alone
+    # (1800) but not rank 1 (2600, predicted from 2 and 4: so not even probed).
+    _, found = pipeline_auto
+    assert pipeline_choice(found, "1f1b 16 2223") == (4, 4, (1, 2, 4))
+
+
+def test_pipeline_auto_never_probes_a_size_whose_micro_batches_the_schedule_refuses(pipeline_auto):
+    # All fit; 16 sequences in 1 micro-batch would too, but 1f1b needs m >= pp = 2 micro-batches.
+    stdout, found = pipeline_auto
+    assert pipeline_choice(found, "1f1b 16 1000000") == (8, 2, (1, 2, 4, 8))
+    why = "16: 1f1b needs at least as many micro-batches as stages: 1 < 2"
+    assert "micro-batch size auto: 8 (" in stdout and why in stdout, stdout
+    # Interleaved 1F1B runs its micro-batches in rounds of m // pp: 2 sequences make 5
+    # micro-batches, not a multiple of 2 rounds; 10 (1 micro-batch) it takes.
+    assert pipeline_choice(found, "interleaved 10 1000000") == (10, 1, (1, 5, 10))
+    assert "2: interleaved needs the micro-batches (5) to be a multiple of 2" in stdout, stdout
+
+
+def test_pipeline_probes_leave_training_as_it_was(pipeline_auto):
+    # No RNG drawn, no gradient left, no weight changed; then a step of the schedule built for
+    # the size chosen gives bit for bit the loss and gradients of a pipeline that never probed.
+    _, found = pipeline_auto
+    assert len(found) == 6  # 3 cases x 2 ranks
+    for (case, rank), r in found.items():
+        assert r["layout"] == [r["accumulation"], r["chose"]], (case, rank)  # the start-up line
+        assert r["rng_kept"] and r["weights_kept"] and r["grads_left"] == 0, (case, rank, r)
+        assert r["same_loss"] and r["same_grads"] and r["grads_compared"] > 0, (case, rank, r)
+
+
+def test_train_pp_with_auto_trains_as_with_the_size_it_chose(
+    shared_run, corpus, cache_dir, tmp_path
+):
+    # train_pp.py itself on the simulated GPU (budget 1500: rank 1 fits 2 sequences, 1400), then
+    # the run given --micro-batch-size 2 by hand (tests/test_pp.py's gpipe layout): the same
+    # losses, gradient norms, validation losses and final weights, bit for bit.
+    gpipe, out = ["--pp", "2", "--schedule", "gpipe"], tmp_path / "auto"
+    argv = ["--lesson", "1667", *cmd(corpus, cache_dir, out), *gpipe, "--micro-batch-size", "auto"]
+    proc = run_script("tests/pipeline_auto.py", argv, world=2, env={"PYTHONPATH": str(REPO)})
+    assert "micro-batch size auto: 2 (" in proc.stdout, proc.stdout
+    assert "m = 4 micro-batches of 2 sequences per pipeline" in proc.stdout, proc.stdout
+    by_hand = lambda out: cmd(corpus, cache_dir, out) + [*gpipe, "--micro-batch-size", "2"]
+    expected, _ = shared_run("train_pp.py", by_hand, 2)
+    (train, evals), (want_train, want_evals) = read_metrics(out), read_metrics(expected)
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in train] == [r[key] for r in want_train], key
+    assert [r["val_loss"] for r in evals] == [r["val_loss"] for r in want_evals]
+    assert len(train) == 8 and len(evals) == 2
+    assert_state_dicts_equal(load_weights(out), load_weights(expected))

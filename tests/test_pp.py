@@ -218,6 +218,27 @@ def test_bad_pipeline_flags_are_refused(corpus, cache_dir, world, flags, message
         pipeline.run_settings(parser, args, layout, torch.device("cpu"))
 
 
+def auto_settings(corpus, cache_dir, batch_size: int) -> flags.RunSettings:
+    """pipeline.run_settings of --pp 2 (1f1b), --micro-batch-size auto on 2 ranks."""
+    argv = ["--pp", "2", "--batch-size", str(batch_size), "--micro-batch-size", "auto"]
+    parser, args = pipeline_args(corpus, cache_dir, *argv)
+    args.check = True  # the flags alone: no process group, no mesh
+    layout = pipeline.setup(parser, args, 2, torch.device("cpu"))
+    return pipeline.run_settings(parser, args, layout, torch.device("cpu"))
+
+
+def test_auto_is_refused_when_not_even_one_sequence_per_micro_batch_fills_1f1b(
+    corpus, cache_dir, monkeypatch
+):
+    # --micro-batch-size auto tries down to 1 sequence per micro-batch, the most micro-batches:
+    # a pipeline's batch of 1 sequence is 1 micro-batch, fewer than 1f1b's 2 stages; 2 will do.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    message = "1f1b needs at least as many micro-batches as stages: 1 < 2; raise --batch-size"
+    with pytest.raises(ValueError, match=message):
+        auto_settings(corpus, cache_dir, batch_size=1)
+    assert auto_settings(corpus, cache_dir, batch_size=2).micro_batch_size is None  # measured later
+
+
 def test_refusal_is_one_message_before_anything_is_written(corpus, cache_dir, tmp_path):
     out = tmp_path / "out"
     proc = run_script(PP, cmd(corpus, cache_dir, out) + ["--pp", "2"], expect_rc=2)

@@ -4,7 +4,8 @@
 
 Called by a script after it has wrapped its model (DataParallel, DDP, FSDP), with the same
 forward it trains with; the returned plan has the measured micro-batch and the accumulation
-that keeps the global batch.
+that keeps the global batch. train_pp.py probes its pipeline schedule instead, through
+largest_that_fits, which takes any probe (lib/parallel/pipeline.py's measured).
 """
 
 import contextlib
@@ -33,9 +34,11 @@ def search_micro_batch_size(
     budget: float,
     reserve: Callable[[int, float], bool] | None = None,
     baseline: float = 0.0,
+    allowed: Callable[[int], bool] | None = None,
 ) -> tuple[int | None, dict[int, float | None]]:
-    """The largest divisor n of per_device with peak_bytes(n) <= budget (None: not even 1), and
-    the peaks measured, {n: bytes} (None: a size not every rank could reserve).
+    """The largest divisor n of per_device (that `allowed` allows) with peak_bytes(n) <= budget
+    (None: not even the smallest), and the peaks measured, {n: bytes} (None: a size not every
+    rank could reserve).
 
     Divisors, so that accumulation then makes up the batch exactly. They are tried from small to
     large, stopping at the first that does not fit: memory grows with n, and small probes are
@@ -48,9 +51,14 @@ def search_micro_batch_size(
     none) before any rank runs it. A size some rank cannot reserve is not run, by any rank: a
     rank that ran out of memory alone inside a probe would leave the others waiting in a
     collective of the forward or backward pass (FSDP's all-gathers, CP's and EP's exchanges).
+
+    allowed(n): whether the run can take n sequences per micro-batch at all (train_pp.py: whether
+    its schedule takes per_device / n micro-batches); a divisor it refuses is passed over, neither
+    probed nor predicted. It is asked of each divisor in turn as the search reaches it.
     """
     best, peaks = None, {}
-    for n in (d for d in range(1, per_device + 1) if per_device % d == 0):
+    divisors = (d for d in range(1, per_device + 1) if per_device % d == 0)
+    for n in (d for d in divisors if allowed is None or allowed(d)):
         measured = list(peaks.items())[-2:]
         if len(measured) == 2:
             (n1, p1), (n2, p2) = measured
@@ -125,19 +133,10 @@ def auto_micro_batch_size(
     """--micro-batch-size auto: the plan with the largest micro-batch that fits on this GPU, and
     the gradient accumulation steps that keep the global batch. model: the wrapped model, as the
     loop calls it. Each probe runs its forward (with the run's attention mask and precision) and
-    backward on random tokens of --seq-length, and measures the peak memory the caching
-    allocator reserved; a size fits if that peak plus the optimizer state still to come stays
-    within AUTO_MEMORY_FRACTION of the GPU. replicas: the GPUs nn.DataParallel splits each
-    forward over (n sequences for each). Under torchrun every rank probes the same sizes, takes
-    the largest peak of all, and runs a size only once every rank could reserve its predicted
-    peak (reserve, below; docs/speed.md): out of memory inside a probe all the same ends the run
-    in one line on that rank (its peers wait in the probe's collectives: no other collective may
-    be issued), where one process just stops the search."""
+    backward on random tokens of --seq-length (largest_that_fits says how a size is judged).
+    replicas: the GPUs nn.DataParallel splits each forward over (n sequences for each)."""
     from torch.distributed.tensor import DTensor
 
-    per_device = args.batch_size // plan.devices
-    budget = AUTO_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
-    state = optimizer_state_to_come(optimizer)
     # train_fsdp.py keeps the full (unsharded) fp32 gradient of every sharded parameter between
     # the micro-steps of an accumulation (set_requires_gradient_sync(False)); a probe does not.
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -146,13 +145,49 @@ def auto_micro_batch_size(
     tokens = torch.Generator().manual_seed(0)  # its own generator: training's RNG is untouched
 
     def forward_backward(n: int) -> None:
-        ids = torch.randint(vocab_size, (n * replicas, args.seq_length + 1), generator=tokens)
-        x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)  # (n * replicas, T) each
+        x, y = random_batch(tokens, n * replicas, args.seq_length, vocab_size, device)
         with no_sync():
             with autocast(device, plan.precision):
                 loss_sum, _ = model(x, y, attn_mask(x))
             loss_sum.sum().backward()  # .sum(): DataParallel returns one per replica
 
+    return largest_that_fits(
+        args, plan, model, optimizer, device, forward_backward, unsharded_grads=unsharded_grads
+    )
+
+
+def random_batch(generator, rows: int, seq_length: int, vocab_size: int, device):
+    """A probe's inputs and targets: random tokens from `generator` (not training's RNG), (rows,
+    seq_length) each, on the device."""
+    ids = torch.randint(vocab_size, (rows, seq_length + 1), generator=generator)
+    return ids[:, :-1].to(device), ids[:, 1:].to(device)  # (rows, T) each
+
+
+def largest_that_fits(
+    args,
+    plan,
+    model,
+    optimizer,
+    device,
+    forward_backward: Callable[[int], None],
+    refusal: Callable[[int], str | None] | None = None,
+    unsharded_grads: int = 0,
+):
+    """The plan with the largest micro-batch n for which forward_backward(n), one forward and
+    backward of n sequences per device as the run trains them, fits; and the accumulation that
+    keeps the global batch. A size fits if the peak memory the caching allocator reserved, plus
+    the optimizer state still to come, stays within AUTO_MEMORY_FRACTION of the GPU. refusal(n):
+    why the run cannot take n sequences per micro-batch (None if it can; train_pp.py: the
+    schedule's count of micro-batches), so n is not tried. unsharded_grads: bytes a step holds
+    between its micro-steps that a probe of one does not (train_fsdp.py's unsharded gradients).
+    Under torchrun every rank probes the same sizes, takes the largest peak of all, and runs a
+    size only once every rank could reserve its predicted peak (reserve, below; docs/speed.md):
+    out of memory inside a probe all the same ends the run in one line on that rank (its peers
+    wait in the probe's collectives: no other collective may be issued), where one process just
+    stops the search."""
+    per_device = args.batch_size // plan.devices
+    budget = AUTO_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    state = optimizer_state_to_come(optimizer)
     ranks = dist.is_initialized() and dist.get_world_size() > 1
 
     def not_on_the_gpu(n: int) -> float:  # what a peak counts but no probe allocates
@@ -192,19 +227,26 @@ def auto_micro_batch_size(
         torch.cuda.empty_cache()  # given back before the probe, which measures from here
         return every_rank(ok, device)
 
-    peaks_so_far = {}
+    def allowed(n: int) -> bool:  # asked only of the sizes the search reaches
+        reason = refusal(n) if refusal is not None else None
+        if reason is not None:
+            skipped[n] = reason  # for the summary line: a size that might have fitted
+        return reason is None
+
+    peaks_so_far, skipped = {}, {}
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_reserved(device) + state if ranks else 0.0  # peak of nothing
     best, peaks = search_micro_batch_size(
-        per_device, peak_bytes, budget, reserve if ranks else None, baseline
+        per_device, peak_bytes, budget, reserve if ranks else None, baseline, allowed
     )
-    return chosen(args, plan, model, best, peaks, budget, per_device)
+    return chosen(args, plan, model, best, peaks, budget, per_device, skipped)
 
 
-def chosen(args, plan, model, best, peaks: dict, budget: float, per_device: int):
-    """The plan with the size the search chose (ValueError if not even 1 fits), said on rank 0,
-    and what the probes left behind undone: a mixture of experts' routing counts, the kernels
-    compiled for several sizes."""
+def chosen(args, plan, model, best, peaks: dict, budget: float, per_device: int, skipped=None):
+    """The plan with the size the search chose (ValueError if not even the smallest fits), said
+    on rank 0 with the sizes the run refused (skipped: {size: why}), and what the probes left
+    behind undone: a mixture of experts' routing counts, the kernels compiled for several
+    sizes."""
     from lib.extras.moe import router_stats
 
     router_stats(model)  # a mixture of experts counted the probes' routing: not training
@@ -214,15 +256,19 @@ def chosen(args, plan, model, best, peaks: dict, budget: float, per_device: int)
         torch.compiler.reset()
     tried = ", ".join(f"{n}: {described(p)}" for n, p in peaks.items())
     if best is None:
+        first = next(iter(peaks), 1)  # the smallest size tried: 1, unless the run refuses it
         raise ValueError(
-            f"--micro-batch-size auto: not even 1 sequence of {args.seq_length} tokens fits in "
+            f"--micro-batch-size auto: not even {first} sequence{'s' * (first > 1)} of "
+            f"{args.seq_length} tokens fits in "
             f"{budget / 1e9:.1f} GB ({tried}, optimizer state included); try "
             f"--activation-checkpointing, train_fsdp.py, or a shorter --seq-length"
         )
+    refused = "; ".join(f"{n}: {why}" for n, why in (skipped or {}).items())
+    refused = f"; not tried, as the run cannot take them: {refused}" if refused else ""
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"micro-batch size auto: {best} (peak memory by size, with the optimizer state to "
-            f"come: {tried}; budget {budget / 1e9:.1f} GB)"
+            f"come: {tried}; budget {budget / 1e9:.1f} GB{refused})"
         )
     return replace(plan, micro_batch_size=best, accumulation=per_device // best)
 

@@ -1,7 +1,9 @@
 """The pipeline of train_pp.py: its flags and their checks, the model cut into stages of
 consecutive layers, which stages each rank holds, the loss of the last stage, gradient clipping
-over the pipeline's ranks, and fp16's skipped steps agreed on by every stage. The PipelineStages
-and the schedule that runs them (torch.distributed.pipelining) are in train_pp.py.
+over the pipeline's ranks, fp16's skipped steps agreed on by every stage, and --micro-batch-size
+auto's probes through the pipeline. The PipelineStages and the schedule that runs them
+(torch.distributed.pipelining) are in train_pp.py (probe_schedule builds the probes' stages and
+schedule the same way).
 """
 
 import contextlib
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import (
+    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -76,11 +79,6 @@ def setup(parser, args, world_size: int, device) -> Layout:
             f"x nodes) or change --pp/--tp"
         )
     dp = world_size // (pp * tp)
-    if args.micro_batch_size == "auto":
-        parser.error(
-            "--micro-batch-size auto is not supported by train_pp.py (a pipeline stage cannot be "
-            "probed alone); give a number (python -m tools.memory_plan --pp N estimates what fits)"
-        )
     if args.attention == "flex":
         # The schedule cuts every tensor argument into micro-batches, but not a BlockMask: each
         # micro-batch would get the whole batch's mask.
@@ -97,8 +95,8 @@ def setup(parser, args, world_size: int, device) -> Layout:
     except ValueError as e:
         parser.error(str(e))
     fsdp.check_replicate(parser, args, dp)
-    # Each pipeline's batch is m micro-batches of rows sequences (pp: no --micro-batch-size auto).
-    rows = args.micro_batch_size or 1
+    # Each pipeline's batch is m micro-batches of rows sequences (auto: 1 until measured).
+    rows = 1 if args.micro_batch_size in (None, "auto") else args.micro_batch_size
     m = max(1, args.batch_size // (rows * dp))
     stage_layers = tuple(len(r) for r in split_layers(config.num_hidden_layers, pp * v))
     sizes = dict(tp=tp, pp=pp, schedule=args.schedule, stages_per_rank=v)
@@ -117,22 +115,92 @@ def setup(parser, args, world_size: int, device) -> Layout:
 def run_settings(parser, args, layout: Layout, device) -> flags.RunSettings:
     """flags.run_settings for a pipeline: one sequence per micro-batch unless --micro-batch-size
     says otherwise (many micro-batches, a small bubble: Megatron-LM's and torchtitan's default),
-    sdpa attention, and as many micro-batches as the schedule needs (parser.error if not)."""
+    sdpa attention, and as many micro-batches as the schedule needs (parser.error if not; with
+    --micro-batch-size auto, if no micro-batch size gives a count the schedule takes)."""
     run = flags.run_settings(parser, args, layout.dp, device, default_micro_batch_size=1)
     run = dataclasses.replace(run, attention="sdpa")  # --attention auto: never flex here
-    m, pp = run.accumulation, layout.pp
-    if args.schedule == "1f1b" and m < pp:
-        parser.error(
-            f"1f1b needs at least as many micro-batches as stages: {m} < {pp}; lower "
-            f"--micro-batch-size or raise --batch-size"
-        )
-    rounds = max(1, m // pp)
-    if args.schedule == "interleaved" and m % rounds:
-        parser.error(
-            f"interleaved needs the micro-batches ({m}) to be a multiple of {rounds} "
-            f"(micro-batches // --pp); a multiple of --pp always works"
-        )
+    counts = [run.accumulation]  # micro-batches per step
+    auto, share = args.micro_batch_size == "auto", args.batch_size // layout.dp
+    if auto:  # measured later among the divisors of a pipeline's share; 1 sequence each first
+        counts = [share // n for n in range(1, share + 1) if share % n == 0]
+    problems = [schedule_refusal(args.schedule, m, layout.pp) for m in counts]
+    if all(problems):
+        remedy = "raise --batch-size" if auto else SCHEDULE_REMEDIES[args.schedule]
+        parser.error(f"{problems[0]}; {remedy}")
     return run
+
+
+# What to change when a schedule cannot run a count of micro-batches (schedule_refusal).
+SCHEDULE_REMEDIES = {
+    "1f1b": "lower --micro-batch-size or raise --batch-size",
+    "interleaved": "a multiple of --pp always works",
+}
+
+
+def schedule_refusal(schedule: str, m: int, pp: int) -> str | None:
+    """Why `schedule` cannot stream m micro-batches through a pipeline of pp ranks, as torch's
+    schedule would refuse them (None if it can): 1F1B starts one micro-batch on each stage before
+    the first backward, and interleaved 1F1B runs the micro-batches in rounds of equal size."""
+    if schedule == "1f1b" and m < pp:
+        return f"1f1b needs at least as many micro-batches as stages: {m} < {pp}"
+    rounds = max(1, m // pp)
+    if schedule == "interleaved" and m % rounds:
+        return (
+            f"interleaved needs the micro-batches ({m}) to be a multiple of {rounds} "
+            f"(micro-batches // --pp)"
+        )
+    return None
+
+
+def measured(settings, args, layout: Layout, state, attn_mask, device):
+    """flags.measured for a pipeline: (settings, layout) with --micro-batch-size auto measured,
+    as they are otherwise. A size n is probed with the pipeline itself, as train_pp.py runs a
+    step: its stages (state.model.stages) and schedule, streaming a pipeline's share of the
+    batch in m = share / n micro-batches of n random sequences (probe_schedule). Only the sizes
+    whose m the schedule takes are tried; every rank of every stage probes each size (the
+    schedule's sends pair them), and the largest peak of all ranks decides: the stages differ in
+    memory. The lesson then builds the schedule it trains with for the m chosen."""
+    if args.micro_batch_size != "auto":
+        return settings, layout
+    from lib.extras import auto_batch
+
+    share = args.batch_size // layout.dp  # the sequences of one pipeline in a step
+    pp_rank = layout.mesh.get_local_rank("pp")
+    is_first, is_last = pp_rank == 0, pp_rank == layout.pp - 1  # tokens go in; the loss comes out
+    tokens = torch.Generator().manual_seed(0)  # its own generator: training's RNG is untouched
+
+    def forward_backward(n: int) -> None:  # a training step's run of the schedule
+        schedule = probe_schedule(state.model.stages, layout, args.schedule, share // n, device)
+        vocab_size = state.config.vocab_size
+        x, y = auto_batch.random_batch(tokens, share, args.seq_length, vocab_size, device)
+        mask = attn_mask(x)
+        inputs, masks = (x,) if is_first else (), {} if mask is None else {"attn_mask": mask}
+        target = y if is_last else None
+        schedule.step(*inputs, target=target, losses=[], return_outputs=False, **masks)
+
+    def refusal(n: int) -> str | None:
+        return schedule_refusal(args.schedule, share // n, layout.pp)
+
+    # (A probe runs the whole step's m micro-batches, so its peak already holds what FSDP keeps
+    # between them, the unsharded gradients: nothing to add for it.)
+    model, optimizer = state.model, state.optimizer
+    settings = auto_batch.largest_that_fits(
+        args, settings, model, optimizer, device, forward_backward, refusal
+    )
+    m, rows = settings.accumulation, settings.micro_batch_size
+    return settings, dataclasses.replace(layout, micro_batches=m, micro_batch_size=rows)
+
+
+def probe_schedule(stage_models: list, layout: Layout, schedule: str, m: int, device):
+    """A schedule of m micro-batches over this rank's stage models, built as train_pp.py builds
+    the one it trains with, for a probe of --micro-batch-size auto. Its PipelineStages are new:
+    a stage infers the shapes it sends and receives from the micro-batches of its first step, so
+    no stage runs two sizes (and the lesson builds its own for the size chosen)."""
+    pp_group, num_stages = layout.mesh["pp"].get_group(), layout.pp * layout.stages_per_rank
+    stages = [PipelineStage(s, s.index, num_stages, device, group=pp_group) for s in stage_models]
+    runs = stages if schedule == "interleaved" else stages[0]
+    loss_fn = PipelineLoss()  # (its scale, 1, changes no memory)
+    return SCHEDULES[schedule](runs, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -298,6 +366,9 @@ class RankModel(nn.Module):
 
     def __init__(self, stages: list[StageModel]):
         super().__init__()
+        # A plain list, not registered (its parameters are registered below, by the full
+        # model's names): what --micro-batch-size auto probes (measured).
+        self.stages = list(stages)
         self.tok_embeddings = next(
             (s.tok_embeddings for s in stages if s.tok_embeddings is not None), None
         )

@@ -21,6 +21,7 @@ Tolerances, and why:
   weights are bit-identical (CUDA's kernels are deterministic for a fixed shape and device).
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -167,6 +168,36 @@ def test_micro_batch_size_auto_measures_a_size_and_trains_like_the_plain_run(gpu
     assert_trained(out)
     # Whatever size it chose, accumulation makes up the same global batch: the same losses.
     assert_losses_close(out, gpu_run(script), LOSS_RTOL)
+
+
+def chosen_size(out: Path) -> str:
+    """The micro-batch --micro-batch-size auto chose, as the run said it."""
+    said = re.search(r"micro-batch size auto: (\d+) ", (out / "stdout.txt").read_text())
+    assert said, "the run did not say which size it chose"
+    return said.group(1)
+
+
+def test_pipeline_micro_batch_size_auto_trains_as_with_the_size_it_chose(gpu_run):
+    # One stage on one GPU (--pp 1): each size probed through the schedule itself.
+    out = gpu_run(PP, "--pp", "1", micro_batch_size="auto")
+    assert_trained(out)
+    by_hand = gpu_run(PP, "--pp", "1", micro_batch_size=chosen_size(out))
+    assert_losses_close(out, by_hand, LOSS_RTOL)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a pipeline of 2 stages needs 2 GPUs")
+def test_pipeline_micro_batch_size_auto_on_two_gpus(corpus, cache_dir, tmp_path):
+    # Both stages probe every size together; 1f1b needs 2 micro-batches, so at most 16 / 2.
+    runs = {}
+    for name, micro in [("auto", "auto"), ("by_hand", None)]:
+        out = tmp_path / name
+        micro = micro or chosen_size(runs["auto"])
+        argv = cmd(corpus, cache_dir, out, **{**GPU, "micro_batch_size": micro}) + ["--pp", "2"]
+        (out / "stdout.txt").write_text(run_script(PP, argv, world=2).stdout)
+        runs[name] = out
+    assert int(chosen_size(runs["auto"])) <= GPU["batch_size"] // 2
+    assert_trained(runs["auto"])
+    assert_losses_close(runs["auto"], runs["by_hand"], LOSS_RTOL)
 
 
 # -------------------------------------------------------------------------------------------------
