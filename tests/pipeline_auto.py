@@ -148,7 +148,7 @@ def run_case(schedule_name: str, batch_size: int, total_memory: int) -> dict:
     )
     # One step with the size chosen, then with a pipeline that never probed, built for it.
     ids = torch.randint(VOCAB, (batch_size, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    batch = ids[:, :-1], ids[:, 1:]
+    batch = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # (as a step's batches are)
     m = settings.accumulation
     loss, grads = train_step(stage_models, layout, schedule_name, m, batch)
     direct_models, _ = pipeline_parts(args, layout)

@@ -158,9 +158,10 @@ def auto_micro_batch_size(
 
 def random_batch(generator, rows: int, seq_length: int, vocab_size: int, device):
     """A probe's inputs and targets: random tokens from `generator` (not training's RNG), (rows,
-    seq_length) each, on the device."""
+    seq_length) each, on the device; contiguous, as a step's batches are (torch 2.11's pipeline
+    stages refuse inputs of other strides than those they inferred)."""
     ids = torch.randint(vocab_size, (rows, seq_length + 1), generator=generator)
-    return ids[:, :-1].to(device), ids[:, 1:].to(device)  # (rows, T) each
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)  # (rows, T)
 
 
 def largest_that_fits(
