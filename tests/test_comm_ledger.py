@@ -10,6 +10,7 @@ Each case is one launch of 3 steps (the ledger records the third) of the tiny mo
 
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 from harness import REPO, cmd, launch_env, run_script
 
+from lib.extras import comm_formulas
 from lib.extras.comm_formulas import step_rows, wire_bytes
 from lib.extras.memory_formulas import (
     Workload,
@@ -270,3 +272,59 @@ def test_the_planners_tensor_and_expert_traffic_leaves_out_only_what_it_names():
     assert wire(step_rows(moe, layout, workload), ("all_to_all",), ("ep",)) == pytest.approx(
         planner + counts, rel=1e-9
     )
+
+
+# -------------------------------------------------------------------------------------------------
+# Any depth: every decoder layer is alike, so step_rows counts one and multiplies
+
+
+def buckets_one_at_a_time(sizes: list[int]) -> int:
+    """DDP's buckets filled gradient by gradient: the reducer's rule, as written in torch."""
+    count, current, limit = 0, 0, comm_formulas.FIRST_BUCKET_BYTES
+    for size in sizes:
+        current += size
+        if current >= limit:
+            count, current, limit = count + 1, 0, comm_formulas.BUCKET_BYTES
+    return count + (current > 0)
+
+
+@pytest.mark.quick
+def test_ddps_buckets_over_repeated_layers_are_those_filled_one_gradient_at_a_time():
+    # The closed form jumps from bucket to bucket and skips whole periods of identical layers:
+    # layers far smaller and far larger than a bucket, sizes of zero, and the 1 MiB first bucket
+    # closing inside the layers.
+    mib, rng = 2**20, random.Random(0)
+    for _ in range(300):
+        scale = rng.choice([100, mib // 10, mib, 10 * mib, 60 * mib])
+        root = [rng.randint(0, scale) for _ in range(rng.randint(0, 3))]
+        layer = [rng.choice([0, rng.randint(1, scale)]) for _ in range(rng.randint(1, 9))]
+        layers = rng.randint(0, 2000)
+        want = buckets_one_at_a_time(root + layer * layers)
+        assert comm_formulas.ddp_buckets([(root, 1), (layer, layers)]) == want, (root, layer)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(8, 8, zero_stage=1), Layout(8, 8, replicate=2), Layout(8, 2, tp=2, pp=2)],
+    ids=["zero1", "hsdp", "tp-pp"],
+)
+def test_a_model_of_10_to_the_30_layers_has_rows_in_proportion_to_its_layers(layout):
+    # Two depths L and 2L (on a pipeline, per stage): what grows with the layers doubles, the
+    # rest (the root's, the loss's) stays; so the rows of 2L less those of L are L layers' worth,
+    # exactly, at L = 10^6 and 10^30 alike. (DDP's bucket count is the test above's.)
+    config = LlamaConfig.from_preset("7b")
+    workload = Workload(1, 4096, 4, "bf16")
+    small, huge = 10**6, 10**30
+
+    def rows(layers: int) -> dict:
+        deep = dataclasses.replace(config, num_hidden_layers=layers)
+        return {key(r): r for r in step_rows(deep, layout, workload)}
+
+    a, b, c, d = rows(small), rows(2 * small), rows(huge), rows(2 * huge)
+    assert a.keys() == b.keys() == c.keys() == d.keys()
+    buckets = ("all_reduce", "world", 8)
+    for k in a:
+        for part in ("calls", "bytes") if k != buckets else ("bytes",):
+            assert (d[k][part] - c[k][part]) * small == (b[k][part] - a[k][part]) * huge, (k, part)
+    assert any(b[k]["bytes"] > a[k]["bytes"] for k in a)  # (some rows grow with the layers)

@@ -29,7 +29,9 @@ receives as many pairs as it sends); the pairs every rank sends add up exactly o
 (the test holds the sum), while one rank's bytes may be off by `tolerance`.
 """
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections import defaultdict
 
@@ -41,6 +43,8 @@ from model import LlamaConfig, LlamaForPretraining
 
 FIRST_BUCKET_BYTES = 1024**2  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 * 1024**2  # DDP's bucket_cap_mb default (25 MiB)
+# Muon's owners are assigned matrix by matrix (lib/extras/muon.py): the most a plan counts.
+MUON_MATRICES = 100_000
 TOKENS, LOSS, NORM = 8, 4, 4  # bytes: the step's target count (int64), loss sum and norms (fp32)
 # The matrices tensor parallelism splits by rows of their weight (ColwiseParallel: Shard(0)) and
 # by columns (RowwiseParallel: Shard(1)); the norms' gains stay whole.
@@ -183,10 +187,14 @@ class Shapes:
     split applied (COLWISE: dim 0 / tp; ROWWISE: dim 1 / tp), in the units the lessons give
     fully_shard (each decoder layer, then the root: embedding, final norm, lm_head; a pipeline
     stage is the root of its own layers; in a mixture of experts, each layer's router and its
-    experts are units of their own, the experts split over ep)."""
+    experts are units of their own, the experts split over ep). Every decoder layer has the same
+    shapes: one is built (on the meta device) and counted `layers` times, so that a model of any
+    depth costs the same to count."""
 
-    units: list  # [(name, [shape, ...])], in the order the lesson's forward gathers them
+    layer: list  # [shape, ...] of one decoder layer's unit, its router and experts apart
+    router: list  # [shape] of one MoE layer's router unit (empty: dense)
     experts: list  # [shape, ...] of one MoE layer's experts unit (empty: dense)
+    root: list  # [shape, ...] of this rank's root unit (empty: a pipeline stage without one)
     layers: int  # decoder layers on this rank
 
     def __init__(self, config: LlamaConfig, layout: Layout, rank: int = 0):
@@ -199,21 +207,22 @@ class Shapes:
         root = {n: s for n, s in local.items() if not n.startswith("layers.")}
         expert_names = [n for n in layer if ".feed_forward.w" in f".{n}" and len(layer[n]) == 3]
         self.experts = [split_experts(layer.pop(n), layout.ep) for n in expert_names]
-        router = [layer.pop(n) for n in list(layer) if n.startswith("feed_forward.gate")]
+        self.router = [layer.pop(n) for n in list(layer) if n.startswith("feed_forward.gate")]
+        self.layer = list(layer.values())
         first, last, self.layers = stage_contents(config, layout, rank)
         embedding = [s for n, s in root.items() if n.startswith("tok_embeddings")]
         head = [s for n, s in root.items() if not n.startswith("tok_embeddings")]  # norm, lm_head
-        stage_root = (embedding if first else []) + (head if last else [])
-        layer_units = []
-        for i in range(self.layers):
-            if router:  # (train_ep.py shards the router, the experts, then the rest of the layer)
-                layer_units.append((f"layer {i} router", router))
-            layer_units.append((f"layer {i}", list(layer.values())))
-        self.units = layer_units + ([("root", stage_root)] if stage_root else [])
+        self.root = (embedding if first else []) + (head if last else [])
+
+    def units(self) -> list[tuple[list, int]]:
+        """FSDP's units, the experts' apart, as (shapes, how many): each layer's router (train_ep.py
+        shards the router, the experts, then the rest of the layer), each layer, the root."""
+        units = [(self.router, self.layers), (self.layer, self.layers), (self.root, 1)]
+        return [(shapes, n) for shapes, n in units if shapes and n]
 
     def count(self) -> int:
         """How many parameters (tensors) this rank holds, the experts' apart."""
-        return sum(len(shapes) for _, shapes in self.units)
+        return sum(len(shapes) * n for shapes, n in self.units())
 
 
 def local_shape(name: str, shape: torch.Size, tp: int) -> tuple:
@@ -243,8 +252,8 @@ def stage_contents(config: LlamaConfig, layout: Layout, rank: int) -> tuple[bool
     v = layout.stages_per_rank
     stages = stage_ids_of_rank(rank // (layout.world_size // layout.pp), layout.pp, v)
     ranges = split_layers(config.num_hidden_layers, layout.pp * v)
-    last = layout.pp * v - 1
-    return 0 in stages, last in stages, sum(len(ranges[s]) for s in stages)
+    last = layout.pp * v - 1  # (a range's len() is a C integer: not for 10^30 layers)
+    return 0 in stages, last in stages, sum(ranges[s].stop - ranges[s].start for s in stages)
 
 
 def padded(shape: tuple, ranks: int) -> int:
@@ -275,25 +284,56 @@ def ddp_rows(shapes: Shapes, layout: Layout, names: GroupNames) -> list[dict]:
     """DDP's gradient buckets, all-reduced once per step (the last micro-batch's backward), and
     ZeRO-1's broadcast of every parameter by the rank that updated it."""
     name, n = names.of("world")
-    sizes = [4 * math.prod(s) for _, unit in shapes.units for s in unit]
-    rows = [row("all_reduce", name, n, len(ddp_buckets(sizes)), sum(sizes))]
+    layer = [4 * math.prod(s) for s in shapes.router + shapes.layer + shapes.experts]
+    root = [4 * math.prod(s) for s in shapes.root]
+    # The gradients in the order they become ready, about the reverse of the model's: the root's,
+    # then each layer's (the same sizes, `layers` times).
+    buckets = ddp_buckets([(root[::-1], 1), (layer[::-1], shapes.layers)])
+    total = sum(root) + shapes.layers * sum(layer)
+    rows = [row("all_reduce", name, n, buckets, total)]
     if layout.zero_stage == 1:
-        rows.append(row("broadcast", name, n, len(sizes), sum(sizes)))
+        rows.append(row("broadcast", name, n, len(root) + shapes.layers * len(layer), total))
     return rows
 
 
-def ddp_buckets(sizes: list[int]) -> list[int]:
-    """The bytes of each of DDP's buckets, for gradients of these sizes in the model's order: the
-    reducer's rule (torch's compute_bucket_assignment_by_size, as it rebuilds its buckets after
-    the first step), in the order gradients become ready, about the reverse of the model's: a
-    bucket closes once it holds FIRST_BUCKET_BYTES (the first) or BUCKET_BYTES (the others)."""
-    buckets, current, limit = [], 0, FIRST_BUCKET_BYTES
-    for size in reversed(sizes):
-        current += size
-        if current >= limit:
-            buckets.append(current)
-            current, limit = 0, BUCKET_BYTES
-    return buckets + ([current] if current else [])
+def ddp_buckets(runs: list[tuple[list[int], int]]) -> int:
+    """How many buckets DDP fills with gradients of these sizes, given in the order they become
+    ready as runs of (sizes, how many times over): the reducer's rule (torch's
+    compute_bucket_assignment_by_size, as it rebuilds its buckets after the first step), a
+    bucket closing once it holds FIRST_BUCKET_BYTES (the first) or BUCKET_BYTES (the others)."""
+    count, current, limit = 0, 0, FIRST_BUCKET_BYTES
+    for sizes, repeats in runs:
+        closed, current, limit = fill_buckets(sizes, repeats, current, limit)
+        count += closed
+    return count + (current > 0)
+
+
+def fill_buckets(sizes: list[int], repeats: int, current: int, limit: int) -> tuple[int, int, int]:
+    """(buckets closed, bytes left in the open one, its limit) after `repeats` runs of `sizes`
+    into a bucket holding `current` bytes that closes at `limit`. Each bucket jumps to where it
+    closes (the first gradient whose running sum reaches its limit); a bucket that closes where an
+    earlier one did in the run of sizes repeats it, so whole periods are skipped: a few jumps for
+    any `repeats`, 10^30 layers too."""
+    n, total = len(sizes), sum(sizes)
+    if not repeats or not total:
+        return 0, current, limit
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    cum = lambda i: i // n * total + prefix[i % n]  # noqa: E731  (bytes of the first i gradients)
+    end, start, closed, seen = repeats * n, 0, 0, {}
+    while True:
+        target = cum(start) + limit - current  # the first i with cum(i) >= target closes it
+        runs = max(0, -(-(target - total) // total))  # whole runs of sizes before it
+        i = runs * n + bisect.bisect_left(prefix, target - runs * total, lo=1)
+        if i > end:
+            return closed, current + cum(end) - cum(start), limit
+        closed, start, current, limit = closed + 1, i, 0, BUCKET_BYTES
+        if start % n in seen:  # the same place in the run: the same buckets follow, periodically
+            first, closed_then = seen.pop(start % n)
+            periods = (end - start) // (start - first)  # (then the rest, bucket by bucket)
+            start += periods * (start - first)
+            closed += periods * (closed - closed_then)
+        else:
+            seen[start % n] = start, closed
 
 
 def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNames) -> list:
@@ -313,22 +353,21 @@ def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNa
         gathers = m + 1 if layout.zero_stage == 3 else 1
     groups = names.fsdp()
     (name, n), rows = groups[0], []
-    units = [shape for _, shape in shapes.units]
-    parts = [(units, name, n)]
+    parts = [(shapes.units(), name, n)]
     if shapes.experts:  # every layer's experts: over the ranks that hold the same ones ("dp")
-        parts.append(([shapes.experts] * shapes.layers, *names.of("dp")))
-    for unit_shapes, group, size in parts:
-        elements = [sum(padded(s, size) for s in unit) for unit in unit_shapes]
-        count = len([e for e in elements if e])
+        parts.append(([(shapes.experts, shapes.layers)], *names.of("dp")))
+    for units, group, size in parts:
+        per_unit = [(sum(padded(s, size) for s in unit), k) for unit, k in units]
+        elements = sum(e * k for e, k in per_unit)
+        count = sum(k for e, k in per_unit if e)
         if size > 1:  # (a shard group of one rank: nothing to gather or scatter)
-            gathered = gathers * weight_bytes * sum(elements)
             rows += [
-                row("all_gather", group, size, gathers * count, gathered),
-                row("reduce_scatter", group, size, count, 4 * sum(elements)),
+                row("all_gather", group, size, gathers * count, gathers * weight_bytes * elements),
+                row("reduce_scatter", group, size, count, 4 * elements),
             ]
         if layout.replicate > 1 and group == name:
             replicas, r = groups[1]
-            rows.append(row("all_reduce", replicas, r, count, 4 * sum(elements) // size))
+            rows.append(row("all_reduce", replicas, r, count, 4 * elements // size))
     return rows
 
 
@@ -488,6 +527,12 @@ def muon_rows(
     hidden = [p.shape for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
     hidden = [s for s in hidden if len(s) == 2]  # (a stack of experts stays whole on its rank)
     _, _, layers = stage_contents(config, layout, rank)
+    if len(hidden) * layers > MUON_MATRICES:
+        raise ValueError(
+            f"--optimizer muon gives each hidden matrix an owner one matrix at a time, and "
+            f"{len(hidden) * layers:,} matrices are more than the {MUON_MATRICES:,} the plan "
+            f"counts: give at most {MUON_MATRICES // len(hidden):,} layers per stage"
+        )
     shapes = hidden * layers
     b = 2 if device == "cuda" else 4
     sharded = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
