@@ -15,9 +15,10 @@ is held against (tests/data/published_step_times.json).
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lib.extras.comm_formulas import step_rows
+from lib.extras.memory import strategy_layout
 from lib.extras.memory_formulas import (
     Workload,
     hidden_matrices,
@@ -321,7 +322,6 @@ def optimizer_seconds(
 # The planner's rows
 
 
-STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}
 STEP_FIELDS = ("step_time_s", "tokens_per_sec_per_gpu", "mfu", "compute_s", "exposed_comm_s")
 STEP_FIELDS += ("bubble_s", "optimizer_s", "recompute")
 
@@ -341,8 +341,7 @@ def add_step_times(
         if config is None:
             plan_row.update(dict.fromkeys(STEP_FIELDS))
             continue
-        flat = 1 if name != "hsdp" else layout.replicate  # ZeRO's rows shard over all ranks
-        strategy = replace(layout, zero_stage=STAGES[name], replicate=flat)
+        strategy = strategy_layout(name, layout)  # (its ZeRO stage; HSDP's replicas or none)
         chosen = recompute
         if recompute == "auto":
             chosen = "none" if plan_row.get("fits", True) else "full"
