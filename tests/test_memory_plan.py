@@ -419,6 +419,17 @@ def test_the_table_keeps_its_columns_apart_at_any_size(monkeypatch, capsys, argv
         fields = line.split()
         assert len(fields) == 10, line
         assert all(len(f) <= 8 for f in fields[1:]), line
+    # The step times too (a model of 10^30 layers has one: 1.23e+25 seconds and the like): a
+    # name, the recomputation, 7 figures, and whether it fits. (A bare count has none.)
+    titles = [i for i, line in enumerate(lines) if line.startswith("step time on")]
+    if "--params" in argv:
+        assert titles == [], out
+        return
+    times = titles[0] + 2
+    assert len(lines) == times + 4, out
+    for line in lines[times:]:
+        fields = line.split("   (")[0].split()
+        assert len(fields) == 9 and all(len(f) <= 8 for f in fields[2:]), line
 
 
 # -------------------------------------------------------------------------------------------------
