@@ -562,6 +562,13 @@ def muon_rows(
     hidden = [p.shape for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
     hidden = [s for s in hidden if len(s) == 2]  # (a stack of experts stays whole on its rank)
     _, _, layers = stage_contents(config, layout, rank)
+    b = 2 if device == "cuda" else 4
+    split = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
+    if not (split or layout.zero_stage >= 2):  # DDP's replicas, or ZeRO-1's own optimizers
+        if layout.zero_stage == 1 or layout.world_size == 1:
+            return []
+        numel = layers * sum(math.prod(s) for s in hidden)
+        return [row("broadcast", *names.of("world"), len(hidden) * layers, numel * b)]
     if len(hidden) * layers > MUON_MATRICES:
         raise ValueError(
             f"--optimizer muon gives each hidden matrix an owner one matrix at a time, and "
@@ -569,15 +576,6 @@ def muon_rows(
             f"counts: give at most {MUON_MATRICES // len(hidden):,} layers per stage"
         )
     shapes = hidden * layers
-    b = 2 if device == "cuda" else 4
-    sharded = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
-    sharded = sharded or layout.zero_stage >= 2
-    if not sharded:  # DDP's replicas, or ZeRO-1's per-rank optimizers (none)
-        if layout.zero_stage == 1 or layout.world_size == 1:
-            return []
-        owners = assign_owners([newton_schulz_flops(s) for s in shapes], layout.world_size)
-        numel = sum(math.prod(s) for s in shapes)
-        return [row("broadcast", *names.of("world"), len(shapes), numel * b)]
     # The matrices' mesh: FSDP's dimensions (the pipeline's: of one stage) and tp.
     fsdp = names.fsdp()[::-1]  # (in the mesh's order: HSDP's replicas, then its shard groups)
     dims = [d for d in fsdp if d[1] > 1] + ([names.of("tp")] if layout.tp > 1 else [])
