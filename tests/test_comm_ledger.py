@@ -10,6 +10,7 @@ Each case is one launch of 3 steps (the ledger records the third) of the tiny mo
 
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -17,15 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 from harness import REPO, cmd, launch_env, run_script
 
+from lib.extras import comm_formulas, memory
 from lib.extras.comm_formulas import step_rows, wire_bytes
-from lib.extras.memory_formulas import (
-    Workload,
-    all_to_all_bytes,
-    data_parallel_bytes,
-    hsdp_across_groups_bytes,
-    model_parallel_bytes,
-    stage_parameters,
-)
+from lib.extras.memory_formulas import Workload
 from lib.parallel.layout import Layout
 from model import LlamaConfig
 
@@ -202,76 +197,129 @@ def test_comm_ledger_refuses_a_run_it_cannot_record(flags, message, tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------
-# The planner's traffic figures (lib/extras/memory_formulas.py) against step_rows, on the wire
+# The planner's traffic figures (lib/extras/memory.py) are these rows on the wire
+
+# The mesh dimension each group of these layouts crosses, by the ledger's name of it: the
+# data-parallel ranks (HSDP's shard group, a tensor-parallel layout's dp group), HSDP's replicas,
+# and each model-parallel dimension.
+DIMENSION = {"world": "dp", "dp": "dp", "shard": "dp", "replicate+shard": "dp"}
+DIMENSION |= {d: d for d in ("replicate", "tp", "pp", "cp", "ep")}
 
 
-def wire(rows: list[dict], ops: tuple, groups: tuple) -> float:
-    """wire_bytes of the rows of these operations on these groups."""
-    return wire_bytes([r for r in rows if r["op"] in ops and r["group"] in groups])
+def sent_by_group(config, layout, workload) -> list[dict]:
+    """{dimension: wire_bytes} of step_rows' rows, by the dimension their group's name says, on
+    every pipeline stage (its rank 0 of each pp rank)."""
+    stages = []
+    for pp_rank in range(layout.pp):
+        rows = step_rows(config, layout, workload, rank=pp_rank * layout.world_size // layout.pp)
+        sent = dict.fromkeys(set(DIMENSION.values()), 0.0)
+        for r in rows:
+            sent[DIMENSION[r["group"]]] += wire_bytes([r])
+        stages.append(sent)
+    return stages
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("preset, world, replicate", [("7b", 8, 1), ("70b", 64, 8)])
-def test_the_planners_data_parallel_traffic_is_the_formulas_rows_on_the_wire(
-    preset, world, replicate, precision
+@pytest.mark.parametrize(
+    "preset, layout, experts",
+    [
+        ("7b", Layout(64, 64, replicate=8), 0),
+        ("7b", Layout(64, 4, tp=8, pp=2, replicate=2, sequence_parallel=True), 0),
+        ("7b", Layout(32, 4, pp=8, schedule="interleaved", stages_per_rank=2), 0),
+        ("7b", Layout(16, 2, cp=8), 0),
+        ("1b", Layout(16, 16, ep=8), 8),
+    ],
+    ids=["hsdp", "tp-pp-hsdp", "pp-interleaved", "cp", "ep"],
+)
+def test_the_planners_traffic_is_the_formulas_rows_on_the_wire_by_the_group_they_cross(
+    preset, layout, experts
 ):
-    # What DDP, ZeRO-1, ZeRO-2, ZeRO-3 and HSDP send, as the planner prints it, equals the
-    # ledger's rows of those collectives sent round a ring: the same model, not two. (The step's
-    # own small sums, its target count, loss and gradient norm, are not in the planner's.)
-    config = LlamaConfig.from_preset(preset)
-    workload = Workload(1, 4096, 2, precision)
-    params = stage_parameters(config, 1, 1)[0]
-    planner = data_parallel_bytes(params, world, precision, 2, replicate)
-    data = ("all_gather", "reduce_scatter", "broadcast")
-    for strategy, stage in [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)]:
-        rows = step_rows(config, Layout(world, world, zero_stage=stage), workload)
-        big = [r for r in rows if r["bytes"] > 1e6]  # the gradients' and weights' collectives
-        assert wire_bytes(big) == pytest.approx(planner[strategy], rel=1e-9), strategy
-        assert wire(rows, data, ("world",)) <= planner[strategy]
-    if replicate > 1:
-        hsdp = Layout(world, world, replicate=replicate)
-        rows = [r for r in step_rows(config, hsdp, workload) if r["bytes"] > 1e6]
-        assert wire_bytes(rows) == pytest.approx(planner["hsdp"], rel=1e-9)
-        across = hsdp_across_groups_bytes(params, world, replicate)
-        assert wire(rows, ("all_reduce",), ("replicate",)) == pytest.approx(across, rel=1e-9)
+    # Every traffic figure of the plan, each strategy's dp comm (HSDP's across its groups too) and
+    # each model-parallel dimension's, is wire_bytes of the step's rows on that dimension's
+    # groups, the most any pipeline stage sends (every stage counted here; uneven: 30 layers).
+    config = LlamaConfig.from_preset(preset, num_local_experts=experts, num_hidden_layers=30)
+    workload = Workload(1, 4096, 8, "bf16")
+    p = memory.plan(config, layout, workload)
+    for name, plan_row in p["strategies"].items():
+        stages = sent_by_group(config, memory.strategy_layout(name, layout), workload)
+        dp = max(s["dp"] + s["replicate"] for s in stages)
+        assert plan_row["dp_comm_gb"] * 1e9 == pytest.approx(dp, rel=1e-12), name
+    stages = sent_by_group(config, layout, workload)
+    for dim, key in [("tp", "tp_comm_gb"), ("pp", "pp_comm_gb"), ("cp", "cp_comm_gb")]:
+        assert p[key] * 1e9 == pytest.approx(max(s[dim] for s in stages), rel=1e-12), dim
+    across = max(s["replicate"] for s in stages)
+    assert (p["hsdp_across_groups_gb"] or 0) * 1e9 == pytest.approx(across, rel=1e-12)
+    assert (p["ep_comm_gb"] or 0) * 1e9 == pytest.approx(max(s["ep"] for s in stages), rel=1e-12)
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_planners_pipeline_and_context_traffic_is_the_formulas_rows_on_the_wire(precision):
+def test_the_planners_dimensions_stay_apart_where_one_group_spans_every_rank():
+    # CP over all 8 ranks: FSDP's collectives (dp x cp ranks) and CP's run on the same group,
+    # which the ledger names "cp"; the plan still tells them apart: together they are that
+    # group's rows, and CP's alone are its keys' and values' all-gathers and reduce-scatters.
     config = LlamaConfig.from_preset("7b")
-    workload = Workload(1, 4096, 8, precision)
-    for layout, key, op_groups in [
-        (Layout(16, 2, cp=8), "context_parallel", (("all_gather", "reduce_scatter"), ("cp",))),
-        (Layout(8, 1, pp=8), "pipeline", (("send",), ("pp",))),
-        (Layout(16, 1, pp=4, schedule="interleaved", stages_per_rank=2), "pipeline", None),
-    ]:
-        planner = model_parallel_bytes(config, layout, workload)[key]
-        # (a middle stage of the pipeline: it sends both ways)
-        rows = step_rows(config, layout, workload, rank=layout.world_size // layout.pp)
-        ops, groups = op_groups or (("send",), ("pp",))
-        assert wire(rows, ops, groups) == pytest.approx(planner, rel=1e-9), (layout, key)
+    layout, workload = Layout(8, 1, cp=8), Workload(1, 4096, 2, "bf16")
+    p = memory.plan(config, layout, workload)
+    rows = step_rows(config, layout, workload)
+    assert {r["group"] for r in rows} == {"cp"}
+    both = p["strategies"]["zero3"]["dp_comm_gb"] + p["cp_comm_gb"]
+    assert both * 1e9 == pytest.approx(wire_bytes(rows), rel=1e-12)
+    kv = 2 * 4096 * 4096 * 2  # keys and values of the whole sequence, bf16, per layer
+    cp = 2 * 7 / 8 * kv * 32 * 2  # all-gathered and reduce-scattered, 32 layers, 2 micro-batches
+    assert p["cp_comm_gb"] * 1e9 == pytest.approx(cp, rel=1e-12)
+
+
+# -------------------------------------------------------------------------------------------------
+# Any depth: every decoder layer is alike, so step_rows counts one and multiplies
+
+
+def buckets_one_at_a_time(sizes: list[int]) -> int:
+    """DDP's buckets filled gradient by gradient: the reducer's rule, as written in torch."""
+    count, current, limit = 0, 0, comm_formulas.FIRST_BUCKET_BYTES
+    for size in sizes:
+        current += size
+        if current >= limit:
+            count, current, limit = count + 1, 0, comm_formulas.BUCKET_BYTES
+    return count + (current > 0)
 
 
 @pytest.mark.quick
-def test_the_planners_tensor_and_expert_traffic_leaves_out_only_what_it_names():
-    # The planner counts TP's four all-reduces per layer and EP's four all-to-alls of the pairs;
-    # the rows add, per micro-batch, the embedding's and lm_head's all-reduces and loss_parallel's
-    # three numbers per token (TP), and the counts each MoE layer sends first (EP).
+def test_ddps_buckets_over_repeated_layers_are_those_filled_one_gradient_at_a_time():
+    # The closed form jumps from bucket to bucket and skips whole periods of identical layers:
+    # layers far smaller and far larger than a bucket, sizes of zero, and the 1 MiB first bucket
+    # closing inside the layers.
+    mib, rng = 2**20, random.Random(0)
+    for _ in range(300):
+        scale = rng.choice([100, mib // 10, mib, 10 * mib, 60 * mib])
+        root = [rng.randint(0, scale) for _ in range(rng.randint(0, 3))]
+        layer = [rng.choice([0, rng.randint(1, scale)]) for _ in range(rng.randint(1, 9))]
+        layers = rng.randint(0, 2000)
+        want = buckets_one_at_a_time(root + layer * layers)
+        assert comm_formulas.ddp_buckets([(root, 1), (layer, layers)]) == want, (root, layer)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(8, 8, zero_stage=1), Layout(8, 8, replicate=2), Layout(8, 2, tp=2, pp=2)],
+    ids=["zero1", "hsdp", "tp-pp"],
+)
+def test_a_model_of_10_to_the_30_layers_has_rows_in_proportion_to_its_layers(layout):
+    # Two depths L and 2L (on a pipeline, per stage): what grows with the layers doubles, the
+    # rest (the root's, the loss's) stays; so the rows of 2L less those of L are L layers' worth,
+    # exactly, at L = 10^6 and 10^30 alike. (DDP's bucket count is the test above's.)
     config = LlamaConfig.from_preset("7b")
     workload = Workload(1, 4096, 4, "bf16")
-    layout = Layout(16, 2, tp=8)
-    planner = model_parallel_bytes(config, layout, workload)["tensor_parallel"]
-    ring, m, L = 2 * 7 / 8, 4, config.num_hidden_layers
-    loss_parallel = ring * m * 3 * 4096 * 4  # (and the gradient norms: 4 bytes a parameter)
-    assert wire(step_rows(config, layout, workload), ("all_reduce",), ("tp",)) == pytest.approx(
-        planner * (4 * L + 2) / (4 * L) + loss_parallel, rel=1e-6
-    )
-    moe = dataclasses.replace(config, num_local_experts=8, num_experts_per_tok=2)
-    layout = Layout(8, 8, ep=8)
-    planner = all_to_all_bytes(moe, layout, workload)
-    counts = 7 / 8 * 8 * moe.num_local_experts * L * m
-    assert wire(step_rows(moe, layout, workload), ("all_to_all",), ("ep",)) == pytest.approx(
-        planner + counts, rel=1e-9
-    )
+    small, huge = 10**6, 10**30
+
+    def rows(layers: int) -> dict:
+        deep = dataclasses.replace(config, num_hidden_layers=layers)
+        return {key(r): r for r in step_rows(deep, layout, workload)}
+
+    a, b, c, d = rows(small), rows(2 * small), rows(huge), rows(2 * huge)
+    assert a.keys() == b.keys() == c.keys() == d.keys()
+    buckets = ("all_reduce", "world", 8)
+    for k in a:
+        for part in ("calls", "bytes") if k != buckets else ("bytes",):
+            assert (d[k][part] - c[k][part]) * small == (b[k][part] - a[k][part]) * huge, (k, part)
+    assert any(b[k]["bytes"] > a[k]["bytes"] for k in a)  # (some rows grow with the layers)

@@ -184,17 +184,33 @@ def test_bubble_fraction_is_p_minus_1_over_m_plus_p_minus_1():
 
 
 def test_communication_per_step_follows_the_ring_formulas():
-    # 1e6 parameters on 4 data-parallel ranks in bf16, 2 micro-batches: DDP all-reduces 4-byte
-    # gradients (2 * 3/4 * 4e6 bytes); ZeRO-3 gathers 2-byte weights twice per micro-batch.
-    sent = formulas.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2)
-    assert sent["ddp"] == 2 * 0.75 * 4e6
-    # ZeRO-1 (ZeroRedundancyOptimizer): DDP's all-reduce, then the fp32 weights broadcast.
-    assert sent["zero1"] == 2 * 0.75 * 4e6 + 0.75 * 4e6
-    assert sent["zero3"] == 0.75 * (2 * 2 * 2e6 + 4e6)
-    # tp 2: 4 all-reduces of s*b*h bf16 activations (32,768 bytes) per layer and micro-batch.
-    c = formulas.model_parallel_bytes(SHAPE, grid(8, tp=2), work(micro_batches=2))
-    assert c["tensor_parallel"] == 4 * 2 * 0.5 * 32_768 * 3 * 2
-    assert c["pipeline"] == 0
+    # SHAPE's 251,328 parameters (30 tensors, none padded over 4 ranks) on 4 data-parallel ranks
+    # in bf16, 2 micro-batches. Every row also adds up the step's target count and loss (12
+    # bytes, all-reduced: 2 * 3/4 * 12 = 18 bytes sent).
+    P, sums = 251_328, 18
+    p = memory.plan(SHAPE, grid(4), work(micro_batches=2))
+    sent = {name: row["dp_comm_gb"] * 1e9 for name, row in p["strategies"].items()}
+    # DDP all-reduces the 4-byte gradients once (2 * 3/4 * 4P bytes); ZeRO-1
+    # (ZeroRedundancyOptimizer) then broadcasts the fp32 weights (3/4 * 4P).
+    assert sent["ddp"] == pytest.approx(2 * 0.75 * 4 * P + sums, rel=1e-12)
+    assert sent["zero1"] == pytest.approx(2 * 0.75 * 4 * P + 0.75 * 4 * P + sums, rel=1e-12)
+    # ZeRO-3 gathers the 2-byte weights twice per micro-batch and reduce-scatters the 4-byte
+    # gradients once, and all-reduces the 30 sharded gradients' norms (4 bytes each).
+    norms = 2 * 0.75 * 4 * 30
+    assert sent["zero3"] == pytest.approx(0.75 * (2 * 2 * 2 * P + 4 * P) + norms + sums, rel=1e-12)
+    # tp 2: per micro-batch, 4 all-reduces of s*b*h bf16 activations (32,768 bytes) per layer,
+    # and 2 more (the embedding's output, lm_head's input gradient); loss_parallel's 3 fp32 numbers
+    # per token; the gradients' norms (30 tensors). An all-reduce over 2 ranks sends its bytes.
+    c = memory.plan(SHAPE, grid(8, tp=2), work(micro_batches=2))
+    loss_parallel = 3 * 256 * 4 * 2
+    assert c["tp_comm_gb"] * 1e9 == pytest.approx(
+        (4 * 3 + 2) * 32_768 * 2 + loss_parallel + 4 * 30, rel=1e-12
+    )
+    assert c["pp_comm_gb"] == 0 and c["hsdp_across_groups_gb"] is None
+    # A bare parameter count has no shapes: no collectives to count, as no activations.
+    bare = memory.plan(1_000_000, grid(4), work())
+    assert all(row["dp_comm_gb"] is None for row in bare["strategies"].values())
+    assert bare["tp_comm_gb"] is None and " n/a" in memory.format_plan(bare).splitlines()[2]
 
 
 def test_world_size_must_be_a_multiple_of_tp_times_pp(monkeypatch, capsys):
@@ -245,8 +261,8 @@ def test_context_parallel_traffic_is_the_keys_and_values_gathered_and_reduced():
     # cp 2 on 4 ranks (dp 2): K and V of the whole sequence (s*b*kv_dim = 16384 bf16 values each)
     # all-gathered forward and reduce-scattered backward, half of them sent, per layer and
     # micro-batch (2). The ZeRO strategies shard over all 4 ranks that hold the same weights.
-    c = formulas.model_parallel_bytes(SHAPE, grid(4, cp=2), work(micro_batches=2))
-    assert c["context_parallel"] == 4 * 0.5 * 16384 * 2 * 3 * 2
+    c = memory.plan(SHAPE, grid(4, cp=2), work(micro_batches=2))
+    assert c["cp_comm_gb"] * 1e9 == pytest.approx(4 * 0.5 * 16384 * 2 * 3 * 2, rel=1e-12)
     p = memory.plan(SHAPE, grid(4, cp=2), work("fp32"), num_params=1_000_000)
     assert p["dp"] == 2 and p["strategies"]["zero3"]["params_gb"] == 4e6 / 4 / 1e9
 
@@ -256,12 +272,17 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     p = memory.plan(1_000_000, grid(8, replicate=2), Workload(precision="fp32"))
     assert p["strategies"]["hsdp"]["params_gb"] == 4e6 / 4 / 1e9
     assert p["strategies"]["zero3"]["params_gb"] == 4e6 / 8 / 1e9
-    # Traffic: ZeRO-3 within the group of 2 (4 ranks, replicate 2), then one all-reduce of the
-    # 1/2 gradient shard across the 2 groups: the only bytes between groups.
-    across = 2 * 0.5 * 4e6 / 2
-    assert formulas.hsdp_across_groups_bytes(1e6, 4, replicate=2) == across
-    sent = formulas.data_parallel_bytes(1e6, 4, "bf16", micro_batches=2, replicate=2)
-    assert sent["hsdp"] == 0.5 * (2 * 2 * 2e6 + 4e6) + across
+    # Traffic: ZeRO-3 within a group of 4, then one all-reduce of the 1/4 fp32 gradient shard
+    # across the 2 groups, the only bytes between groups. SHAPE in fp32, 1 micro-batch.
+    P = 251_328
+    p = memory.plan(SHAPE, grid(8, replicate=2), work("fp32"))
+    across = 2 * 0.5 * 4 * P / 4
+    assert p["hsdp_across_groups_gb"] * 1e9 == pytest.approx(across, rel=1e-12)
+    # (and the step's sums over all 8 ranks, the norms of 30 gradient shards within the group)
+    small = 2 * 7 / 8 * 12 + 2 * 0.75 * 4 * 30
+    within = 0.75 * (2 * 4 * P + 4 * P)
+    hsdp = p["strategies"]["hsdp"]["dp_comm_gb"] * 1e9
+    assert hsdp == pytest.approx(within + across + small, rel=1e-12)
     assert "hsdp" not in memory.plan(1_000_000, grid(8), Workload(precision="fp32"))["strategies"]
 
 
@@ -398,6 +419,17 @@ def test_the_table_keeps_its_columns_apart_at_any_size(monkeypatch, capsys, argv
         fields = line.split()
         assert len(fields) == 10, line
         assert all(len(f) <= 8 for f in fields[1:]), line
+    # The step times too (a model of 10^30 layers has one: 1.23e+25 seconds and the like): a
+    # name, the recomputation, 7 figures, and whether it fits. (A bare count has none.)
+    titles = [i for i, line in enumerate(lines) if line.startswith("step time on")]
+    if "--params" in argv:
+        assert titles == [], out
+        return
+    times = titles[0] + 2
+    assert len(lines) == times + 4, out
+    for line in lines[times:]:
+        fields = line.split("   (")[0].split()
+        assert len(fields) == 9 and all(len(f) <= 8 for f in fields[2:]), line
 
 
 # -------------------------------------------------------------------------------------------------
@@ -452,11 +484,15 @@ def test_a_mixture_of_experts_stores_k_experts_activations_and_the_dispatched_co
 def test_the_all_to_all_traffic_is_four_exchanges_of_the_pairs_that_leave_the_rank():
     # 2 x 128 tokens, 2 experts each: 512 pairs of 64 values; 3 of 4 leave the rank at ep 4;
     # dispatch and combine, forward and backward, in bf16 (2 bytes), 3 layers, 2 micro-batches.
-    got = formulas.all_to_all_bytes(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
-    assert got == 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
-    assert formulas.all_to_all_bytes(MOE_SHAPE, grid(8), work(micro_batches=2)) == 0
+    # Before them, each layer's counts (4 int64, one per expert); after the backward, the
+    # experts' gradient norms (3 tensors a layer, 4 bytes each) are all-reduced over ep.
+    pairs = 4 * 512 * 64 * 3 / 4 * 2 * 3 * 2
+    counts = 3 / 4 * 8 * 4 * 3 * 2
+    norms = 2 * 3 / 4 * 4 * 3 * 3
     p = memory.plan(MOE_SHAPE, grid(8, ep=4), work(micro_batches=2))
-    assert p["ep_comm_gb"] == got / 1e9 and p["micro_batches"] == 2
+    assert p["ep_comm_gb"] * 1e9 == pytest.approx(pairs + counts + norms, rel=1e-12)
+    assert p["micro_batches"] == 2
+    assert memory.plan(MOE_SHAPE, grid(8), work(micro_batches=2))["ep_comm_gb"] == 0
 
 
 @pytest.mark.parametrize(

@@ -117,3 +117,22 @@ def test_fsdp_reduces_the_gradients_behind_the_last_micro_batchs_backward_only()
     last_backward = step["compute_s"] * 2 / 3 / 64
     assert sum(seconds.values()) < step["compute_s"]  # the link keeps up with the whole step
     assert step["exposed_comm_s"] >= seconds["reduce_scatter"] - last_backward > 0
+
+
+def test_a_plan_of_10_to_the_30_layers_has_a_step_time_per_layer_as_a_deep_models():
+    # step_rows counts one layer and multiplies: no depth is too deep to plan, and past a
+    # million layers the step time grows with them, the embedding and loss a rounding error.
+    from lib.extras import memory
+
+    layout = Layout(world_size=64, dp=2, tp=8, pp=4)
+    work = Workload(seq_length=4096, micro_batches=16)
+
+    def per_layer(layers: int) -> dict:
+        config = LlamaConfig.from_preset("7b", num_hidden_layers=layers)
+        strategies = memory.plan(config, layout, work, cluster=H100, recompute="full")
+        return {name: row["step_time_s"] / layers for name, row in strategies["strategies"].items()}
+
+    deep, absurd = per_layer(10**6), per_layer(10**30)
+    assert deep.keys() == absurd.keys() == {"ddp", "zero1", "zero2", "zero3"}
+    for name, seconds in absurd.items():
+        assert seconds == pytest.approx(deep[name], rel=1e-4), name

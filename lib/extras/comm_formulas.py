@@ -7,19 +7,20 @@ planner can turn them into bytes on the wire (wire_bytes).
     rows = step_rows(config, layout, workload, rank=3)  # a pipeline's other stages differ
     wire_bytes(rows)                                    # what this rank sends, round a ring
 
-lib/extras/memory_formulas.py's traffic figures (data_parallel_bytes, hsdp_across_groups_bytes,
-model_parallel_bytes, all_to_all_bytes) are these rows' wire_bytes, less the step's small sums
-(target count, loss, gradient norms) and, for TP and EP, the collectives they name as left out:
-tests/test_comm_ledger.py holds them to each other.
+The memory planner's traffic figures (lib/extras/memory.py: each strategy's dp comm, and what
+crosses tp, pp, cp, ep and HSDP's replica groups) are these rows' wire_bytes, by the mesh
+dimension each crosses (dimension_rows), on the pipeline stage that sends the most.
 
 The strategy is the Layout's: tp, pp, cp or ep above 1 are train_tp.py's, train_pp.py's,
-train_cp.py's and train_ep.py's grids (with FSDP over their dp ranks); otherwise zero_stage says
-which data-parallel lesson: 0 train_ddp.py, 1 train_zero1.py, 2 and 3 train_fsdp.py (HSDP with
-replicate > 1). A row's group is named as the ledger names it: the mesh dimension it belongs to
-("dp", "replicate", "shard", "tp", "pp", "cp", "ep"; a dimension that spans every rank is the
-default group itself and keeps its name), "world" for the default group otherwise, and a group
-of two dimensions by both ("replicate+shard": train_tp.py's and train_pp.py's dp group under
-HSDP). Rows of a group of one rank are kept (the lessons ask them; nothing crosses a wire).
+train_cp.py's and train_ep.py's grids (with FSDP over their dp ranks; a mixture of experts is
+train_ep.py's at any ep); otherwise zero_stage says which data-parallel lesson: 0 train_ddp.py, 1
+train_zero1.py, 2 and 3 train_fsdp.py (HSDP with replicate > 1). Zero stages 0 and 1 with tp, pp or
+cp, or with experts at ep 1 (no lesson: the planner's ddp and zero1 rows), are DDP over the dp
+ranks. A row's group is named as the ledger names it: the mesh dimension it belongs to ("dp",
+"replicate", "shard", "tp", "pp", "cp", "ep"; a dimension that spans every rank is the default group
+itself and keeps its name), "world" for the default group otherwise, and a group of two dimensions
+by both ("replicate+shard": train_tp.py's and train_pp.py's dp group under HSDP). Rows of a group of
+one rank are kept (the lessons ask them; nothing crosses a wire).
 
 Every figure is exact, computed from the parameters' shapes (one decoder layer built on the meta
 device) and the lessons' own rules, with one exception, named in the row's "tolerance" (bytes it
@@ -29,7 +30,9 @@ receives as many pairs as it sends); the pairs every rank sends add up exactly o
 (the test holds the sum), while one rank's bytes may be off by `tolerance`.
 """
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections import defaultdict
 
@@ -41,6 +44,8 @@ from model import LlamaConfig, LlamaForPretraining
 
 FIRST_BUCKET_BYTES = 1024**2  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 * 1024**2  # DDP's bucket_cap_mb default (25 MiB)
+# Muon's owners are assigned matrix by matrix (lib/extras/muon.py): the most a plan counts.
+MUON_MATRICES = 100_000
 TOKENS, LOSS, NORM = 8, 4, 4  # bytes: the step's target count (int64), loss sum and norms (fp32)
 # The matrices tensor parallelism splits by rows of their weight (ColwiseParallel: Shard(0)) and
 # by columns (RowwiseParallel: Shard(1)); the norms' gains stay whole.
@@ -48,10 +53,18 @@ COLWISE = ("wq", "wk", "wv", "w1", "w3", "lm_head", "tok_embeddings")
 ROWWISE = ("wo", "w2")
 
 
-def row(op: str, group: str, size: int, calls: int, nbytes: float, tolerance: float = 0) -> dict:
-    """One row of the ledger's schema (tolerance: only where bytes are not exact)."""
+def row(
+    op: str, group: str, size: int, calls: int, nbytes: float, tolerance: float = 0, dim: str = ""
+) -> dict:
+    """One row of the ledger's schema (tolerance: only where bytes are not exact; dim: the mesh
+    dimension it crosses, only before merge)."""
     r = {"op": op, "group": group, "group_size": size, "calls": calls, "bytes": int(nbytes)}
-    return r | ({"tolerance": int(tolerance)} if tolerance else {})
+    return r | ({"tolerance": int(tolerance)} if tolerance else {}) | ({"dim": dim} if dim else {})
+
+
+def across(dim: str, rows: list[dict]) -> list[dict]:
+    """The rows, each tagged with the mesh dimension it crosses (where not tagged already)."""
+    return [{"dim": dim} | r for r in rows]
 
 
 def step_rows(
@@ -61,21 +74,32 @@ def step_rows(
     rank `rank`, each (op, group) once, in the ledger's order. The Workload's micro_batches and
     micro_batch_size are each rank's (the pipeline's m micro-batches of so many sequences).
     device: where Muon's Newton-Schulz runs (bf16 on "cuda", fp32 on "cpu"); nothing else."""
-    names = GroupNames(layout)
+    return merge(dimension_rows(config, layout, workload, rank, device))
+
+
+def dimension_rows(
+    config: LlamaConfig, layout: Layout, workload: Workload, rank: int = 0, device: str = "cuda"
+) -> list[dict]:
+    """step_rows' rows before they are merged, each tagged with the mesh dimension it crosses,
+    its "dim": "dp" (the data-parallel ranks: DDP's and FSDP's collectives, the step's sums),
+    "replicate" (HSDP's, between its replica groups), "tp", "pp", "cp", "ep" or "muon" (Muon's
+    exchange): the planner adds them up by dimension (lib/extras/memory.py), where a group that
+    spans every rank would merge two dimensions' rows into one."""
+    names = GroupNames(layout, experts=bool(config.num_local_experts))
     shapes = Shapes(config, layout, rank)
     rows = loss_rows(layout, names)
-    if layout.tp == layout.pp == layout.cp == layout.ep == 1 and layout.zero_stage < 2:
-        rows += ddp_rows(shapes, layout, names)
-    else:
+    if sharded(layout):
         rows += fsdp_rows(shapes, layout, workload, names)
-        rows += norm_rows(shapes, layout, names, workload.precision)
-    rows += tensor_parallel_rows(config, layout, workload, names, rank)
-    rows += pipeline_rows(config, layout, workload, names, rank)
-    rows += context_parallel_rows(config, layout, workload, names)
-    rows += expert_parallel_rows(config, layout, workload, names)
+    else:
+        rows += across("dp", ddp_rows(shapes, layout, names))
+    rows += norm_rows(shapes, layout, names, workload.precision)
+    rows += across("tp", tensor_parallel_rows(config, layout, workload, names, rank))
+    rows += across("pp", pipeline_rows(config, layout, workload, names, rank))
+    rows += across("cp", context_parallel_rows(config, layout, workload, names))
+    rows += across("ep", expert_parallel_rows(config, layout, workload, names))
     if workload.optimizer == "muon":
-        rows += muon_rows(config, layout, names, rank, device)
-    return merge(rows)
+        rows += across("muon", muon_rows(config, layout, names, rank, device))
+    return rows
 
 
 def merge(rows: list[dict]) -> list[dict]:
@@ -95,8 +119,8 @@ def merge(rows: list[dict]) -> list[dict]:
 
 
 def wire_bytes(rows: list[dict]) -> float:
-    """What the rows send from one rank, in a ring of the row's n ranks (the model
-    lib/extras/memory_formulas.py's traffic figures use): an all-reduce of B bytes sends
+    """What the rows send from one rank, in a ring of the row's n ranks (the planner's traffic
+    figures, lib/extras/memory.py): an all-reduce of B bytes sends
     2 (n - 1) / n B, an all-gather (B its output), a reduce-scatter (B its input), an all-to-all
     (B its input) and a broadcast (pipelined along the ring: every rank but the last passes each
     buffer on, (n - 1) / n of them on average) (n - 1) / n B, a send its B; a receive nothing."""
@@ -118,16 +142,18 @@ def wire_bytes(rows: list[dict]) -> float:
 class GroupNames:
     """The ledger's name of each group a lesson's collectives run on, from the Layout alone: the
     lesson's mesh dimensions in order (then FSDP's own mesh), a dimension spanning every rank
-    being the default group itself, which is named after the first such dimension."""
+    being the default group itself, which is named after the first such dimension. experts: the
+    model is a mixture of experts, which train_ep.py trains on its (dp, ep) mesh at any --ep, 1
+    included (dp then spans every rank, and ep is a group of one)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, experts: bool = False):
         n = layout.world_size
         fsdp = [("replicate", layout.replicate), ("shard", n_shard(layout))]
         fsdp = fsdp if layout.replicate > 1 else [("dp", layout.dp)]
         if layout.tp > 1 or layout.pp > 1:
             mesh = ([("pp", layout.pp)] if layout.pp > 1 else []) + fsdp + [("tp", layout.tp)]
             fsdp_mesh = []
-        elif layout.cp > 1 or layout.ep > 1:
+        elif layout.cp > 1 or layout.ep > 1 or experts:
             mesh = [("dp", n // layout.ep // layout.cp)]
             mesh += [("cp", layout.cp)] if layout.cp > 1 else [("ep", layout.ep)]
             fsdp_mesh = fsdp if layout.replicate > 1 else []
@@ -140,9 +166,9 @@ class GroupNames:
 
     def of(self, dim: str) -> tuple[str, int]:
         """(name, size) of the group of mesh dimension `dim`, or "world" (the default group)."""
-        if dim == "world" or dim not in self.sizes:  # (no such dimension: every rank, as the
-            return self.world, self.layout.world_size  # experts of a dense layout's planner row)
-        size = self.sizes[dim]
+        if dim == "world":
+            return self.world, self.layout.world_size
+        size = self.sizes[dim]  # (KeyError: the layout has no such dimension)
         return (self.world if size == self.layout.world_size else dim), size
 
     def fsdp(self) -> list[tuple[str, int]]:
@@ -168,6 +194,13 @@ class GroupNames:
         return self.of("dp")
 
 
+def sharded(layout: Layout) -> bool:
+    """Whether FSDP shards the data-parallel ranks' states (ZeRO-2, ZeRO-3, and every expert-
+    parallel layout: train_ep.py shards with FSDP alone) or DDP replicates them (the planner's ddp
+    and zero1 rows of a tensor-, pipeline- or context-parallel layout too, over its dp ranks)."""
+    return layout.zero_stage >= 2 or layout.ep > 1
+
+
 def n_shard(layout: Layout) -> int:
     """The ranks of one FSDP shard group (HSDP's, or all those FSDP spans)."""
     return layout.world_size // (layout.tp * layout.pp * layout.replicate)
@@ -183,10 +216,14 @@ class Shapes:
     split applied (COLWISE: dim 0 / tp; ROWWISE: dim 1 / tp), in the units the lessons give
     fully_shard (each decoder layer, then the root: embedding, final norm, lm_head; a pipeline
     stage is the root of its own layers; in a mixture of experts, each layer's router and its
-    experts are units of their own, the experts split over ep)."""
+    experts are units of their own, the experts split over ep). Every decoder layer has the same
+    shapes: one is built (on the meta device) and counted `layers` times, so that a model of any
+    depth costs the same to count."""
 
-    units: list  # [(name, [shape, ...])], in the order the lesson's forward gathers them
+    layer: list  # [shape, ...] of one decoder layer's unit, its router and experts apart
+    router: list  # [shape] of one MoE layer's router unit (empty: dense)
     experts: list  # [shape, ...] of one MoE layer's experts unit (empty: dense)
+    root: list  # [shape, ...] of this rank's root unit (empty: a pipeline stage without one)
     layers: int  # decoder layers on this rank
 
     def __init__(self, config: LlamaConfig, layout: Layout, rank: int = 0):
@@ -199,21 +236,22 @@ class Shapes:
         root = {n: s for n, s in local.items() if not n.startswith("layers.")}
         expert_names = [n for n in layer if ".feed_forward.w" in f".{n}" and len(layer[n]) == 3]
         self.experts = [split_experts(layer.pop(n), layout.ep) for n in expert_names]
-        router = [layer.pop(n) for n in list(layer) if n.startswith("feed_forward.gate")]
+        self.router = [layer.pop(n) for n in list(layer) if n.startswith("feed_forward.gate")]
+        self.layer = list(layer.values())
         first, last, self.layers = stage_contents(config, layout, rank)
         embedding = [s for n, s in root.items() if n.startswith("tok_embeddings")]
         head = [s for n, s in root.items() if not n.startswith("tok_embeddings")]  # norm, lm_head
-        stage_root = (embedding if first else []) + (head if last else [])
-        layer_units = []
-        for i in range(self.layers):
-            if router:  # (train_ep.py shards the router, the experts, then the rest of the layer)
-                layer_units.append((f"layer {i} router", router))
-            layer_units.append((f"layer {i}", list(layer.values())))
-        self.units = layer_units + ([("root", stage_root)] if stage_root else [])
+        self.root = (embedding if first else []) + (head if last else [])
+
+    def units(self) -> list[tuple[list, int]]:
+        """FSDP's units, the experts' apart, as (shapes, how many): each layer's router (train_ep.py
+        shards the router, the experts, then the rest of the layer), each layer, the root."""
+        units = [(self.router, self.layers), (self.layer, self.layers), (self.root, 1)]
+        return [(shapes, n) for shapes, n in units if shapes and n]
 
     def count(self) -> int:
         """How many parameters (tensors) this rank holds, the experts' apart."""
-        return sum(len(shapes) for _, shapes in self.units)
+        return sum(len(shapes) * n for shapes, n in self.units())
 
 
 def local_shape(name: str, shape: torch.Size, tp: int) -> tuple:
@@ -240,11 +278,17 @@ def stage_contents(config: LlamaConfig, layout: Layout, rank: int) -> tuple[bool
         return True, True, config.num_hidden_layers
     from lib.parallel.pipeline import split_layers, stage_ids_of_rank
 
-    v = layout.stages_per_rank
+    v = stages_per_rank(layout)
     stages = stage_ids_of_rank(rank // (layout.world_size // layout.pp), layout.pp, v)
     ranges = split_layers(config.num_hidden_layers, layout.pp * v)
-    last = layout.pp * v - 1
-    return 0 in stages, last in stages, sum(len(ranges[s]) for s in stages)
+    last = layout.pp * v - 1  # (a range's len() is a C integer: not for 10^30 layers)
+    return 0 in stages, last in stages, sum(ranges[s].stop - ranges[s].start for s in stages)
+
+
+def stages_per_rank(layout: Layout) -> int:
+    """A pipeline rank's stages: --stages-per-rank under the interleaved schedule, else one (as
+    the planner's --stages-per-rank, 2 by default, means nothing to the other schedules)."""
+    return layout.stages_per_rank if layout.schedule == "interleaved" else 1
 
 
 def padded(shape: tuple, ranks: int) -> int:
@@ -261,39 +305,66 @@ def padded(shape: tuple, ranks: int) -> int:
 def loss_rows(layout: Layout, names: GroupNames) -> list[dict]:
     """Every lesson's own sums: the global batch's target count before its forwards, and the
     step's loss sum after them (train_pp.py: the last stage's, summed over the pipeline first)."""
-    name, size = names.dp_group()
+    sums = [row("all_reduce", *names.dp_group(), 2, TOKENS + LOSS, dim="dp")]
     if layout.pp == 1:
-        return [row("all_reduce", name, size, 2, TOKENS + LOSS)]
-    pp_name, pp = names.of("pp")
-    return [
-        row("all_reduce", name, size, 2, TOKENS + LOSS),
-        row("all_reduce", pp_name, pp, 1, LOSS),
-    ]
+        return sums
+    return sums + [row("all_reduce", *names.of("pp"), 1, LOSS, dim="pp")]
 
 
 def ddp_rows(shapes: Shapes, layout: Layout, names: GroupNames) -> list[dict]:
     """DDP's gradient buckets, all-reduced once per step (the last micro-batch's backward), and
     ZeRO-1's broadcast of every parameter by the rank that updated it."""
-    name, n = names.of("world")
-    sizes = [4 * math.prod(s) for _, unit in shapes.units for s in unit]
-    rows = [row("all_reduce", name, n, len(ddp_buckets(sizes)), sum(sizes))]
+    name, n = names.fsdp()[0]  # (the dp ranks: every rank without tp or pp)
+    layer = [4 * math.prod(s) for s in shapes.router + shapes.layer + shapes.experts]
+    root = [4 * math.prod(s) for s in shapes.root]
+    # The gradients in the order they become ready, about the reverse of the model's: the root's,
+    # then each layer's (the same sizes, `layers` times).
+    buckets = ddp_buckets([(root[::-1], 1), (layer[::-1], shapes.layers)])
+    total = sum(root) + shapes.layers * sum(layer)
+    rows = [row("all_reduce", name, n, buckets, total)]
     if layout.zero_stage == 1:
-        rows.append(row("broadcast", name, n, len(sizes), sum(sizes)))
+        rows.append(row("broadcast", name, n, len(root) + shapes.layers * len(layer), total))
     return rows
 
 
-def ddp_buckets(sizes: list[int]) -> list[int]:
-    """The bytes of each of DDP's buckets, for gradients of these sizes in the model's order: the
-    reducer's rule (torch's compute_bucket_assignment_by_size, as it rebuilds its buckets after
-    the first step), in the order gradients become ready, about the reverse of the model's: a
-    bucket closes once it holds FIRST_BUCKET_BYTES (the first) or BUCKET_BYTES (the others)."""
-    buckets, current, limit = [], 0, FIRST_BUCKET_BYTES
-    for size in reversed(sizes):
-        current += size
-        if current >= limit:
-            buckets.append(current)
-            current, limit = 0, BUCKET_BYTES
-    return buckets + ([current] if current else [])
+def ddp_buckets(runs: list[tuple[list[int], int]]) -> int:
+    """How many buckets DDP fills with gradients of these sizes, given in the order they become
+    ready as runs of (sizes, how many times over): the reducer's rule (torch's
+    compute_bucket_assignment_by_size, as it rebuilds its buckets after the first step), a
+    bucket closing once it holds FIRST_BUCKET_BYTES (the first) or BUCKET_BYTES (the others)."""
+    count, current, limit = 0, 0, FIRST_BUCKET_BYTES
+    for sizes, repeats in runs:
+        closed, current, limit = fill_buckets(sizes, repeats, current, limit)
+        count += closed
+    return count + (current > 0)
+
+
+def fill_buckets(sizes: list[int], repeats: int, current: int, limit: int) -> tuple[int, int, int]:
+    """(buckets closed, bytes left in the open one, its limit) after `repeats` runs of `sizes`
+    into a bucket holding `current` bytes that closes at `limit`. Each bucket jumps to where it
+    closes (the first gradient whose running sum reaches its limit); a bucket that closes where an
+    earlier one did in the run of sizes repeats it, so whole periods are skipped: a few jumps for
+    any `repeats`, 10^30 layers too."""
+    n, total = len(sizes), sum(sizes)
+    if not repeats or not total:
+        return 0, current, limit
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    cum = lambda i: i // n * total + prefix[i % n]  # noqa: E731  (bytes of the first i gradients)
+    end, start, closed, seen = repeats * n, 0, 0, {}
+    while True:
+        target = cum(start) + limit - current  # the first i with cum(i) >= target closes it
+        runs = max(0, -(-(target - total) // total))  # whole runs of sizes before it
+        i = runs * n + bisect.bisect_left(prefix, target - runs * total, lo=1)
+        if i > end:
+            return closed, current + cum(end) - cum(start), limit
+        closed, start, current, limit = closed + 1, i, 0, BUCKET_BYTES
+        if start % n in seen:  # the same place in the run: the same buckets follow, periodically
+            first, closed_then = seen.pop(start % n)
+            periods = (end - start) // (start - first)  # (then the rest, bucket by bucket)
+            start += periods * (start - first)
+            closed += periods * (closed - closed_then)
+        else:
+            seen[start % n] = start, closed
 
 
 def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNames) -> list:
@@ -313,22 +384,24 @@ def fsdp_rows(shapes: Shapes, layout: Layout, workload: Workload, names: GroupNa
         gathers = m + 1 if layout.zero_stage == 3 else 1
     groups = names.fsdp()
     (name, n), rows = groups[0], []
-    units = [shape for _, shape in shapes.units]
-    parts = [(units, name, n)]
+    parts = [(shapes.units(), name, n)]
     if shapes.experts:  # every layer's experts: over the ranks that hold the same ones ("dp")
-        parts.append(([shapes.experts] * shapes.layers, *names.of("dp")))
-    for unit_shapes, group, size in parts:
-        elements = [sum(padded(s, size) for s in unit) for unit in unit_shapes]
-        count = len([e for e in elements if e])
+        parts.append(([(shapes.experts, shapes.layers)], *names.of("dp")))
+    for units, group, size in parts:
+        per_unit = [(sum(padded(s, size) for s in unit), k) for unit, k in units]
+        elements = sum(e * k for e, k in per_unit)
+        count = sum(k for e, k in per_unit if e)
         if size > 1:  # (a shard group of one rank: nothing to gather or scatter)
-            gathered = gathers * weight_bytes * sum(elements)
             rows += [
-                row("all_gather", group, size, gathers * count, gathered),
-                row("reduce_scatter", group, size, count, 4 * sum(elements)),
+                row("all_gather", group, size, gathers * count, gathers * weight_bytes * elements),
+                row("reduce_scatter", group, size, count, 4 * elements),
             ]
+            rows = across("dp", rows)
         if layout.replicate > 1 and group == name:
             replicas, r = groups[1]
-            rows.append(row("all_reduce", replicas, r, count, 4 * sum(elements) // size))
+            rows.append(
+                row("all_reduce", replicas, r, count, 4 * elements // size, dim="replicate")
+            )
     return rows
 
 
@@ -337,21 +410,22 @@ def norm_rows(shapes: Shapes, layout: Layout, names: GroupNames, precision: str)
     parameters, one fp32 vector all-reduced over each mesh dimension that splits them (FSDP's
     shard group, tp); the pipeline then adds the stages' squared norms up over pp. A mixture of
     experts (expert_parallel.clip_grad_norm_): the experts' norms apart, over dp and ep."""
-    shard = names.fsdp()[0]
-    groups = [g for g in (shard, names.of("tp") if layout.tp > 1 else None) if g and g[1] > 1]
-    rows = [row("all_reduce", g, n, 1, NORM * shapes.count()) for g, n in groups]
-    if shapes.experts:
-        expert_groups = [g for g in (names.of("dp"), names.of("ep")) if g[1] > 1]
+    tp = [(*names.of("tp"), "tp")] if layout.tp > 1 else []
+    shard = [(*names.fsdp()[0], "dp")] if sharded(layout) else []  # (DDP: whole gradients)
+    groups = [g for g in shard + tp if g[1] > 1]  # (group, size, dimension)
+    rows = [row("all_reduce", g, n, 1, NORM * shapes.count(), dim=d) for g, n, d in groups]
+    if shapes.experts and sharded(layout):
+        expert_groups = [g for g in [(*names.of("dp"), "dp"), (*names.of("ep"), "ep")] if g[1] > 1]
         experts = len(shapes.experts) * shapes.layers
-        rows += [row("all_reduce", g, n, 1, NORM * experts) for g, n in expert_groups]
+        rows += [row("all_reduce", g, n, 1, NORM * experts, dim=d) for g, n, d in expert_groups]
     if layout.pp > 1:
-        rows.append(row("all_reduce", *names.of("pp"), 1, NORM))
+        rows.append(row("all_reduce", *names.of("pp"), 1, NORM, dim="pp"))
     if precision == "fp16" and not shapes.experts:
         # The grad scaler's check for inf and NaN in sharded gradients: one fp32 flag reduced over
         # each mesh dimension that splits them, as the norm is.
-        rows += [row("all_reduce", g, n, 1, 4) for g, n in groups]
+        rows += [row("all_reduce", g, n, 1, 4, dim=d) for g, n, d in groups]
         if layout.pp > 1:  # pipeline.unscale_: whether any stage overflowed, one fp32 flag
-            rows.append(row("all_reduce", *names.of("pp"), 1, 4))
+            rows.append(row("all_reduce", *names.of("pp"), 1, 4, dim="pp"))
     return rows
 
 
@@ -419,9 +493,9 @@ def pipeline_rows(
         return []
     from lib.parallel.pipeline import stage_ids_of_rank
 
-    stages = layout.pp * layout.stages_per_rank
+    stages = layout.pp * stages_per_rank(layout)
     pp_rank = rank // (layout.world_size // layout.pp)
-    ids = stage_ids_of_rank(pp_rank, layout.pp, layout.stages_per_rank)
+    ids = stage_ids_of_rank(pp_rank, layout.pp, stages_per_rank(layout))
     sends = sum((s < stages - 1) + (s > 0) for s in ids) * workload.micro_batches
     act, _ = activation_sizes(config, workload)
     split = layout.tp if layout.sequence_parallel else 1
@@ -488,16 +562,20 @@ def muon_rows(
     hidden = [p.shape for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
     hidden = [s for s in hidden if len(s) == 2]  # (a stack of experts stays whole on its rank)
     _, _, layers = stage_contents(config, layout, rank)
-    shapes = hidden * layers
     b = 2 if device == "cuda" else 4
-    sharded = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
-    sharded = sharded or layout.zero_stage >= 2
-    if not sharded:  # DDP's replicas, or ZeRO-1's per-rank optimizers (none)
+    split = layout.tp > 1 or layout.pp > 1 or layout.cp > 1 or layout.ep > 1
+    if not (split or layout.zero_stage >= 2):  # DDP's replicas, or ZeRO-1's own optimizers
         if layout.zero_stage == 1 or layout.world_size == 1:
             return []
-        owners = assign_owners([newton_schulz_flops(s) for s in shapes], layout.world_size)
-        numel = sum(math.prod(s) for s in shapes)
-        return [row("broadcast", *names.of("world"), len(shapes), numel * b)]
+        numel = layers * sum(math.prod(s) for s in hidden)
+        return [row("broadcast", *names.of("world"), len(hidden) * layers, numel * b)]
+    if len(hidden) * layers > MUON_MATRICES:
+        raise ValueError(
+            f"--optimizer muon gives each hidden matrix an owner one matrix at a time, and "
+            f"{len(hidden) * layers:,} matrices are more than the {MUON_MATRICES:,} the plan "
+            f"counts: give at most {MUON_MATRICES // len(hidden):,} layers per stage"
+        )
+    shapes = hidden * layers
     # The matrices' mesh: FSDP's dimensions (the pipeline's: of one stage) and tp.
     fsdp = names.fsdp()[::-1]  # (in the mesh's order: HSDP's replicas, then its shard groups)
     dims = [d for d in fsdp if d[1] > 1] + ([names.of("tp")] if layout.tp > 1 else [])

@@ -8,19 +8,17 @@ lib/extras/memory_formulas.py; docs/memory.md, "The formulas", gives where each 
     print(format_plan(plan(LlamaConfig.from_preset("70b"), layout, workload)))
 """
 
+import dataclasses
 import functools
 
+from lib.extras.comm_formulas import dimension_rows, wire_bytes
 from lib.extras.memory_formulas import (
     BYTES_PER_PARAM,
     Workload,
     activation_bytes,
-    all_to_all_bytes,
-    data_parallel_bytes,
     expert_parameters,
     hidden_matrices,
-    hsdp_across_groups_bytes,
     largest_parameter,
-    model_parallel_bytes,
     model_states_bytes,
     muon_bytes,
     pipeline_in_flight,
@@ -32,6 +30,7 @@ from lib.parallel.tensor_parallel import check_tensor_parallel
 from model import LlamaConfig, count_active_parameters, count_parameters
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}  # each row's ZeRO stage
 GB = 1e9
 
 
@@ -79,10 +78,8 @@ def plan(
     strategies = {
         name: strategy_row(name, stages, expert_params, config, layout, workload) for name in names
     }
-    # What the data-parallel collectives carry: the heaviest stage's parameters, and apart from
-    # them its share of the experts, sharded over the ranks that hold the same ones.
-    local_params = max(params for params, *_ in stages) - expert_params * layout.ep
-    add_data_parallel_traffic(strategies, local_params, expert_params, layout, workload)
+    add_data_parallel_traffic(strategies, config, scale, layout, workload)
+    sent = sent_by_dimension(config, layout, workload) if config is not None else None
     cluster_field = {}
     if cluster is not None:
         from lib.extras import step_time  # the planner's step times, only when asked for
@@ -92,9 +89,9 @@ def plan(
         cluster_field = {"cluster": step_time.cluster_fields(cluster)}
     return {
         **layout_fields(num_params, layout),
-        **expert_fields(config, scale, expert_params, layout, workload),
+        **expert_fields(config, scale, expert_params, sent),
         **pipeline_fields(layout, workload),
-        **traffic_fields(config, local_params, layout, workload),
+        **traffic_fields(sent, scale, layout),
         **workload_fields(config, workload),
         **muon_fields(config, layout, workload),
         **cluster_field,
@@ -265,17 +262,48 @@ def strategy_states(
     return {part: rest[part] + share[part] for part in rest}
 
 
+def strategy_layout(name: str, layout: Layout) -> Layout:
+    """The layout of one strategy's row: its ZeRO stage, and HSDP's replica groups in the hsdp
+    row alone (the ZeRO rows shard over every rank that holds the same part of the model)."""
+    replicate = layout.replicate if name == "hsdp" else 1
+    return dataclasses.replace(layout, zero_stage=STAGES[name], replicate=replicate)
+
+
+def sent_by_dimension(config: LlamaConfig, layout: Layout, workload: Workload) -> list[dict]:
+    """Per pipeline stage, {dimension: bytes one GPU sends across it per step}: the wire_bytes of
+    comm_formulas.dimension_rows (the rows --comm-ledger measures), by the mesh dimension each
+    crosses ("dp", "replicate", "tp", "pp", "cp", "ep"), Muon's exchange apart (muon_fields).
+    The first, the second and the last stage stand for all: the second has the most layers and
+    sends of any middle one (split_layers gives the first stages the extra layers)."""
+    adamw = dataclasses.replace(workload, optimizer="adamw")
+    per_stage = layout.world_size // layout.pp  # the ranks of one stage: pp rank = rank // this
+    stages = []
+    for pp_rank in sorted({0, min(1, layout.pp - 1), layout.pp - 1}):
+        sent = dict.fromkeys(("dp", "replicate", "tp", "pp", "cp", "ep"), 0.0)
+        for r in dimension_rows(config, layout, adamw, rank=pp_rank * per_stage):
+            sent[r["dim"]] += wire_bytes([r])
+        stages.append(sent)
+    return stages
+
+
+def most(stages: list[dict], *dims: str) -> float:
+    """The most any stage sends across these dimensions, in GB."""
+    return max(sum(sent[d] for d in dims) for sent in stages) / GB
+
+
 def add_data_parallel_traffic(
-    strategies: dict, local_params: float, expert_params: float, layout: Layout, workload: Workload
+    strategies: dict, config: LlamaConfig | None, scale: float, layout: Layout, workload: Workload
 ):
-    """Each row's dp_comm_gb: what its data-parallel collectives send per GPU per step, for the
-    `local_params` sharded over all dp x cp ranks, the `expert_params` within their own ranks."""
-    precision, m = workload.precision, workload.micro_batches
-    ranks = layout.dp * layout.cp
-    sent = data_parallel_bytes(local_params, ranks, precision, m, layout.replicate)
-    expert_sent = data_parallel_bytes(expert_params, max(ranks // layout.ep, 1), precision, m)
+    """Each row's dp_comm_gb: what its data-parallel collectives send per GPU per step (HSDP's
+    between its replica groups too), on the stage that sends the most; scaled as the parameters
+    are for --params with --model. None without a model shape: a bare parameter count has no
+    parameters to gather or reduce, as it has no activations."""
     for name, row in strategies.items():
-        row["dp_comm_gb"] = (sent[name] + expert_sent["zero3" if name == "hsdp" else name]) / GB
+        if config is None:
+            row["dp_comm_gb"] = None
+            continue
+        stages = sent_by_dimension(config, strategy_layout(name, layout), workload)
+        row["dp_comm_gb"] = most(stages, "dp", "replicate") * scale
 
 
 def layout_fields(num_params: int, layout: Layout) -> dict:
@@ -294,20 +322,17 @@ def layout_fields(num_params: int, layout: Layout) -> dict:
 
 
 def expert_fields(
-    config: LlamaConfig | None,
-    scale: float,
-    expert_params: float,
-    layout: Layout,
-    workload: Workload,
+    config: LlamaConfig | None, scale: float, expert_params: float, sent: list[dict] | None
 ) -> dict:
     """A mixture of experts: the parameters active per token, the expert parameters on one GPU,
-    and the all-to-alls' traffic (all None for a dense model)."""
+    and the traffic across ep: the all-to-alls and the experts' gradient norms (all None for a
+    dense model)."""
     if not expert_params:
         return {"active_params": None, "expert_params_per_gpu": None, "ep_comm_gb": None}
     return {
         "active_params": round(count_active_parameters(config) * scale),
         "expert_params_per_gpu": expert_params,
-        "ep_comm_gb": all_to_all_bytes(config, layout, workload) / GB,
+        "ep_comm_gb": most(sent, "ep"),
     }
 
 
@@ -325,21 +350,18 @@ def pipeline_fields(layout: Layout, workload: Workload) -> dict:
     }
 
 
-def traffic_fields(
-    config: LlamaConfig | None, local_params: float, layout: Layout, workload: Workload
-) -> dict:
+def traffic_fields(sent: list[dict] | None, scale: float, layout: Layout) -> dict:
     """What tensor, pipeline and context parallelism send per GPU per step (None without a
-    config), and what HSDP sends between its replica groups (None without replicas), in GB."""
-    sent = model_parallel_bytes(config, layout, workload) if config is not None else {}
-    across = None
-    if layout.replicate > 1:
-        ranks = layout.dp * layout.cp
-        across = hsdp_across_groups_bytes(local_params, ranks, layout.replicate) / GB
+    config), and what HSDP sends between its replica groups (None without replicas), in GB: each
+    the most any pipeline stage sends (sent_by_dimension)."""
+    if sent is None:
+        return dict.fromkeys(("tp_comm_gb", "pp_comm_gb", "hsdp_across_groups_gb", "cp_comm_gb"))
+    across = most(sent, "replicate") * scale if layout.replicate > 1 else None
     return {
-        "tp_comm_gb": sent["tensor_parallel"] / GB if sent else None,
-        "pp_comm_gb": sent["pipeline"] / GB if sent else None,
+        "tp_comm_gb": most(sent, "tp"),
+        "pp_comm_gb": most(sent, "pp"),
         "hsdp_across_groups_gb": across,
-        "cp_comm_gb": sent["context_parallel"] / GB if sent else None,
+        "cp_comm_gb": most(sent, "cp"),
     }
 
 

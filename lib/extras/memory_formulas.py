@@ -1,7 +1,8 @@
 """The formulas of the memory planner (lib/extras/memory.py): the bytes one GPU holds in model
-states and activations, and sends per step, under DDP, each ZeRO stage, HSDP, and tensor
-(+ sequence), pipeline, context and expert parallelism, for a model's config, a Layout and a
-Workload. docs/memory.md, "The formulas", gives where each comes from and what it leaves out.
+states and activations under DDP, each ZeRO stage, HSDP, and tensor (+ sequence), pipeline,
+context and expert parallelism, for a model's config, a Layout and a Workload. docs/memory.md,
+"The formulas", gives where each comes from and what it leaves out. What a GPU sends per step is
+lib/extras/comm_formulas.py's step_rows, the rows --comm-ledger measures.
 """
 
 import dataclasses
@@ -191,62 +192,6 @@ def pipeline_in_flight(schedule: str, pp: int, micro_batches: int, stages_per_ra
     return chunks / (pp * v), 1
 
 
-def data_parallel_bytes(
-    local_params: float, ranks: int, precision: str, micro_batches: int, replicate: int = 1
-) -> dict[str, float]:
-    """{strategy: bytes one GPU sends per optimizer step} to the `ranks` GPUs that hold the same
-    `local_params` parameters (data x context parallel ranks): the ZeRO strategies shard across
-    all of them, HSDP (replicate R > 1, an "hsdp" entry) within groups of ranks / R."""
-    ring = (ranks - 1) / ranks  # an all-gather's or reduce-scatter's share; all-reduce: twice
-    weights = local_params * (2 if precision in ("bf16", "fp16", "paper") else 4)
-    grads = local_params * 4  # gradients are reduced in fp32
-    m = micro_batches
-    sent = {
-        "ddp": 2 * ring * grads,
-        "zero1": 2 * ring * grads + ring * local_params * 4,  # + the fp32 weights broadcast
-        "zero2": ring * (m * weights + grads),
-        "zero3": ring * (2 * m * weights + grads),
-    }
-    if replicate > 1:  # ZeRO-3 within a group of `shard`, then one all-reduce of a gradient shard
-        shard = ranks // replicate
-        across = hsdp_across_groups_bytes(local_params, ranks, replicate)
-        sent["hsdp"] = (shard - 1) / shard * (2 * m * weights + grads) + across
-    return sent
-
-
-def hsdp_across_groups_bytes(local_params: float, ranks: int, replicate: int) -> float:
-    """What HSDP sends between its `replicate` groups (nodes) of ranks / replicate GPUs per step:
-    one all-reduce of each GPU's fp32 gradient shard; the rest of its traffic stays in a group."""
-    shard = ranks // replicate
-    grads = local_params * 4  # reduced in fp32
-    return 2 * (replicate - 1) / replicate * grads / shard
-
-
-def model_parallel_bytes(config: LlamaConfig, layout: Layout, workload: Workload) -> dict:
-    """Bytes one GPU sends per optimizer step in tensor, pipeline and context parallelism:
-    {"tensor_parallel", "pipeline", "context_parallel"}."""
-    tp, pp, cp, m = layout.tp, layout.pp, layout.cp, workload.micro_batches
-    e = ACTIVATION_BYTES[workload.precision]
-    tokens = workload.seq_length * workload.micro_batch_size  # of one micro-batch
-    activation = tokens / cp * config.hidden_size * e  # one s*b*h tensor of this rank's tokens
-    layers = math.ceil(config.num_hidden_layers / pp)
-    # Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather: the
-    # same bytes.
-    tensor_parallel = 4 * 2 * (tp - 1) / tp * activation * layers * m
-    chunks = layout.stages_per_rank if layout.schedule == "interleaved" else 1
-    stream = activation * STREAM_BYTES[workload.precision] / e  # the residual stream's bytes
-    pipeline = 2 * stream * m * chunks if pp > 1 else 0.0
-    # Context parallel: all-gather the keys and values of every layer (forward), and
-    # reduce-scatter their gradients (backward); the whole sequence's K and V, tp-split.
-    kv = tokens * config.num_key_value_heads * config.head_dim / tp
-    context_parallel = 2 * 2 * (cp - 1) / cp * kv * e * layers * m
-    return {
-        "tensor_parallel": tensor_parallel,
-        "pipeline": pipeline,
-        "context_parallel": context_parallel,
-    }
-
-
 def expert_parameters(config: LlamaConfig) -> int:
     """The parameters of all the experts of every MoE layer (0 for a dense model): what expert
     parallelism splits; the rest of the model (router included) is replicated or FSDP-sharded
@@ -255,19 +200,6 @@ def expert_parameters(config: LlamaConfig) -> int:
         return 0
     per_expert = 3 * config.hidden_size * config.intermediate_size  # w1, w2, w3 of one expert
     return config.num_hidden_layers * config.num_local_experts * per_expert
-
-
-def all_to_all_bytes(config: LlamaConfig, layout: Layout, workload: Workload) -> float:
-    """Bytes one GPU sends per optimizer step in expert parallelism's all-to-alls (docs/memory.md):
-    4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and backward) of
-    the micro-batch's k*s*b*h values, the share (ep-1)/ep of them to other ranks."""
-    ep = layout.ep
-    if not config.num_local_experts or ep == 1:
-        return 0.0
-    pairs = workload.micro_batch_size * workload.seq_length * config.num_experts_per_tok
-    values = pairs * config.hidden_size * (ep - 1) / ep  # of the (token, expert) pairs sent
-    layers = config.num_hidden_layers
-    return 4 * values * ACTIVATION_BYTES[workload.precision] * layers * workload.micro_batches
 
 
 def largest_parameter(config: LlamaConfig) -> int:

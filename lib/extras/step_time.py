@@ -15,9 +15,10 @@ is held against (tests/data/published_step_times.json).
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lib.extras.comm_formulas import step_rows
+from lib.extras.memory import strategy_layout
 from lib.extras.memory_formulas import (
     Workload,
     hidden_matrices,
@@ -321,10 +322,6 @@ def optimizer_seconds(
 # The planner's rows
 
 
-STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}
-# step_rows counts each layer's collectives one by one: past this many layers (no model comes near:
-# Llama 3.1 405B has 126) the plan gives no step time rather than count them.
-COUNTED_LAYERS = 100_000
 STEP_FIELDS = ("step_time_s", "tokens_per_sec_per_gpu", "mfu", "compute_s", "exposed_comm_s")
 STEP_FIELDS += ("bubble_s", "optimizer_s", "recompute")
 
@@ -338,14 +335,13 @@ def add_step_times(
     recompute: str,
 ) -> None:
     """Each strategy row of memory.plan gains step_time's fields (None without a model shape, as
-    a bare parameter count has no FLOPs per token, or past COUNTED_LAYERS). recompute "auto":
+    a bare parameter count has no FLOPs per token). recompute "auto":
     activation checkpointing only where the row does not fit the GPU without it."""
     for name, plan_row in strategies.items():
-        if config is None or config.num_hidden_layers > COUNTED_LAYERS:
+        if config is None:
             plan_row.update(dict.fromkeys(STEP_FIELDS))
             continue
-        flat = 1 if name != "hsdp" else layout.replicate  # ZeRO's rows shard over all ranks
-        strategy = replace(layout, zero_stage=STAGES[name], replicate=flat)
+        strategy = strategy_layout(name, layout)  # (its ZeRO stage; HSDP's replicas or none)
         chosen = recompute
         if recompute == "auto":
             chosen = "none" if plan_row.get("fits", True) else "full"
@@ -379,10 +375,17 @@ def format_step_times(p: dict) -> list[str]:
     for name, r in p["strategies"].items():
         if r.get("step_time_s") is None:
             continue
+        times = [r[k] for k in ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s")]
         lines.append(
-            f"{name:<9}{r['recompute']:>10}{r['step_time_s']:>9.3f}"
-            f"{r['tokens_per_sec_per_gpu']:>11,.0f}{r['mfu']:>7.1%}{r['compute_s']:>9.3f}"
-            f"{r['exposed_comm_s']:>9.3f}{r['bubble_s']:>9.3f}{r['optimizer_s']:>9.3f}"
+            f"{name:<9}{r['recompute']:>10}{seconds(r['step_time_s']):>9}"
+            f"{r['tokens_per_sec_per_gpu']:>11,.0f}{r['mfu']:>7.1%}"
+            + "".join(f"{seconds(t):>9}" for t in times)
             + ("   (does not fit)" if r.get("fits_checkpointed") is False else "")
         )
     return lines if len(lines) > 2 else []
+
+
+def seconds(s: float) -> str:
+    """A time of the table, 8 characters at most: 0.123, or 1.23e+25 (a model of 10^30 layers)."""
+    text = f"{s:.3f}"
+    return text if len(text) <= 8 else f"{s:.2e}"
