@@ -207,9 +207,14 @@ def test_communication_per_step_follows_the_ring_formulas():
         (4 * 3 + 2) * 32_768 * 2 + loss_parallel + 4 * 30, rel=1e-12
     )
     assert c["pp_comm_gb"] == 0 and c["hsdp_across_groups_gb"] is None
-    # A bare parameter count has no shapes: no collectives to count, as no activations.
-    bare = memory.plan(1_000_000, grid(4), work())
-    assert all(row["dp_comm_gb"] is None for row in bare["strategies"].values())
+    # A bare parameter count (the ZeRO paper's Figure 1: 7.5B on 64 GPUs) is one flat parameter:
+    # the same ring formulas, one norm; no shapes, so no activations and no tp traffic.
+    P, ring = 7_500_000_000, 63 / 64
+    bare = memory.plan(P, grid(64), work(micro_batches=2))
+    sent = {name: row["dp_comm_gb"] * 1e9 for name, row in bare["strategies"].items()}
+    sums = 2 * ring * 12
+    assert sent["ddp"] == pytest.approx(2 * ring * 4 * P + sums, rel=1e-12)
+    assert sent["zero3"] == pytest.approx(ring * (2 * 2 * 2 * P + 4 * P) + 2 * ring * 4 + sums)
     assert bare["tp_comm_gb"] is None and " n/a" in memory.format_plan(bare).splitlines()[2]
 
 
@@ -284,6 +289,9 @@ def test_hsdp_shards_within_a_group_and_all_reduces_a_shard_across_groups():
     hsdp = p["strategies"]["hsdp"]["dp_comm_gb"] * 1e9
     assert hsdp == pytest.approx(within + across + small, rel=1e-12)
     assert "hsdp" not in memory.plan(1_000_000, grid(8), Workload(precision="fp32"))["strategies"]
+    # A bare count's HSDP: the same all-reduce of its flat parameter's fp32 gradient shard.
+    bare = memory.plan(P, grid(8, replicate=2), work("fp32"))
+    assert bare["hsdp_across_groups_gb"] * 1e9 == pytest.approx(across, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -86,13 +86,7 @@ def dimension_rows(
     exchange): the planner adds them up by dimension (lib/extras/memory.py), where a group that
     spans every rank would merge two dimensions' rows into one."""
     names = GroupNames(layout, experts=bool(config.num_local_experts))
-    shapes = Shapes(config, layout, rank)
-    rows = loss_rows(layout, names)
-    if sharded(layout):
-        rows += fsdp_rows(shapes, layout, workload, names)
-    else:
-        rows += across("dp", ddp_rows(shapes, layout, names))
-    rows += norm_rows(shapes, layout, names, workload.precision)
+    rows = data_parallel_rows(Shapes(config, layout, rank), layout, workload, names)
     rows += across("tp", tensor_parallel_rows(config, layout, workload, names, rank))
     rows += across("pp", pipeline_rows(config, layout, workload, names, rank))
     rows += across("cp", context_parallel_rows(config, layout, workload, names))
@@ -300,6 +294,30 @@ def padded(shape: tuple, ranks: int) -> int:
 
 # -------------------------------------------------------------------------------------------------
 # The rows of each strategy
+
+
+def data_parallel_rows(
+    shapes: "Shapes", layout: Layout, workload: Workload, names: GroupNames
+) -> list[dict]:
+    """The step's sums, and the data-parallel ranks' traffic of these parameters: DDP's buckets
+    (ZeRO-1: and its broadcasts) or FSDP's gathers and reduce-scatters, and the gradient norm."""
+    rows = loss_rows(layout, names)
+    if sharded(layout):
+        rows += fsdp_rows(shapes, layout, workload, names)
+    else:
+        rows += across("dp", ddp_rows(shapes, layout, names))
+    return rows + norm_rows(shapes, layout, names, workload.precision)
+
+
+def count_rows(num_params: float, layout: Layout, workload: Workload) -> list[dict]:
+    """dimension_rows' data-parallel rows for a bare parameter count (the planner's --params
+    without --model), `num_params` on each rank before the data-parallel split: one flat
+    parameter, as the ZeRO paper counts (its Figure 1). A model's shapes would add only DDP's
+    bucket count and FSDP's padding, a few elements per parameter."""
+    shapes = Shapes.__new__(Shapes)  # (no config to build one layer from)
+    shapes.layer, shapes.router, shapes.experts, shapes.layers = [], [], [], 0
+    shapes.root = [(round(num_params),)]
+    return data_parallel_rows(shapes, layout, workload, GroupNames(layout))
 
 
 def loss_rows(layout: Layout, names: GroupNames) -> list[dict]:

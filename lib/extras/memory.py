@@ -11,7 +11,7 @@ lib/extras/memory_formulas.py; docs/memory.md, "The formulas", gives where each 
 import dataclasses
 import functools
 
-from lib.extras.comm_formulas import dimension_rows, wire_bytes
+from lib.extras.comm_formulas import count_rows, dimension_rows, wire_bytes
 from lib.extras.memory_formulas import (
     BYTES_PER_PARAM,
     Workload,
@@ -78,7 +78,9 @@ def plan(
     strategies = {
         name: strategy_row(name, stages, expert_params, config, layout, workload) for name in names
     }
-    add_data_parallel_traffic(strategies, config, scale, layout, workload)
+    # (scale: a bare count's parameters themselves)
+    counted = scale if config is not None else num_params
+    add_data_parallel_traffic(strategies, config, counted, layout, workload)
     sent = sent_by_dimension(config, layout, workload) if config is not None else None
     cluster_field = {}
     if cluster is not None:
@@ -91,7 +93,7 @@ def plan(
         **layout_fields(num_params, layout),
         **expert_fields(config, scale, expert_params, sent),
         **pipeline_fields(layout, workload),
-        **traffic_fields(sent, scale, layout),
+        **traffic_fields(sent, scale, layout, workload, num_params),
         **workload_fields(config, workload),
         **muon_fields(config, layout, workload),
         **cluster_field,
@@ -296,13 +298,15 @@ def add_data_parallel_traffic(
 ):
     """Each row's dp_comm_gb: what its data-parallel collectives send per GPU per step (HSDP's
     between its replica groups too), on the stage that sends the most; scaled as the parameters
-    are for --params with --model. None without a model shape: a bare parameter count has no
-    parameters to gather or reduce, as it has no activations."""
+    are for --params with --model. A bare parameter count: its share of each tp x pp split as
+    one flat parameter (comm_formulas.count_rows), the ZeRO paper's accounting."""
     for name, row in strategies.items():
+        strategy = strategy_layout(name, layout)
         if config is None:
-            row["dp_comm_gb"] = None
+            rows = count_rows(scale / (layout.tp * layout.pp), strategy, workload)
+            row["dp_comm_gb"] = wire_bytes(rows) / GB
             continue
-        stages = sent_by_dimension(config, strategy_layout(name, layout), workload)
+        stages = sent_by_dimension(config, strategy, workload)
         row["dp_comm_gb"] = most(stages, "dp", "replicate") * scale
 
 
@@ -350,13 +354,24 @@ def pipeline_fields(layout: Layout, workload: Workload) -> dict:
     }
 
 
-def traffic_fields(sent: list[dict] | None, scale: float, layout: Layout) -> dict:
+def traffic_fields(
+    sent: list[dict] | None, scale: float, layout: Layout, workload: Workload, num_params: float
+) -> dict:
     """What tensor, pipeline and context parallelism send per GPU per step (None without a
     config), and what HSDP sends between its replica groups (None without replicas), in GB: each
-    the most any pipeline stage sends (sent_by_dimension)."""
+    the most any pipeline stage sends (sent_by_dimension); a bare count's HSDP, that of its flat
+    parameter (comm_formulas.count_rows)."""
+    across = None
+    if layout.replicate > 1 and sent is None:
+        local = num_params / (layout.tp * layout.pp)
+        rows = count_rows(local, strategy_layout("hsdp", layout), workload)
+        across = wire_bytes([r for r in rows if r["dim"] == "replicate"]) / GB
+    elif layout.replicate > 1:
+        across = most(sent, "replicate") * scale
     if sent is None:
-        return dict.fromkeys(("tp_comm_gb", "pp_comm_gb", "hsdp_across_groups_gb", "cp_comm_gb"))
-    across = most(sent, "replicate") * scale if layout.replicate > 1 else None
+        return dict.fromkeys(("tp_comm_gb", "pp_comm_gb", "cp_comm_gb")) | {
+            "hsdp_across_groups_gb": across
+        }
     return {
         "tp_comm_gb": most(sent, "tp"),
         "pp_comm_gb": most(sent, "pp"),
