@@ -46,6 +46,15 @@ class Case:
 
 CASES = {
     "ddp": Case("train_ddp.py", 2, layout=dict(zero_stage=0)),
+    # Wide enough that DDP's bucket count depends on where the embedding's gradient goes: last,
+    # as backward makes it ready (2 buckets); first, with lm_head's, would give 3 (the corpus's
+    # tokenizer stops at 505 tokens: a 1.5 MB embedding).
+    "ddp-buckets": Case(
+        "train_ddp.py",
+        2,
+        layout=dict(zero_stage=0),
+        overrides=dict(hidden_size=768, ffn_size=2048, num_layers=1, vocab_size=4096),
+    ),
     "zero1": Case("train_zero1.py", 2, layout=dict(zero_stage=1)),
     "fsdp-zero3-bf16": Case("train_fsdp.py", 2, precision="bf16"),
     "hsdp-zero2-accumulation": Case(

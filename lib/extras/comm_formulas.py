@@ -218,6 +218,8 @@ class Shapes:
     router: list  # [shape] of one MoE layer's router unit (empty: dense)
     experts: list  # [shape, ...] of one MoE layer's experts unit (empty: dense)
     root: list  # [shape, ...] of this rank's root unit (empty: a pipeline stage without one)
+    embedding: list  # [shape] of the root's embedding (on the first stage), in the model's order
+    head: list  # [shape, ...] of the root's final norm and lm_head (on the last stage)
     layers: int  # decoder layers on this rank
 
     def __init__(self, config: LlamaConfig, layout: Layout, rank: int = 0):
@@ -235,7 +237,8 @@ class Shapes:
         first, last, self.layers = stage_contents(config, layout, rank)
         embedding = [s for n, s in root.items() if n.startswith("tok_embeddings")]
         head = [s for n, s in root.items() if not n.startswith("tok_embeddings")]  # norm, lm_head
-        self.root = (embedding if first else []) + (head if last else [])
+        self.embedding, self.head = (embedding if first else []), (head if last else [])
+        self.root = self.embedding + self.head
 
     def units(self) -> list[tuple[list, int]]:
         """FSDP's units, the experts' apart, as (shapes, how many): each layer's router (train_ep.py
@@ -316,7 +319,8 @@ def count_rows(num_params: float, layout: Layout, workload: Workload) -> list[di
     bucket count and FSDP's padding, a few elements per parameter."""
     shapes = Shapes.__new__(Shapes)  # (no config to build one layer from)
     shapes.layer, shapes.router, shapes.experts, shapes.layers = [], [], [], 0
-    shapes.root = [(round(num_params),)]
+    shapes.head, shapes.embedding = [(round(num_params),)], []
+    shapes.root = shapes.head
     return data_parallel_rows(shapes, layout, workload, GroupNames(layout))
 
 
@@ -333,11 +337,17 @@ def ddp_rows(shapes: Shapes, layout: Layout, names: GroupNames) -> list[dict]:
     """DDP's gradient buckets, all-reduced once per step (the last micro-batch's backward), and
     ZeRO-1's broadcast of every parameter by the rank that updated it."""
     name, n = names.fsdp()[0]  # (the dp ranks: every rank without tp or pp)
-    layer = [4 * math.prod(s) for s in shapes.router + shapes.layer + shapes.experts]
-    root = [4 * math.prod(s) for s in shapes.root]
-    # The gradients in the order they become ready, about the reverse of the model's: the root's,
-    # then each layer's (the same sizes, `layers` times).
-    buckets = ddp_buckets([(root[::-1], 1), (layer[::-1], shapes.layers)])
+
+    def sizes(shapes_: list) -> list[int]:  # fp32 gradients, in bytes, last parameter first
+        return [4 * math.prod(s) for s in shapes_][::-1]
+
+    layer = sizes(shapes.router + shapes.layer + shapes.experts)
+    root = sizes(shapes.root)
+    # The gradients in the order they become ready, the reverse of the model's (DDP rebuilds its
+    # buckets in that order after the first step): lm_head's and the norm's, each layer's (the
+    # same sizes, `layers` times), the embedding's last.
+    runs = [(sizes(shapes.head), 1), (layer, shapes.layers), (sizes(shapes.embedding), 1)]
+    buckets = ddp_buckets(runs)
     total = sum(root) + shapes.layers * sum(layer)
     rows = [row("all_reduce", name, n, buckets, total)]
     if layout.zero_stage == 1:
