@@ -6,9 +6,9 @@ import json
 import math
 from pathlib import Path
 
-from lib.extras import memory, step_time
+from lib.extras import step_time
 from lib.extras.comm_formulas import row, step_rows
-from lib.extras.memory_formulas import Workload, stage_parameters
+from lib.extras.memory_formulas import STAGES, Workload, stage_parameters
 from lib.extras.step_time import GPUS, Cluster
 from lib.parallel.layout import Layout
 from model import LlamaConfig
@@ -22,7 +22,7 @@ def predict(entry: dict) -> dict:
         config = LlamaConfig.from_preset(entry["preset"])
     else:
         config = LlamaConfig(**entry["config"])
-    stage = memory.STAGES[entry["strategy"]]
+    stage = STAGES[entry["strategy"]]
     layout = Layout(**entry["layout"], zero_stage=stage)
     workload = Workload(**entry["workload"])
     rows = step_rows(config, layout, workload)

@@ -23,6 +23,7 @@ from lib.extras.memory_formulas import (
     muon_bytes,
     pipeline_in_flight,
     stage_parameters,
+    strategy_layout,
 )
 from lib.parallel.layout import Layout
 from lib.parallel.pipeline import bubble_fraction, split_layers
@@ -30,7 +31,6 @@ from lib.parallel.tensor_parallel import check_tensor_parallel
 from model import LlamaConfig, count_active_parameters, count_parameters
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}  # each row's ZeRO stage
 GB = 1e9
 
 
@@ -262,13 +262,6 @@ def strategy_states(
     share = model_states_bytes(expert_params, ranks // layout.ep, precision)
     share = share["zero3" if name == "hsdp" else name]
     return {part: rest[part] + share[part] for part in rest}
-
-
-def strategy_layout(name: str, layout: Layout) -> Layout:
-    """The layout of one strategy's row: its ZeRO stage, and HSDP's replica groups in the hsdp
-    row alone (the ZeRO rows shard over every rank that holds the same part of the model)."""
-    replicate = layout.replicate if name == "hsdp" else 1
-    return dataclasses.replace(layout, zero_stage=STAGES[name], replicate=replicate)
 
 
 def sent_by_dimension(config: LlamaConfig, layout: Layout, workload: Workload) -> list[dict]:

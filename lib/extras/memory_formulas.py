@@ -208,3 +208,13 @@ def largest_parameter(config: LlamaConfig) -> int:
     with torch.device("meta"):
         one_layer = LlamaForPretraining(dataclasses.replace(config, num_hidden_layers=1))
         return max(p.numel() for p in one_layer.parameters())
+
+
+STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}  # each row's ZeRO stage
+
+
+def strategy_layout(name: str, layout: Layout) -> Layout:
+    """The layout of one strategy's row: its ZeRO stage, and HSDP's replica groups in the hsdp
+    row alone (the ZeRO rows shard over every rank that holds the same part of the model)."""
+    replicate = layout.replicate if name == "hsdp" else 1
+    return dataclasses.replace(layout, zero_stage=STAGES[name], replicate=replicate)

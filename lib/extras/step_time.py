@@ -18,11 +18,11 @@ import math
 from dataclasses import dataclass
 
 from lib.extras.comm_formulas import step_rows
-from lib.extras.memory import strategy_layout
 from lib.extras.memory_formulas import (
     Workload,
     hidden_matrices,
     stage_parameters,
+    strategy_layout,
 )
 from lib.extras.muon import newton_schulz_flops
 from lib.metrics import flops_per_token
