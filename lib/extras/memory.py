@@ -78,9 +78,7 @@ def plan(
     strategies = {
         name: strategy_row(name, stages, expert_params, config, layout, workload) for name in names
     }
-    # (scale: a bare count's parameters themselves)
-    counted = scale if config is not None else num_params
-    add_data_parallel_traffic(strategies, config, counted, layout, workload)
+    add_data_parallel_traffic(strategies, config, scale, num_params, layout, workload)
     sent = sent_by_dimension(config, layout, workload) if config is not None else None
     cluster_field = {}
     if cluster is not None:
@@ -287,16 +285,21 @@ def most(stages: list[dict], *dims: str) -> float:
 
 
 def add_data_parallel_traffic(
-    strategies: dict, config: LlamaConfig | None, scale: float, layout: Layout, workload: Workload
+    strategies: dict,
+    config: LlamaConfig | None,
+    scale: float,
+    num_params: float,
+    layout: Layout,
+    workload: Workload,
 ):
     """Each row's dp_comm_gb: what its data-parallel collectives send per GPU per step (HSDP's
     between its replica groups too), on the stage that sends the most; scaled as the parameters
-    are for --params with --model. A bare parameter count: its share of each tp x pp split as
-    one flat parameter (comm_formulas.count_rows), the ZeRO paper's accounting."""
+    are for --params with --model. A bare parameter count (no config): its share of each tp x pp
+    split as one flat parameter (comm_formulas.count_rows), the ZeRO paper's accounting."""
     for name, row in strategies.items():
         strategy = strategy_layout(name, layout)
         if config is None:
-            rows = count_rows(scale / (layout.tp * layout.pp), strategy, workload)
+            rows = count_rows(num_params / (layout.tp * layout.pp), strategy, workload)
             row["dp_comm_gb"] = wire_bytes(rows) / GB
             continue
         stages = sent_by_dimension(config, strategy, workload)
@@ -361,10 +364,9 @@ def traffic_fields(
         across = wire_bytes([r for r in rows if r["dim"] == "replicate"]) / GB
     elif layout.replicate > 1:
         across = most(sent, "replicate") * scale
-    if sent is None:
-        return dict.fromkeys(("tp_comm_gb", "pp_comm_gb", "cp_comm_gb")) | {
-            "hsdp_across_groups_gb": across
-        }
+    shapeless = dict.fromkeys(("tp_comm_gb", "pp_comm_gb", "cp_comm_gb"))  # (no activations)
+    if sent is None:  # a bare count
+        return shapeless | {"hsdp_across_groups_gb": across}
     return {
         "tp_comm_gb": most(sent, "tp"),
         "pp_comm_gb": most(sent, "pp"),
