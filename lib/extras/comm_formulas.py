@@ -47,7 +47,7 @@ from lib.extras.comm_shapes import (
     stage_contents,
     stages_per_rank,
 )
-from lib.extras.memory_formulas import STREAM_BYTES, Workload
+from lib.extras.memory_formulas import Workload
 from lib.parallel.layout import Layout
 from model import LlamaConfig, LlamaForPretraining
 
@@ -55,6 +55,11 @@ FIRST_BUCKET_BYTES = 1024**2  # DDP's first bucket (torch.distributed._DEFAULT_F
 BUCKET_BYTES = 25 * 1024**2  # DDP's bucket_cap_mb default (25 MiB)
 # Muon's owners are assigned matrix by matrix (lib/extras/muon.py): the most a plan counts.
 MUON_MATRICES = 100_000
+# The residual stream's bytes per element, what a pipeline stage sends on: bf16 where FSDP casts
+# the weights to bf16 (the embedding's and the layers' outputs are bf16 then); fp32 otherwise, fp16
+# included (fp32 weights under autocast: the embedding's output is fp32, and adding a 16-bit
+# matmul's output to it keeps it so).
+STREAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 4, "paper": 2}
 TOKENS, LOSS, NORM = 8, 4, 4  # bytes: the step's target count (int64), loss sum and norms (fp32)
 
 
@@ -156,10 +161,7 @@ def count_rows(num_params: float, layout: Layout, workload: Workload) -> list[di
     without --model), `num_params` on each rank before the data-parallel split: one flat
     parameter, as the ZeRO paper counts (its Figure 1). A model's shapes would add only DDP's
     bucket count and FSDP's padding, a few elements per parameter."""
-    shapes = Shapes.__new__(Shapes)  # (no config to build one layer from)
-    shapes.layer, shapes.router, shapes.experts, shapes.layers = [], [], [], 0
-    shapes.head, shapes.embedding = [(round(num_params),)], []
-    shapes.root = shapes.head
+    shapes = Shapes.flat(round(num_params))
     return data_parallel_rows(shapes, layout, workload, GroupNames(layout))
 
 

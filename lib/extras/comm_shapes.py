@@ -128,6 +128,16 @@ class Shapes:
         self.embedding, self.head = (embedding if first else []), (head if last else [])
         self.root = self.embedding + self.head
 
+    @classmethod
+    def flat(cls, num_params: int) -> "Shapes":
+        """A bare parameter count (no config to build a layer from): one flat parameter of
+        `num_params` elements in the root, no layers."""
+        shapes = cls.__new__(cls)
+        shapes.layer, shapes.router, shapes.experts, shapes.layers = [], [], [], 0
+        shapes.embedding, shapes.head = [], [(num_params,)]
+        shapes.root = shapes.head
+        return shapes
+
     def units(self) -> list[tuple[list, int]]:
         """FSDP's units, the experts' apart, as (shapes, how many): each layer's router (train_ep.py
         shards the router, the experts, then the rest of the layer), each layer, the root."""

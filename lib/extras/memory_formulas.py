@@ -23,11 +23,6 @@ BYTES_PER_PARAM = {
 }
 # Bytes per stored activation element.
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "paper": 2}
-# The residual stream's bytes per element, what a pipeline stage sends on: bf16 where FSDP casts
-# the weights to bf16 (the embedding's and the layers' outputs are bf16 then); fp32 otherwise, fp16
-# included (fp32 weights under autocast: the embedding's output is fp32, and adding a 16-bit
-# matmul's output to it keeps it so).
-STREAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 4, "paper": 2}
 
 
 @dataclass(frozen=True)
